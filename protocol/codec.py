@@ -1,0 +1,281 @@
+"""The wire format: msgpack frames with a schema version and a type tag; no pickle anywhere.
+
+A frame is a msgpack array::
+
+    ["autodidact", schema_version, type_tag, msg_id, body]
+
+``body`` is itself msgpack bytes (a map of field name to value), kept as opaque bytes in the
+envelope so a server can store exactly what a client sent (byte-identical) after validating it.
+Numeric arrays travel as msgpack extension type 1 whose payload is ``[dtype, shape, raw]``:
+little-endian raw bytes, never lists of numbers.
+
+Messages are dataclasses registered with :func:`message`; decoding validates every field
+against the dataclass annotations and raises :class:`SchemaError` with a reason and a path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any, Union
+
+import msgpack
+import numpy as np
+
+from protocol.errors import SchemaError
+
+MAGIC = "autodidact"
+SCHEMA_VERSION = 1  # bump on any incompatible change to a message in protocol/messages.py
+MIN_SCHEMA_VERSION = 1  # oldest version this build still decodes
+ARRAY_EXT = 1
+
+# Array dtypes allowed on the wire. Byte order is fixed to little-endian.
+_WIRE_DTYPES = {
+    "|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8",
+}
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(tag: str):
+    """Register a dataclass as a wire message with type tag ``tag``."""
+
+    def wrap(cls):
+        cls = dataclasses.dataclass(cls)
+        if tag in _REGISTRY:
+            raise ValueError(f"duplicate message tag {tag!r}")
+        cls.TYPE = tag
+        _REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+def registered_types() -> dict[str, type]:
+    return dict(_REGISTRY)
+
+
+def array_field(dtype: str, **kwargs):
+    """A dataclass field holding a 1-D or N-D numpy array of exactly ``dtype``."""
+    return dataclasses.field(metadata={"dtype": np.dtype(dtype).newbyteorder("<").str}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def _ext_default(obj):
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        payload = msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()])
+        return msgpack.ExtType(ARRAY_EXT, payload)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if dataclasses.is_dataclass(obj) and hasattr(obj, "TYPE"):
+        return _fields_of(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _fields_of(msg) -> dict:
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+
+
+def encode_body(msg) -> bytes:
+    """The msgpack bytes of a message's fields (what a store keeps)."""
+    return msgpack.packb(_fields_of(msg), default=_ext_default, use_bin_type=True)
+
+
+def encode(msg, msg_id: str = "") -> bytes:
+    """A whole frame for ``msg``. ``msg_id`` correlates replies and makes retries idempotent."""
+    return pack_frame(msg.TYPE, msg_id, encode_body(msg))
+
+
+def pack_frame(type_tag: str, msg_id: str, body: bytes, version: int = SCHEMA_VERSION) -> bytes:
+    return msgpack.packb([MAGIC, version, type_tag, msg_id, body], use_bin_type=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+@dataclasses.dataclass
+class Envelope:
+    """A frame whose envelope parsed; ``body`` is still raw bytes."""
+
+    version: int
+    type_tag: str
+    msg_id: str
+    body: bytes
+
+
+def unpack_envelope(frame: bytes, max_bytes: int | None = None) -> Envelope:
+    if max_bytes is not None and len(frame) > max_bytes:
+        raise SchemaError("oversize", f"{len(frame)} bytes > limit {max_bytes}")
+    try:
+        outer = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise SchemaError("not_msgpack", type(exc).__name__) from None
+    if not (isinstance(outer, list) and len(outer) == 5 and outer[0] == MAGIC):
+        raise SchemaError("bad_envelope", "expected [magic, version, type, id, body]")
+    _, version, type_tag, msg_id, body = outer
+    if not (isinstance(version, int) and isinstance(type_tag, str)
+            and isinstance(msg_id, str) and isinstance(body, bytes)):
+        raise SchemaError("bad_envelope", "envelope field of the wrong type")
+    if version > SCHEMA_VERSION:
+        raise SchemaError("future_version", f"v{version} > v{SCHEMA_VERSION}")
+    if version < MIN_SCHEMA_VERSION:
+        raise SchemaError("old_version", f"v{version} < v{MIN_SCHEMA_VERSION}")
+    return Envelope(version, type_tag, msg_id, body)
+
+
+def decode_body(type_tag: str, body: bytes):
+    cls = _REGISTRY.get(type_tag)
+    if cls is None:
+        raise SchemaError("unknown_type", repr(type_tag)[:80])
+    try:
+        fields = msgpack.unpackb(body, raw=False, ext_hook=_ext_hook, strict_map_key=True)
+    except SchemaError:
+        raise
+    except Exception as exc:
+        raise SchemaError("not_msgpack", f"body: {type(exc).__name__}") from None
+    return _build(cls, fields, type_tag)
+
+
+def decode(frame: bytes, max_bytes: int | None = None):
+    """Frame bytes -> (Envelope, message). Raises SchemaError on anything malformed."""
+    env = unpack_envelope(frame, max_bytes)
+    return env, decode_body(env.type_tag, env.body)
+
+
+class _RawArray:
+    """An array extension seen while unpacking, validated once its field's dtype is known."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype, shape, data):
+        self.dtype, self.shape, self.data = dtype, shape, data
+
+
+def _ext_hook(code, payload):
+    if code != ARRAY_EXT:
+        raise SchemaError("wrong_type", f"unknown msgpack extension {code}")
+    try:
+        dtype, shape, data = msgpack.unpackb(payload, raw=False)
+    except Exception:
+        raise SchemaError("bad_array", "array payload does not unpack") from None
+    return _RawArray(dtype, shape, data)
+
+
+def _to_array(raw: _RawArray, want_dtype: str, path: str) -> np.ndarray:
+    if not (isinstance(raw.dtype, str) and isinstance(raw.shape, list)
+            and isinstance(raw.data, bytes)
+            and all(isinstance(d, int) and 0 <= d < 2**40 for d in raw.shape)):
+        raise SchemaError("bad_array", "expected [dtype:str, shape:list[int], data:bytes]", path)
+    if raw.dtype not in _WIRE_DTYPES:
+        raise SchemaError("wrong_dtype", f"{raw.dtype!r} is not a wire dtype", path)
+    if raw.dtype != want_dtype:
+        raise SchemaError("wrong_dtype", f"{raw.dtype} where {want_dtype} is required", path)
+    dtype = np.dtype(raw.dtype)
+    count = int(np.prod(raw.shape, dtype=np.int64)) if raw.shape else 1
+    if count * dtype.itemsize != len(raw.data):
+        raise SchemaError("bad_array", f"{len(raw.data)} bytes for shape {raw.shape}", path)
+    return np.frombuffer(raw.data, dtype=dtype).reshape(raw.shape)
+
+
+def _hints(cls) -> dict[str, Any]:
+    cached = cls.__dict__.get("_wire_hints")
+    if cached is None:
+        module = sys.modules[cls.__module__]
+        cached = typing.get_type_hints(cls, vars(module))
+        cls._wire_hints = cached
+    return cached
+
+
+def _build(cls, fields, path: str):
+    if not isinstance(fields, dict):
+        raise SchemaError("wrong_type", f"expected a map for {cls.__name__}", path)
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(fields) - set(known)
+    if unknown:
+        raise SchemaError("unknown_field", ", ".join(sorted(map(str, unknown)))[:200], path)
+    kwargs = {}
+    for name, f in known.items():
+        sub = f"{path}.{name}"
+        if name not in fields:
+            no_default = (f.default is dataclasses.MISSING
+                          and f.default_factory is dataclasses.MISSING)
+            if no_default:
+                raise SchemaError("missing_field", name, path)
+            continue
+        if "dtype" in f.metadata:
+            value = fields[name]
+            if not isinstance(value, _RawArray):
+                raise SchemaError("wrong_type", "expected an array", sub)
+            kwargs[name] = _to_array(value, f.metadata["dtype"], sub)
+        else:
+            kwargs[name] = _check(hints[name], fields[name], sub)
+    msg = cls(**kwargs)
+    validate = getattr(msg, "validate", None)
+    if validate is not None:
+        validate()
+    return msg
+
+
+def _check(hint, value, path: str):
+    """Validate ``value`` against a type hint; returns the value (messages built from maps)."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(inner, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise SchemaError("wrong_type", "expected a list", path)
+        (inner,) = typing.get_args(hint)
+        return [_check(inner, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise SchemaError("wrong_type", "expected a map", path)
+        _check_plain(value, path)
+        return value
+    if hint is Any:
+        _check_plain(value, path)
+        return value
+    if isinstance(hint, type) and hasattr(hint, "TYPE"):
+        return _build(hint, value, path)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SchemaError("wrong_type", "expected a number", path)
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SchemaError("wrong_type", "expected an integer", path)
+        return value
+    if hint in (str, bool, bytes):
+        if not isinstance(value, hint):
+            raise SchemaError("wrong_type", f"expected {hint.__name__}", path)
+        return value
+    raise TypeError(f"unsupported schema type {hint!r} at {path}")
+
+
+def _check_plain(value, path: str, depth: int = 0):
+    """JSON-like data only (no arrays) in free-form maps such as ``info``."""
+    if depth > 32:
+        raise SchemaError("invalid", "nesting deeper than 32", path)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise SchemaError("wrong_type", "map keys must be strings", path)
+            _check_plain(v, f"{path}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{path}[{i}]", depth + 1)
+    elif not (value is None or isinstance(value, (str, int, float, bool, bytes))):
+        raise SchemaError("wrong_type", "free-form data must be JSON-like", path)

@@ -1,0 +1,61 @@
+"""Errors that cross role boundaries, each with a short machine-readable reason.
+
+Servers count rejections by ``reason`` (``replay/rejected/<reason>``), so reasons are a closed
+vocabulary: add one here rather than inventing strings at call sites.
+"""
+
+from __future__ import annotations
+
+# Why a frame was refused. Stable strings: they appear in metrics, logs and error replies.
+REJECT_REASONS = (
+    "oversize",  # frame longer than the configured maximum
+    "not_msgpack",  # bytes that do not decode as msgpack
+    "bad_envelope",  # msgpack, but not [magic, version, type, id, body]
+    "future_version",  # schema version newer than this build understands
+    "old_version",  # schema version older than the oldest this build accepts
+    "unknown_type",  # type tag not in the registry
+    "unexpected_type",  # a known type the receiving endpoint does not serve
+    "missing_field",  # a required field is absent
+    "unknown_field",  # a field this schema version does not define
+    "wrong_type",  # a field of the wrong Python/msgpack type
+    "wrong_dtype",  # an array with a dtype other than the schema's
+    "bad_array",  # array bytes that do not match dtype and shape
+    "invalid",  # well-typed but inconsistent (e.g. masks of different lengths)
+    "store_full",  # the replay store cannot take more data (map full)
+)
+
+
+class AutodidactError(Exception):
+    """Base class for errors this package raises on purpose."""
+
+
+class SchemaError(AutodidactError):
+    """A frame or message that does not match the schema.
+
+    ``reason`` is one of REJECT_REASONS; ``path`` names the offending field (``a.b[3].c``).
+    """
+
+    def __init__(self, reason: str, detail: str = "", path: str = ""):
+        assert reason in REJECT_REASONS, reason
+        self.reason = reason
+        self.detail = detail
+        self.path = path
+        where = f" at {path}" if path else ""
+        super().__init__(f"{reason}{where}: {detail}" if detail else f"{reason}{where}")
+
+
+class TransportTimeout(AutodidactError):
+    """A request was not answered within its deadline (after retries)."""
+
+
+class RemoteError(AutodidactError):
+    """The peer answered with an Error reply."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"remote refused: {reason}: {detail}")
+
+
+class ConfigError(AutodidactError):
+    """A config file or override that names an unknown key or an impossible value."""

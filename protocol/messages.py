@@ -1,0 +1,211 @@
+"""Every message that crosses a process boundary, defined once.
+
+The schema version lives in :mod:`protocol.codec` (``SCHEMA_VERSION``); bump it on any
+incompatible change here. Token-level arrays of one trajectory all have the same length ``T``
+and index the same token sequence: prompt, then alternating model actions and observations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+
+import numpy as np
+
+from protocol.codec import array_field, message
+from protocol.errors import SchemaError
+
+# --- tasks -------------------------------------------------------------------------------------
+
+
+@message("task")
+class Task:
+    task_id: str  # stable id; many groups may roll out the same task
+    env: str  # environment registry name (actor.envs), e.g. "files"
+    query: str  # natural-language instruction shown to the agent
+    seed: int  # world seed passed to env.reset: same seed, same initial state
+    goal: dict = field(default_factory=dict)  # env-specific checkable condition on the state
+    reference: list[str] = field(default_factory=list)  # verified reference actions, may be empty
+    source: str = "original"  # "original" (the env's own) or "synthetic" (self-questioning)
+    split: str = "train"  # "train" or "test" (held out for evaluation)
+    difficulty: float = 0.0  # estimate: steps, entities, dependent operations
+    meta: dict = field(default_factory=dict)  # free-form provenance (explorer id, template...)
+
+
+# --- rollouts ----------------------------------------------------------------------------------
+
+
+@message("step")
+class Step:
+    action: str  # decoded text of the model's action
+    observation: str  # what the environment answered
+    start: int  # index in Trajectory.tokens of the first token of the action
+    end: int  # one past the last action token
+    valid: bool = True  # the action parsed and named a declared tool with literal arguments
+    info: dict = field(default_factory=dict)  # env-specific details (error kind, tool name...)
+
+
+@message("trajectory")
+class Trajectory:
+    traj_id: str  # unique within its group
+    tokens: np.ndarray = array_field("int32")  # [T] prompt + actions + observations
+    logprobs: np.ndarray = array_field("float32")  # [T] sampler log-prob; 0 where not generated
+    versions: np.ndarray = array_field("int32")  # [T] policy version per token; -1 if not generated
+    action_mask: np.ndarray = array_field("uint8")  # [T] 1 where the policy generated the token
+    prompt_len: int = 0  # tokens before the first action
+    steps: list[Step] = field(default_factory=list)  # one per action, in order
+    reward: float = 0.0  # outcome reward from env.evaluate
+    success: bool = False  # the task's goal holds at the end
+    experience_span: list[int] = field(default_factory=list)  # [start, end) of injected text, or []
+    experience_ids: list[str] = field(default_factory=list)  # ids of the injected experiences
+    info: dict = field(default_factory=dict)  # turns, truncation, timing...
+
+    def validate(self):
+        n = len(self.tokens)
+        for name in ("tokens", "logprobs", "versions", "action_mask"):
+            arr = getattr(self, name)
+            if arr.ndim != 1 or len(arr) != n:
+                raise SchemaError("invalid", f"{name} must be 1-D of length {n}", name)
+        if not 0 <= self.prompt_len <= n:
+            raise SchemaError("invalid", "prompt_len outside the token range", "prompt_len")
+        for i, s in enumerate(self.steps):
+            if not 0 <= s.start <= s.end <= n:
+                raise SchemaError("invalid", "step span outside the token range", f"steps[{i}]")
+        if self.experience_span and len(self.experience_span) != 2:
+            raise SchemaError("invalid", "experience_span is [start, end] or []")
+
+    def policy_versions(self) -> tuple[int, int]:
+        """(min, max) version over generated tokens; (-1, -1) when nothing was generated."""
+        gen = self.versions[self.action_mask.astype(bool)]
+        return (int(gen.min()), int(gen.max())) if gen.size else (-1, -1)
+
+
+@message("group")
+class Group:
+    group_id: str  # unique idempotency key: a retry re-sends the same id and is stored once
+    task: Task  # the task all trajectories attempted
+    trajectories: list[Trajectory]  # the n rollouts (the GRPO group)
+    actor_id: str = ""  # which actor produced it
+    created_at: float = 0.0  # unix time the group was finished
+
+    def validate(self):
+        if not self.group_id:
+            raise SchemaError("invalid", "empty group_id", "group_id")
+
+    def policy_versions(self) -> tuple[int, int]:
+        spans = [t.policy_versions() for t in self.trajectories]
+        spans = [s for s in spans if s[0] >= 0]
+        if not spans:
+            return (-1, -1)
+        return (min(s[0] for s in spans), max(s[1] for s in spans))
+
+
+# --- judging -----------------------------------------------------------------------------------
+
+
+@message("judge_pull")
+class JudgePull:
+    judge_id: str  # the worker asking
+    max_groups: int = 1  # at most this many groups in the reply
+    lease_s: float = 60.0  # the groups go back to the pool if no labels arrive in time
+
+
+@message("judge_work")
+class JudgeWork:
+    groups: list[Group]  # unjudged groups now leased to the asking judge (may be empty)
+
+
+@message("labels")
+class StepLabels:
+    group_id: str  # the group these labels belong to
+    labels: list[list[int]]  # per trajectory, per step: 1 = GOOD, 0 = BAD
+    judge: str = ""  # "reference" or the LLM's name
+    info: dict = field(default_factory=dict)  # parse failures, fallbacks, timing
+
+    def validate(self):
+        if any(v not in (0, 1) for row in self.labels for v in row):
+            raise SchemaError("invalid", "labels are 0 (BAD) or 1 (GOOD)", "labels")
+
+
+# --- learning ----------------------------------------------------------------------------------
+
+
+@message("learner_hello")
+class LearnerHello:
+    learner_id: str  # the learner (re)starting
+    version: int  # its current policy version
+    consumed: list[str] = field(default_factory=list)  # ledger from its checkpoint: group ids trained on
+
+
+@message("batch_request")
+class BatchRequest:
+    learner_id: str
+    num_groups: int  # at most this many groups
+    version: int  # the learner's current policy version
+    max_staleness: int = 4  # serve only groups with min token version >= version - max_staleness
+    require_labels: bool = False  # serve only judged groups
+    timeout_s: float = 0.0  # the server may wait this long to fill the batch
+
+
+@message("batch")
+class Batch:
+    groups: list[Group]  # oldest first; each group is delivered to the learner once
+    labels: list[StepLabels] = field(default_factory=list)  # labels of judged groups in `groups`
+    stale_skipped: int = 0  # groups passed over as too stale since the last batch
+
+
+@message("ledger_commit")
+class LedgerCommit:
+    learner_id: str
+    group_ids: list[str]  # consumed groups now covered by a durable learner checkpoint
+    version: int = 0  # the checkpoint's policy version
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+
+@message("weights")
+class WeightsAnnouncement:
+    version: int  # the new policy version
+    num_chunks: int  # WeightsChunk messages that make up the version
+    total_bytes: int  # bytes of the serialized state (safetensors)
+    sha256: str  # digest of the whole serialized state
+    chunk_sha256: list[str] = field(default_factory=list)  # digest of each chunk, in order
+    format: str = "safetensors"
+    path: str = ""  # for actors on a shared disk: an atomically renamed file with the same bytes
+    published_at: float = 0.0  # unix time
+
+
+@message("weights_chunk")
+class WeightsChunk:
+    version: int
+    index: int  # 0-based position in the version's chunk list
+    data: bytes
+    sha256: str  # digest of `data`
+
+
+# --- generic requests and replies --------------------------------------------------------------
+
+
+@message("stats_request")
+class StatsRequest:
+    pass
+
+
+@message("stats")
+class Stats:
+    values: dict  # counters and gauges, e.g. {"groups": 10, "rejected/not_msgpack": 2}
+
+
+@message("ack")
+class Ack:
+    status: str = "ok"  # "stored", "duplicate", "ok"
+    info: dict = field(default_factory=dict)
+
+
+@message("error")
+class Error:
+    reason: str  # one of protocol.errors.REJECT_REASONS (or "internal")
+    detail: str = ""
+
+
