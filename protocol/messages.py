@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import field
 
-
 import numpy as np
 
 from protocol.codec import array_field, message
@@ -134,7 +133,8 @@ class StepLabels:
 class LearnerHello:
     learner_id: str  # the learner (re)starting
     version: int  # its current policy version
-    consumed: list[str] = field(default_factory=list)  # ledger from its checkpoint: group ids trained on
+    # the ledger from its checkpoint: ids of the groups it has trained on
+    consumed: list[str] = field(default_factory=list)
 
 
 @message("batch_request")

@@ -1,0 +1,135 @@
+"""The ``autodidact`` command line: one entry point, one sub-command per role.
+
+``autodidact run`` composes a whole run from one config file and starts every role as its own
+process; ``autodidact replay|actor|learner|judge ...`` start one role alone, so a multi-node
+launch runs the same program on more machines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from protocol.config import RunConfig, load_config, to_dict
+from protocol.errors import ConfigError
+
+CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
+SET_HELP = "Override one config value, e.g. --set replay.max_groups=1000 (repeatable)."
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+
+
+def _load(config: str | None, sets: tuple[str, ...]) -> RunConfig:
+    try:
+        return load_config(config, list(sets))
+    except (ConfigError, OSError) as exc:
+        raise click.UsageError(f"config: {exc}") from None
+
+
+def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
+    path = Path(run_dir) if run_dir else Path("runs") / cfg.name
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """Autodidact: LLM agents that teach themselves in tool-using environments."""
+    _setup_logging(verbose)
+
+
+@main.command()
+@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory (default runs/<name>).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--redis-url", default=None, help="Use this Redis; none is started.")
+@click.option("--max-updates", type=int, default=None, help="Stop after this many learner updates.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in the run dir.")
+def run(config, run_dir, sets, redis_url, max_updates, resume):
+    """Run the whole job on one machine: Redis, replay, actors, learner."""
+    from autodidact.launcher import launch
+
+    cfg = _load(config, sets)
+    if redis_url:
+        cfg.redis.url = redis_url
+    code = launch(cfg, resolve_run_dir(cfg, run_dir), max_updates=max_updates, resume=resume)
+    sys.exit(code)
+
+
+@main.command("config")
+@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def show_config(config, sets):
+    """Print the resolved config (defaults + file + overrides) as YAML."""
+    import yaml
+
+    click.echo(yaml.safe_dump(to_dict(_load(config, sets)), sort_keys=False))
+
+
+# --- replay --------------------------------------------------------------------------------------
+
+
+@main.group(invoke_without_command=True)
+@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory holding replay.lmdb.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--address", default=None, help="ZeroMQ address to bind (default: replay.address).")
+@click.pass_context
+def replay(ctx, config, run_dir, sets, address):
+    """Serve the replay store (the only writer of <run-dir>/replay.lmdb).
+
+    \b
+    autodidact replay --run-dir runs/x            serve
+    autodidact replay stats --run-dir runs/x      print store statistics as JSON
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from replay.server import serve
+
+    cfg = _load(config, sets)
+    serve(resolve_run_dir(cfg, run_dir), cfg.replay, address or cfg.replay.address or None)
+
+
+@replay.command("stats")
+@click.option("--run-dir", type=click.Path(exists=True, file_okay=False), required=True,
+              help="Run directory holding replay.lmdb.")
+def replay_stats(run_dir):
+    """Print one JSON object: groups stored, judged, consumed, evicted, bytes, versions."""
+    from replay.store import read_stats
+
+    if not (Path(run_dir) / "replay.lmdb").exists():
+        raise click.UsageError(f"no replay store at {Path(run_dir) / 'replay.lmdb'}")
+    click.echo(json.dumps(read_stats(run_dir), sort_keys=True))
+
+
+# --- roles that later issues build ---------------------------------------------------------------
+
+
+def _not_yet(role: str, issue: int):
+    @click.option("--run-dir", type=click.Path(file_okay=False))
+    @click.option("--redis-url", default=None)
+    def command(run_dir, redis_url):
+        click.echo(f"not yet implemented: the {role} role (see issue {issue})", err=True)
+        sys.exit(2)
+
+    command.__doc__ = f"Start the {role} role alone (not yet implemented: issue {issue})."
+    return command
+
+
+main.command("actor")(_not_yet("actor", 3))
+main.command("learner")(_not_yet("learner", 3))
+main.command("judge")(_not_yet("judge", 6))
+main.command("explore")(_not_yet("explore", 4))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Start role processes, restart the ones that die (with back-off), stop them all on exit.
+
+Each role is a separate OS process running ``python -m <module> ...``; the supervisor only
+watches exit codes. Stopping sends SIGTERM (roles finish their current unit of work and close
+their sockets), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoleSpec:
+    name: str  # unique label, e.g. "replay" or "actor-1"
+    argv: list[str]  # arguments after the Python executable
+    restart: bool = True  # restart when it exits with a non-zero code
+    max_restarts: int = 20
+    log_path: Path | None = None  # stdout+stderr of the process go here (appended)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Running:
+    spec: RoleSpec
+    proc: subprocess.Popen
+    started: float
+    restarts: int = 0
+    next_start: float = 0.0  # when a dead role may be restarted (back-off)
+
+
+class Supervisor:
+    """``with Supervisor() as sup: sup.start(spec); ...; sup.check()`` — stops all on exit."""
+
+    def __init__(self, backoff_s: float = 0.5, backoff_max_s: float = 10.0):
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.roles: dict[str, _Running] = {}
+        self.restart_log: list[tuple[str, int]] = []  # (role, exit code) of every restart
+
+    def start(self, spec: RoleSpec) -> subprocess.Popen:
+        proc = self._spawn(spec)
+        self.roles[spec.name] = _Running(spec, proc, time.monotonic())
+        return proc
+
+    def _spawn(self, spec: RoleSpec) -> subprocess.Popen:
+        out = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL
+        try:
+            return subprocess.Popen([sys.executable, *spec.argv], stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **spec.env})
+        finally:
+            if spec.log_path:
+                out.close()
+
+    def check(self) -> list[str]:
+        """Restart dead roles whose back-off has passed; returns the names of failed roles."""
+        failed = []
+        now = time.monotonic()
+        for name, run in self.roles.items():
+            code = run.proc.poll()
+            if code is None:
+                continue
+            if code == 0 or not run.spec.restart:
+                if code != 0:
+                    failed.append(name)
+                continue
+            if run.restarts >= run.spec.max_restarts:
+                failed.append(name)
+                continue
+            if run.next_start == 0.0:
+                delay = min(self.backoff_max_s, self.backoff_s * 2 ** run.restarts)
+                run.next_start = now + delay
+                log.warning("%s exited with %s; restarting in %.1fs", name, code, delay)
+            elif now >= run.next_start:
+                self.restart_log.append((name, code))
+                run.restarts += 1
+                run.proc = self._spawn(run.spec)
+                run.started, run.next_start = now, 0.0
+        return failed
+
+    def exited(self, name: str) -> int | None:
+        return self.roles[name].proc.poll()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for run in self.roles.values():
+            if run.proc.poll() is None:
+                run.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, run in self.roles.items():
+            try:
+                run.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", name, grace_s)
+                run.proc.kill()
+                run.proc.wait()
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

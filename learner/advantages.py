@@ -1,0 +1,89 @@
+"""Advantage estimators: plain GRPO and the attribution composite (process + outcome).
+
+Both are pure numpy functions over one GRPO group (the ``n`` rollouts of one task); turning
+them into per-token tensors is :mod:`learner.batching`'s job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+# Rewards closer than this count as equal: env rewards are often computed in floating point, so
+# "all trajectories scored the same" should not hinge on the last bit.
+_EQUAL_ATOL = 1e-9
+
+
+def is_degenerate(rewards: Sequence[float] | np.ndarray, atol: float = _EQUAL_ATOL) -> bool:
+    """True when a group carries no outcome signal: fewer than two rewards, or all equal."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return r.size < 2 or float(np.ptp(r)) <= atol
+
+
+def grpo_advantages(rewards: Sequence[float] | np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Outcome rewards normalised within their group.
+
+    ``A_i = (R_i - mean(R)) / (std(R) + eps)`` with the population std (``ddof=0``).
+    A degenerate group (see :func:`is_degenerate`) gets all zeros: every rollout did equally
+    well, so there is nothing to prefer, and dividing by a ~0 std would only amplify noise.
+    Returns float64 of the same length as ``rewards``.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if is_degenerate(r):
+        return np.zeros_like(r)
+    return (r - r.mean()) / (r.std() + eps)
+
+
+def composite_step_advantages(
+    step_labels: Sequence[Sequence[int]],
+    outcomes: Sequence[float] | np.ndarray,
+    alpha: float,
+    eps: float = 1e-6,
+) -> list[np.ndarray]:
+    """Per-step advantages from judge labels plus the outcome (the attribution composite).
+
+    For trajectory ``i`` with steps ``t = 0..T_i-1`` and label ``l_{i,t}`` (1 GOOD, 0 BAD):
+
+    * process reward ``p_{i,t} = 2·l_{i,t} - 1`` (GOOD → +1, BAD → −1);
+    * z-scored within the group, every trajectory weighted equally (a long trajectory must not
+      dominate the statistics just because it has more steps), over the ``N`` trajectories
+      that have at least one step::
+
+          μ  = (1/N) Σ_i mean_t p_{i,t}
+          σ² = (1/N) Σ_i mean_t (p_{i,t} - μ)²
+          p̃_{i,t} = (p_{i,t} - μ) / (σ + eps)         (all zeros when σ ≈ 0: no signal)
+
+    * outcomes z-scored separately across the group: ``Õ = grpo_advantages(outcomes, eps)``;
+    * step reward ``r_{i,t} = α·p̃_{i,t} + 1[t = T_i - 1]·Õ_i``;
+    * advantage, undiscounted return-to-go (γ = 1): ``A_{i,t} = Σ_{k≥t} r_{i,k}``.
+
+    Returns one float64 array of length ``T_i`` per trajectory. A trajectory with no steps gets
+    an empty array: its outcome has no step to land on.
+    """
+    if len(step_labels) != len(outcomes):
+        raise ValueError(f"{len(step_labels)} label rows for {len(outcomes)} outcomes")
+    p = [2.0 * np.asarray(row, dtype=np.float64) - 1.0 for row in step_labels]
+    p_tilde = _zscore_equal_weight(p, eps)
+    o_tilde = grpo_advantages(outcomes, eps)
+    out = []
+    for pt, o in zip(p_tilde, o_tilde):
+        r = alpha * pt
+        if r.size:
+            r[-1] += o
+        # Return-to-go: reverse cumulative sum.
+        out.append(np.cumsum(r[::-1])[::-1].copy())
+    return out
+
+
+def _zscore_equal_weight(rows: list[np.ndarray], eps: float) -> list[np.ndarray]:
+    """Z-score ragged rows with each non-empty row weighted equally (formula above)."""
+    present = [r for r in rows if r.size]
+    if not present:
+        return [r.copy() for r in rows]
+    mu = float(np.mean([r.mean() for r in present]))
+    var = float(np.mean([((r - mu) ** 2).mean() for r in present]))
+    sigma = var**0.5
+    if sigma <= _EQUAL_ATOL:
+        return [np.zeros_like(r) for r in rows]
+    return [(r - mu) / (sigma + eps) for r in rows]

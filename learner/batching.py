@@ -1,0 +1,195 @@
+"""Turn replayed groups into one right-padded batch of tensors with per-token advantages.
+
+Token arrays of a :class:`protocol.messages.Trajectory` index one sequence: prompt, then
+alternating actions (generated, ``action_mask == 1``) and observations. Only generated tokens are
+trained, so every per-token quantity below is zero (or -1 for versions) elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from learner.advantages import composite_step_advantages, grpo_advantages, is_degenerate
+from protocol.messages import Group, StepLabels, Trajectory
+
+
+@dataclass
+class TrainBatch:
+    """One learner batch; every ``[B, L]`` tensor is right-padded to the longest row.
+
+    * ``input_ids`` long — tokens, ``pad_id`` after each row's end.
+    * ``attention_mask`` long — 1 on real tokens, 0 on padding.
+    * ``action_mask`` float — 1 on tokens the policy generated (the trained tokens).
+    * ``behaviour_logprobs`` float — the sampler's log-prob of each generated token, else 0.
+    * ``advantages`` float — per-token advantage, 0 off ``action_mask``.
+    * ``versions`` long — policy version that generated each token, -1 elsewhere.
+    * ``num_tokens`` — number of trained tokens (``action_mask.sum()``), the token-mean
+      denominator when a batch is split into micro-batches.
+    * ``group_index`` long ``[B]`` — which input group each row came from.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    versions: torch.Tensor
+    num_tokens: int
+    group_index: torch.Tensor
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """A copy with every tensor on ``device``."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+        return TrainBatch(**moved)
+
+
+def build_batch(
+    groups: list[Group],
+    pad_id: int,
+    advantages: list[list[np.ndarray]] | None = None,
+    labels: Mapping[str, StepLabels] | Iterable[StepLabels] | None = None,
+    alpha: float = 0.1,
+    max_len: int | None = None,
+) -> tuple[TrainBatch, dict]:
+    """Stack the trajectories of ``groups`` (in order) into a :class:`TrainBatch`.
+
+    Advantages, one of three ways:
+
+    * default — GRPO: each trajectory's scalar :func:`grpo_advantages` on all its generated
+      tokens;
+    * ``labels`` (group_id → :class:`StepLabels`, or a list of them) — the attribution
+      composite :func:`composite_step_advantages` with weight ``alpha``: step ``t``'s advantage
+      goes to the generated tokens of its action span ``steps[t].start:steps[t].end`` and to no
+      other token. A group without labels falls back to GRPO (counted in
+      ``stats["unlabelled_groups"]``);
+    * ``advantages`` — precomputed, per group per trajectory: a scalar (broadcast over the
+      generated tokens) or a length-``T`` per-token array (masked by ``action_mask``).
+
+    ``max_len`` cuts longer rows to their first ``max_len`` tokens (counted in ``truncated``).
+
+    Returns the batch and ``stats``: ``groups``, ``trajectories``, ``degenerate_groups`` (all
+    rewards equal, so zero outcome advantage), ``tokens`` (non-padding), ``action_tokens``,
+    ``truncated``, and with ``labels`` also ``unlabelled_groups``.
+    """
+    if advantages is not None and labels is not None:
+        raise ValueError("pass either precomputed advantages or step labels, not both")
+    if advantages is not None and len(advantages) != len(groups):
+        raise ValueError(f"{len(advantages)} advantage lists for {len(groups)} groups")
+    label_map = _label_map(labels) if labels is not None else None
+
+    rows: list[tuple[int, Trajectory, np.ndarray]] = []
+    stats = {"groups": len(groups), "degenerate_groups": 0}
+    if label_map is not None:
+        stats["unlabelled_groups"] = 0
+    for gi, group in enumerate(groups):
+        rewards = [t.reward for t in group.trajectories]
+        stats["degenerate_groups"] += int(is_degenerate(rewards))
+        if advantages is not None:
+            per_traj = _given_advantages(group, advantages[gi])
+        elif label_map is not None and group.group_id in label_map:
+            per_traj = _composite_token_advantages(group, label_map[group.group_id], alpha)
+        else:
+            if label_map is not None:
+                stats["unlabelled_groups"] += 1
+            per_traj = _grpo_token_advantages(group)
+        rows.extend((gi, t, a) for t, a in zip(group.trajectories, per_traj))
+    if not rows:
+        raise ValueError("no trajectories to batch")
+    batch, pad_stats = _pad(rows, pad_id, max_len)
+    stats.update(trajectories=len(rows), **pad_stats)
+    return batch, stats
+
+
+def _label_map(labels) -> dict[str, StepLabels]:
+    if isinstance(labels, Mapping):
+        return dict(labels)
+    return {lab.group_id: lab for lab in labels}
+
+
+def _generated(traj: Trajectory) -> np.ndarray:
+    return traj.action_mask.astype(np.float32)
+
+
+def _grpo_token_advantages(group: Group) -> list[np.ndarray]:
+    adv = grpo_advantages([t.reward for t in group.trajectories])
+    return [a * _generated(t) for t, a in zip(group.trajectories, adv)]
+
+
+def _composite_token_advantages(group: Group, labels: StepLabels, alpha: float) -> list[np.ndarray]:
+    trajs = group.trajectories
+    if len(labels.labels) != len(trajs):
+        raise ValueError(
+            f"group {group.group_id}: {len(labels.labels)} label rows for {len(trajs)} trajectories"
+        )
+    for i, (t, row) in enumerate(zip(trajs, labels.labels)):
+        if len(row) != len(t.steps):
+            raise ValueError(
+                f"group {group.group_id} trajectory {i}: {len(row)} labels for {len(t.steps)} steps"
+            )
+    step_adv = composite_step_advantages(labels.labels, [t.reward for t in trajs], alpha)
+    out = []
+    for t, adv in zip(trajs, step_adv):
+        tok = np.zeros(len(t.tokens), dtype=np.float32)
+        for step, a in zip(t.steps, adv):
+            tok[step.start : step.end] = a
+        # A step span may include tokens the policy did not generate (e.g. a forced stop
+        # token); those are not trained and must carry no advantage.
+        out.append(tok * _generated(t))
+    return out
+
+
+def _given_advantages(group: Group, given: list[np.ndarray]) -> list[np.ndarray]:
+    if len(given) != len(group.trajectories):
+        raise ValueError(
+            f"group {group.group_id}: {len(given)} advantages for "
+            f"{len(group.trajectories)} trajectories"
+        )
+    out = []
+    for t, a in zip(group.trajectories, given):
+        a = np.asarray(a, dtype=np.float32)
+        if a.size != 1 and a.shape != (len(t.tokens),):
+            raise ValueError(f"advantage of shape {a.shape} for {len(t.tokens)} tokens")
+        # A one-element array broadcasts over the tokens, a length-T one multiplies per token.
+        out.append(a.reshape(-1) * _generated(t))
+    return out
+
+
+def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
+    lengths = [len(t.tokens) for _, t, _ in rows]
+    truncated = sum(n > max_len for n in lengths) if max_len is not None else 0
+    if max_len is not None:
+        lengths = [min(n, max_len) for n in lengths]
+    b, seq = len(rows), max(lengths)
+    ids = np.full((b, seq), pad_id, dtype=np.int64)
+    attn = np.zeros((b, seq), dtype=np.int64)
+    act = np.zeros((b, seq), dtype=np.float32)
+    blp = np.zeros((b, seq), dtype=np.float32)
+    adv = np.zeros((b, seq), dtype=np.float32)
+    ver = np.full((b, seq), -1, dtype=np.int64)
+    for i, ((_, t, a), n) in enumerate(zip(rows, lengths)):
+        gen = t.action_mask[:n].astype(bool)
+        ids[i, :n] = t.tokens[:n]
+        attn[i, :n] = 1
+        act[i, :n] = gen
+        blp[i, :n] = np.where(gen, t.logprobs[:n], 0.0)
+        adv[i, :n] = a[:n]
+        ver[i, :n] = np.where(gen, t.versions[:n], -1)
+    batch = TrainBatch(
+        input_ids=torch.from_numpy(ids),
+        attention_mask=torch.from_numpy(attn),
+        action_mask=torch.from_numpy(act),
+        behaviour_logprobs=torch.from_numpy(blp),
+        advantages=torch.from_numpy(adv),
+        versions=torch.from_numpy(ver),
+        num_tokens=int(act.sum()),
+        group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
+    )
+    stats = {"tokens": int(attn.sum()), "action_tokens": batch.num_tokens, "truncated": truncated}
+    return batch, stats

