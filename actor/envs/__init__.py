@@ -1,0 +1,40 @@
+"""Environments: the tool-use sandbox interface, its registry, and the built-in ``files`` env.
+
+Importing this package registers every built-in environment, so ``make_env("files")`` works
+after ``import actor.envs``. A plugin environment registers itself with ``@register_env`` when
+its module is imported (``make_env("my.module:name")`` imports it by name from config).
+"""
+
+from actor.envs.base import (
+    MAX_ACTION_CHARS,
+    ActionError,
+    ArgSpec,
+    Environment,
+    ToolCall,
+    ToolError,
+    ToolSpec,
+    env_class,
+    env_names,
+    make_env,
+    parse_action,
+    register_env,
+    verify_reference,
+)
+from actor.envs.files import FilesEnv  # noqa: F401  (registers "files")
+
+__all__ = [
+    "MAX_ACTION_CHARS",
+    "ActionError",
+    "ArgSpec",
+    "Environment",
+    "FilesEnv",
+    "ToolCall",
+    "ToolError",
+    "ToolSpec",
+    "env_class",
+    "env_names",
+    "make_env",
+    "parse_action",
+    "register_env",
+    "verify_reference",
+]

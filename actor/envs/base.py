@@ -1,0 +1,293 @@
+"""The interface every tool-use sandbox implements, its action parser, and the env registry.
+
+An environment is untrusted ground for model output: an action is text that is *parsed* into a
+declared tool and literal arguments, never evaluated. Anything that does not parse becomes an
+error observation with ``info["valid"] = False``; nothing the model writes can raise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from protocol.messages import Task
+
+MAX_ACTION_CHARS = 256  # longer text is rejected before tokenizing: bounds parser work
+MAX_OBS_WORDS = 40  # safety net on what step() returns; environments truncate sooner
+ARG_TYPES = ("str", "int")
+
+_TOOL_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# A literal str argument is one path-like word: no quotes, brackets, calls or spaces survive.
+_STR_LITERAL = re.compile(r"[A-Za-z0-9_.~/+-]{1,64}")
+_INT_LITERAL = re.compile(r"[+-]?[0-9]{1,9}")
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One tool argument: a name, a literal type ("str" or "int"), and whether it is required."""
+
+    name: str
+    type: str = "str"
+    description: str = ""
+    required: bool = True
+
+    def __post_init__(self):
+        if self.type not in ARG_TYPES:
+            raise ValueError(f"arg {self.name!r}: type must be one of {ARG_TYPES}")
+
+    def usage(self) -> str:
+        return self.name if self.required else f"[{self.name}]"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A declared tool: name, description and ordered args (required ones first)."""
+
+    name: str
+    description: str = ""
+    args: tuple[ArgSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        object.__setattr__(self, "args", tuple(self.args))
+        if not _TOOL_NAME.fullmatch(self.name):
+            raise ValueError(f"tool name {self.name!r} must match {_TOOL_NAME.pattern}")
+        flags = [a.required for a in self.args]
+        # Positional calls can only leave off a tail, so optional args must come last.
+        if flags != sorted(flags, reverse=True):
+            raise ValueError(f"tool {self.name!r}: required args must precede optional ones")
+
+    @property
+    def min_args(self) -> int:
+        return sum(a.required for a in self.args)
+
+    def usage(self) -> str:
+        """``mv src dst`` / ``ls [folder]``: words a prompt or an error message can show."""
+        return " ".join([self.name] + [a.usage() for a in self.args])
+
+    def to_dict(self) -> dict:
+        """JSON-able form, e.g. for a prompt or a function-calling schema."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "args": [
+                {
+                    "name": a.name,
+                    "type": a.type,
+                    "description": a.description,
+                    "required": a.required,
+                }
+                for a in self.args
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed action: a declared tool and its literal (already typed) arguments."""
+
+    tool: str
+    args: tuple = ()
+
+    def text(self) -> str:
+        return " ".join([self.tool] + [str(a) for a in self.args])
+
+
+class ActionError(Exception):
+    """An action that did not parse; ``observation`` is the text the agent sees."""
+
+    def __init__(self, kind: str, observation: str, tool: str | None = None):
+        super().__init__(observation)
+        self.kind = kind
+        self.observation = observation
+        self.tool = tool
+
+
+class ToolError(Exception):
+    """A well-formed call the environment refused (no such file...); the step stays valid."""
+
+    def __init__(self, kind: str, observation: str):
+        super().__init__(observation)
+        self.kind = kind
+        self.observation = observation
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+
+def parse_action(text, tools: Mapping[str, ToolSpec] | Sequence[ToolSpec]) -> ToolCall:
+    """Split ``text`` shell-style into a declared tool and literal args, or raise ActionError."""
+    specs = tools if isinstance(tools, Mapping) else {t.name: t for t in tools}
+    words = _split(text)
+    name, args = words[0], words[1:]
+    spec = specs.get(name)
+    if spec is None:
+        raise ActionError("unknown_tool", "error : unknown tool")
+    if not spec.min_args <= len(args) <= len(spec.args):
+        raise ActionError("arity", f"error : usage : {spec.usage()}", tool=name)
+    values = tuple(_literal(a, v, name) for a, v in zip(spec.args, args))
+    return ToolCall(name, values)
+
+
+def _split(text) -> list[str]:
+    if not isinstance(text, str):
+        raise ActionError("not_text", "error : action is not text")
+    if len(text) > MAX_ACTION_CHARS:
+        raise ActionError("too_long", "error : action too long")
+    # Only printable ASCII and plain whitespace: no unicode look-alikes, NULs or escapes.
+    if not text.isascii() or any(not (c.isprintable() or c in " \t\r\n") for c in text):
+        raise ActionError("bad_characters", "error : bad characters")
+    lexer = shlex.shlex(text, posix=True)
+    lexer.whitespace_split = True
+    lexer.commenters = ""  # '#' is an ordinary character, not the start of a comment
+    try:
+        words = list(lexer)
+    except ValueError:  # unbalanced quotes or a trailing escape
+        raise ActionError("syntax", "error : bad syntax") from None
+    if not words:
+        raise ActionError("empty", "error : empty action")
+    return words
+
+
+def _literal(spec: ArgSpec, word: str, tool: str):
+    pattern = _INT_LITERAL if spec.type == "int" else _STR_LITERAL
+    if not pattern.fullmatch(word):
+        raise ActionError("bad_argument", f"error : bad argument {spec.name}", tool=tool)
+    return int(word) if spec.type == "int" else word
+
+
+def clip_words(text: str, limit: int = MAX_OBS_WORDS) -> str:
+    """At most ``limit`` whitespace-separated words, with ``...`` marking a cut."""
+    words = text.split()
+    return " ".join(words if len(words) <= limit else words[: limit - 1] + ["..."])
+
+
+# --- the interface ----------------------------------------------------------------------------
+
+
+class Environment(ABC):
+    """A multi-step tool sandbox: reset to a task, step with action text, evaluate the outcome.
+
+    Subclasses declare their tools and implement :meth:`execute` for one parsed call; the
+    concrete :meth:`step` does the parsing, turns refusals into error observations and reports
+    ``done`` once the current task's goal holds. The turn limit belongs to the caller.
+    """
+
+    name: str = ""  # registry name, set by @register_env
+
+    def __init__(self):
+        self.task: Task | None = None
+
+    @abstractmethod
+    def reset(self, task: Task) -> str:
+        """Build the task's initial state (from ``task.seed``) and return the first observation."""
+
+    @abstractmethod
+    def execute(self, call: ToolCall) -> str:
+        """Apply one parsed call and return its observation; raise ToolError to refuse it."""
+
+    @abstractmethod
+    def tools(self) -> list[ToolSpec]:
+        """The declared tools; only these can be called."""
+
+    @abstractmethod
+    def state(self) -> dict:
+        """A JSON-able snapshot of the state, comparable with ``==``; goals are checked on it."""
+
+    @abstractmethod
+    def evaluate(self, task: Task) -> float:
+        """Outcome reward of the current state for ``task`` (1.0 success, 0.0 failure)."""
+
+    @abstractmethod
+    def tasks(self, split: str) -> list[Task]:
+        """The environment's own tasks for ``"train"`` or ``"test"`` (held out)."""
+
+    @abstractmethod
+    def candidate_actions(self) -> list[str]:
+        """Every well-formed call the agent could make now, as action text (bounded)."""
+
+    @classmethod
+    @abstractmethod
+    def vocabulary(cls) -> list[str]:
+        """Every whitespace-separated word of any query, observation or action this env makes."""
+
+    def goal_from_states(self, before: dict, after: dict) -> dict:
+        """A goal that holds exactly where ``after`` differs from ``before`` (hindsight tasks)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot derive goals from states")
+
+    def step(self, action_text: str) -> tuple[str, bool, dict]:
+        """Parse and run one action: (observation, done, info with valid / tool / error)."""
+        if self.task is None:
+            raise RuntimeError("reset() must be called before step()")
+        try:
+            call = parse_action(action_text, {t.name: t for t in self.tools()})
+        except ActionError as err:
+            return err.observation, False, {"valid": False, "tool": err.tool, "error": err.kind}
+        try:
+            obs, error = self.execute(call), None
+        except ToolError as err:
+            obs, error = err.observation, err.kind
+        done = self.evaluate(self.task) >= 1.0
+        return clip_words(obs), done, {"valid": True, "tool": call.tool, "error": error}
+
+
+def verify_reference(env_cls: type[Environment], task: Task, **env_kwargs) -> bool:
+    """Replay ``task.reference`` in a fresh env: every step valid and error-free, goal reached."""
+    env = env_cls(**env_kwargs)
+    env.reset(task)
+    if not task.reference:
+        return False
+    for action in task.reference:
+        _, _, info = env.step(action)
+        if not info["valid"] or info["error"] is not None:
+            return False
+    return env.evaluate(task) >= 1.0
+
+
+# --- registry ---------------------------------------------------------------------------------
+
+_ENVS: dict[str, type[Environment]] = {}
+
+
+def register_env(name: str):
+    """Class decorator: make an Environment subclass constructible by ``name`` from config."""
+
+    def wrap(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"{cls!r} is not an Environment subclass")
+        old = _ENVS.get(name)
+        # A module reloaded in place re-registers the "same" class; anything else is a clash.
+        if old is not None and (old.__module__, old.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise ValueError(f"environment {name!r} already registered by {old.__qualname__}")
+        cls.name = name
+        _ENVS[name] = cls
+        return cls
+
+    return wrap
+
+
+def env_names() -> list[str]:
+    return sorted(_ENVS)
+
+
+def env_class(name: str) -> type[Environment]:
+    """The registered class for ``name``; ``"pkg.module:name"`` imports the module first."""
+    if ":" in name:
+        module, name = name.split(":", 1)
+        importlib.import_module(module)  # config-named plugin; its decorator registers it
+    try:
+        return _ENVS[name]
+    except KeyError:
+        known = ", ".join(env_names()) or "none"
+        raise KeyError(f"unknown environment {name!r}; known: {known}") from None
+
+
+def make_env(name: str, **kwargs) -> Environment:
+    """A new instance of the environment registered as ``name``."""
+    return env_class(name)(**kwargs)
