@@ -111,6 +111,61 @@ def replay_stats(run_dir):
     click.echo(json.dumps(read_stats(run_dir), sort_keys=True))
 
 
+# --- actor and learner ------------------------------------------------------------------------
+
+
+def _role_config(config, sets, redis_url, replay_addr) -> RunConfig:
+    cfg = _load(config, sets)
+    if redis_url:
+        cfg.redis.url = redis_url
+    if replay_addr:
+        cfg.replay.address = replay_addr
+    if not cfg.redis.url or not cfg.replay.address:
+        raise click.UsageError("a role started alone needs --redis-url and --replay-addr "
+                               "(or redis.url / replay.address in its config)")
+    if not cfg.redis.prefix:
+        from protocol.control import default_prefix
+
+        cfg.redis.prefix = default_prefix(cfg.name)
+    return cfg
+
+
+def role_options(f):
+    for option in reversed([
+        click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False),
+                     help=CONFIG_HELP),
+        click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory."),
+        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP),
+        click.option("--redis-url", default=None, help="Redis of the run (redis.url)."),
+        click.option("--replay-addr", default=None, help="Replay server (replay.address)."),
+    ]):
+        f = option(f)
+    return f
+
+
+@main.command()
+@role_options
+@click.option("--actor-id", default="actor-0", help="Stable id (kept across restarts).")
+def actor(config, run_dir, sets, redis_url, replay_addr, actor_id):
+    """Start one actor: roll out groups and stream them to replay."""
+    from actor.actor import main as actor_main
+
+    cfg = _role_config(config, sets, redis_url, replay_addr)
+    actor_main(cfg, resolve_run_dir(cfg, run_dir), actor_id)
+
+
+@main.command()
+@role_options
+@click.option("--max-updates", type=int, default=None, help="Stop after this many updates.")
+@click.option("--resume", is_flag=True, help="Continue from <run-dir>/checkpoints/latest.pt.")
+def learner(config, run_dir, sets, redis_url, replay_addr, max_updates, resume):
+    """Start the learner: train on groups from replay and publish weights."""
+    from learner.learner import main as learner_main
+
+    cfg = _role_config(config, sets, redis_url, replay_addr)
+    learner_main(cfg, resolve_run_dir(cfg, run_dir), max_updates, resume)
+
+
 # --- roles that later issues build ---------------------------------------------------------------
 
 
@@ -125,8 +180,6 @@ def _not_yet(role: str, issue: int):
     return command
 
 
-main.command("actor")(_not_yet("actor", 3))
-main.command("learner")(_not_yet("learner", 3))
 main.command("judge")(_not_yet("judge", 6))
 main.command("explore")(_not_yet("explore", 4))
 

@@ -1,16 +1,21 @@
 """``autodidact run``: compose one run on one machine, every role its own process.
 
+    model = tiny local model (made once) or cfg.model.path
     with private Redis (unless redis.url), Supervisor() as roles:
         start replay; wait until it answers
-        start actors and learner          (issue 3)
-        until budget spent: restart dead roles, show progress
+        warm-start on verified references; evaluate held-out success   (skipped on --resume)
+        start the learner and the actors
+        until the learner finishes: keep the task queue full, restart dead actors, show progress
+        evaluate held-out success with the final weights; print the summary
     everything is stopped on exit, Ctrl-C and error
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -18,6 +23,7 @@ import yaml
 from rich.console import Console
 
 from autodidact.embedded_redis import EmbeddedRedis
+from autodidact.metrics import read_metrics
 from autodidact.supervisor import RoleSpec, Supervisor
 from protocol.config import RunConfig, to_dict
 from protocol.control import ControlPlane, default_prefix
@@ -51,6 +57,79 @@ def wait_for_replay(address: str, timeout_s: float) -> dict:
     return reply.values
 
 
+def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
+    """The base model path: cfg.model.path, or a tiny model fitted to the env's vocabulary."""
+    if cfg.model.path:
+        return cfg.model.path
+    from actor.envs import env_class
+    from actor.rollout import MARKERS
+    from actor.tiny_model import make_tiny_model
+
+    m = cfg.model
+    path = make_tiny_model(run_dir / "model", env_class(cfg.env.name).vocabulary(),
+                           special_words=MARKERS, hidden=m.hidden, layers=m.layers,
+                           heads=m.heads, kv_heads=m.kv_heads, intermediate=m.intermediate,
+                           max_positions=m.max_positions, seed=cfg.seed)
+    return str(path)
+
+
+def held_out_success(cfg: RunConfig, model_path: str, label: str) -> float | None:
+    if cfg.eval.num_tasks == 0:
+        return None
+    from actor.actor import rollout_settings
+    from actor.backends.hf import TransformersBackend
+    from actor.envs import make_env
+    from actor.evaluate import evaluate
+
+    tasks = make_env(cfg.env.name).tasks("test")
+    tasks = random.Random(cfg.seed).sample(tasks, min(cfg.eval.num_tasks, len(tasks)))
+    with TransformersBackend(model_path, device=cfg.actor.device) as backend:
+        result = evaluate(backend, tasks, cfg.env.name, rollout_settings(cfg),
+                          temperature=cfg.eval.temperature, seed=cfg.seed)
+    console.print(f"  held-out success {label}: [bold]{result['avg']:.1%}[/] "
+                  f"({result['tasks']} tasks)")
+    return result["avg"]
+
+
+def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str) -> str:
+    from actor.actor import rollout_settings
+    from learner.warmstart import warm_start
+
+    out = run_dir / "policy_init"
+    if cfg.warmstart.steps == 0:
+        return base_path
+    if (out / "config.json").exists():
+        console.print(f"  warm-start: reusing {out}")
+        return str(out)
+
+    def progress(step, loss):
+        console.print(f"  warm-start step {step}/{cfg.warmstart.steps}  loss {loss:.3f}",
+                      highlight=False)
+
+    info = warm_start(cfg, base_path, out, rollout_settings(cfg), progress)
+    console.print(f"  warm-start: {info['examples']} verified references, "
+                  f"{info['steps']} steps in {info['seconds']:.0f}s")
+    return str(out)
+
+
+class TaskFeeder:
+    """Keeps the Redis task queue topped up with shuffled training tasks, epoch after epoch."""
+
+    def __init__(self, cfg: RunConfig, control: ControlPlane):
+        from actor.envs import make_env
+
+        self.tasks = make_env(cfg.env.name).tasks("train")
+        self.rng = random.Random(cfg.seed)
+        self.control = control
+        self.low_water = 4 * cfg.actor.num_actors * cfg.actor.groups_in_flight
+
+    def top_up(self) -> None:
+        if self.control.task_queue_len() < self.low_water:
+            batch = self.tasks[:]
+            self.rng.shuffle(batch)
+            self.control.push_tasks(batch[:4 * self.low_water])
+
+
 def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
            resume: bool = False) -> int:
     """Start the services and roles of a run; returns a process exit code."""
@@ -58,30 +137,126 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
         cfg.replay.address = local_address(run_dir, "replay")
     if not cfg.redis.prefix:
         cfg.redis.prefix = default_prefix(cfg.name)
-    config_path = write_resolved_config(cfg, run_dir)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     console.print(f"[bold]autodidact run[/] {cfg.name} in {run_dir}")
     with contextlib.ExitStack() as stack:
         try:
-            redis_url = cfg.redis.url or stack.enter_context(EmbeddedRedis(run_dir))
-            control = ControlPlane.connect(redis_url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
+            cfg.redis.url = cfg.redis.url or stack.enter_context(EmbeddedRedis(run_dir))
+            control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix,
+                                           cfg.redis.heartbeat_ttl_s)
             control.set_state(phase="starting", started_at=time.time(), run_dir=str(run_dir))
-            console.print(f"  redis   {redis_url}" + ("" if cfg.redis.url else "  (private)"))
+            console.print(f"  redis   {cfg.redis.url}")
             roles = stack.enter_context(Supervisor())
+            config_path = write_resolved_config(cfg, run_dir)
             roles.start(RoleSpec("replay", role_argv("replay", run_dir, config_path),
                                  log_path=logs / "replay.log"))
             stats = wait_for_replay(cfg.replay.address, timeout_s=60)
-            console.print(f"  replay  {cfg.replay.address}  ({stats.get('groups', 0)} groups "
-                          f"stored)")
-            console.print("[yellow]not yet implemented: actors and learner (see issue 3); "
-                          "services started and healthy, stopping.[/]")
-            control.set_state(phase="stopped")
-            return 0
+            console.print(f"  replay  {cfg.replay.address}  ({stats.get('groups', 0)} groups)")
+            return train(cfg, run_dir, control, roles, logs, max_updates, resume)
         except TransportTimeout:
             console.print(f"[red]replay server did not answer; see {logs / 'replay.log'}[/]")
             return 1
         except KeyboardInterrupt:
-            console.print("[yellow]interrupted: stopping every role[/]")
+            console.print("[yellow]interrupted: stopping every role (the learner checkpoints)[/]")
             return 130
 
+
+def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
+    base = prepare_model(cfg, run_dir)
+    if not resume or "success_warm" not in summary:
+        summary["success_base"] = held_out_success(cfg, base, "before warm-start")
+        cfg.model.path = warm_start_stage(cfg, run_dir, base)
+        summary["success_warm"] = held_out_success(cfg, cfg.model.path, "after warm-start")
+        summary_path.write_text(json.dumps(summary, indent=2))
+    else:
+        cfg.model.path = str(run_dir / "policy_init") if cfg.warmstart.steps else base
+    config_path = write_resolved_config(cfg, run_dir)
+    learner_extra = [*(["--max-updates", str(max_updates)] if max_updates else []),
+                     *(["--resume"] if resume else [])]
+    roles.start(RoleSpec("learner", role_argv("learner", run_dir, config_path, *learner_extra),
+                         restart=False, log_path=logs / "learner.log"))
+    for i in range(cfg.actor.num_actors):
+        roles.start(RoleSpec(f"actor-{i}", role_argv("actor", run_dir, config_path,
+                                                     "--actor-id", f"actor-{i}"),
+                             log_path=logs / f"actor-{i}.log"))
+    control.set_state(phase="rl")
+    feeder = TaskFeeder(cfg, control)
+    code = supervise(cfg, run_dir, control, roles, feeder)
+    roles.stop()
+    final = _latest_weights(run_dir)
+    if code == 0 and final is not None:
+        summary["success_rl"] = held_out_success(cfg, final, "after RL")
+    summary["learner"] = _last(read_metrics(run_dir, "learner"))
+    summary_path.write_text(json.dumps(summary, indent=2, default=str))
+    _print_summary(summary)
+    control.set_state(phase="done")
+    return code
+
+
+def supervise(cfg, run_dir, control, roles, feeder) -> int:
+    """Restart dead actors, keep tasks flowing, show progress until the learner exits."""
+    t0, last_print = time.monotonic(), 0.0
+    while True:
+        feeder.top_up()
+        failed = roles.check()
+        code = roles.exited("learner")
+        if code is not None:
+            if code != 0:
+                console.print(f"[red]learner exited with {code}; see {run_dir / 'logs'}[/]")
+            return code
+        if failed:
+            console.print(f"[red]roles failed for good: {failed}[/]")
+            return 1
+        if time.monotonic() - last_print > 10:
+            last_print = time.monotonic()
+            _print_progress(run_dir, control, roles, time.monotonic() - t0)
+        time.sleep(0.5)
+
+
+def _last(records: list[dict]) -> dict:
+    return records[-1] if records else {}
+
+
+def _print_progress(run_dir, control, roles, elapsed_s) -> None:
+    learner = _last([r for r in read_metrics(run_dir, "learner") if "learner/loss" in r])
+    actors = read_metrics(run_dir, "actor")[-20:]
+    success = sum(a.get("actor/success_rate", 0) for a in actors) / max(len(actors), 1)
+    groups = sum(control.counters().get(k, 0) for k in ("actor/accepted",))
+    console.print(
+        f"  [{elapsed_s:5.0f}s] update {learner.get('learner/updates', 0):>4}  "
+        f"version {learner.get('learner/version', 0):>4}  actor success {success:6.1%}  "
+        f"groups {groups:>6} ({groups / max(elapsed_s, 1e-9):.1f}/s)  "
+        f"lag {learner.get('learner/lag_mean', 0):.2f}  restarts {len(roles.restart_log)}",
+        highlight=False)
+
+
+def _latest_weights(run_dir: Path) -> str | None:
+    """Save the newest published weights as a loadable model directory."""
+    files = sorted((run_dir / "weights").glob("v*.safetensors"))
+    if not files:
+        return None
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    init = run_dir / "policy_init" if (run_dir / "policy_init").exists() else run_dir / "model"
+    model = AutoModelForCausalLM.from_pretrained(init)
+    model.load_state_dict(load_file(files[-1]))
+    out = run_dir / "policy_final"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(init).save_pretrained(out)
+    return str(out)
+
+
+def _print_summary(summary: dict) -> None:
+    def pct(key):
+        v = summary.get(key)
+        return "n/a" if v is None else f"{v:.1%}"
+
+    learner = summary.get("learner", {})
+    console.print("[bold]summary[/]  held-out success: "
+                  f"base {pct('success_base')} -> warm-start {pct('success_warm')} -> "
+                  f"RL {pct('success_rl')}   ({learner.get('learner/updates', 0)} updates, "
+                  f"version {learner.get('learner/version', 0)})")

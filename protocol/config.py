@@ -66,6 +66,190 @@ class ReplayConfig:
 
 
 @dataclass
+class ModelConfig:
+    path: str = ""
+    """Local Hugging Face model directory (never a hub name). Empty: a tiny Qwen2-style model is
+    made under ``<run dir>/model`` with a word-level tokenizer fitted to the environment."""
+
+    hidden: int = 128
+    """Tiny model only: hidden size."""
+
+    layers: int = 4
+    """Tiny model only: transformer layers."""
+
+    heads: int = 4
+    """Tiny model only: attention heads."""
+
+    kv_heads: int = 2
+    """Tiny model only: key/value heads (grouped-query attention)."""
+
+    intermediate: int = 256
+    """Tiny model only: MLP width."""
+
+    max_positions: int = 512
+    """Tiny model only: longest context."""
+
+    def check(self):
+        for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "max_positions"):
+            _positive(self, name)
+
+
+@dataclass
+class EnvConfig:
+    name: str = "files"
+    """Environment registry name (``actor.envs``)."""
+
+    max_turns: int = 5
+    """Actions per episode before it is cut off."""
+
+    max_context: int = 384
+    """Context-length guard in tokens: an episode stops before its context would exceed this."""
+
+    def check(self):
+        _positive(self, "max_turns")
+        _positive(self, "max_context")
+
+
+@dataclass
+class ActorConfig:
+    num_actors: int = 2
+    """Actor processes started by ``autodidact run``."""
+
+    backend: str = "transformers"
+    """Inference backend: ``transformers`` (CPU or GPU) or ``vllm`` (GPU, the [vllm] extra)."""
+
+    device: str = "cpu"
+    """Torch device for the transformers backend."""
+
+    group_size: int = 8
+    """Rollouts per task (the GRPO group ``n``)."""
+
+    groups_in_flight: int = 2
+    """Groups rolled out together in one batched generation."""
+
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts."""
+
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts."""
+
+    max_action_tokens: int = 16
+    """Most tokens in one action."""
+
+    constrained: bool = True
+    """Constrain decoding to the environment's currently valid tool calls."""
+
+    torch_threads: int = 1
+    """CPU threads per actor process."""
+
+    def check(self):
+        for name in ("num_actors", "group_size", "groups_in_flight", "max_action_tokens",
+                     "torch_threads"):
+            _positive(self, name)
+        _positive(self, "temperature")
+        in_range(self, "top_p", 0.0, 1.0)
+        if self.backend not in ("transformers", "vllm"):
+            raise ConfigError(f"backend must be transformers or vllm, got {self.backend!r}")
+
+
+@dataclass
+class LearnerConfig:
+    device: str = "cpu"
+    """Torch device."""
+
+    lr: float = 1e-4
+    """AdamW learning rate."""
+
+    batch_groups: int = 16
+    """Groups per update (``B`` in the staleness bound)."""
+
+    max_staleness: int = 4
+    """``η_stale``: train only on groups at most this many versions old; actors admit new work
+    only while accepted + running <= (max_staleness + version + 1) * batch_groups."""
+
+    clip_low: float = 0.2
+    """PPO ratio clip below 1."""
+
+    clip_high: float = 0.28
+    """PPO ratio clip above 1 (asymmetric, clip-higher)."""
+
+    dual_clip: float = 3.0
+    """Dual-clip constant ``c`` for negative advantages."""
+
+    iw_cap: float = 5.0
+    """Tokens whose importance weight proximal/behaviour exceeds this are masked (counted)."""
+
+    kl_coef: float = 0.0
+    """KL penalty to the frozen initial policy (0 = off, no reference copy kept)."""
+
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+
+    publish_every: int = 1
+    """``k``: publish weights every k updates."""
+
+    checkpoint_every: int = 25
+    """``m``: checkpoint every m updates (and at exit)."""
+
+    max_updates: int = 60
+    """Stop after this many RL updates."""
+
+    max_minutes: float = 12.0
+    """Stop RL after this much wall time."""
+
+    torch_threads: int = 1
+    """CPU threads for the learner process."""
+
+    def check(self):
+        for name in ("lr", "batch_groups", "publish_every", "checkpoint_every", "max_updates",
+                     "max_minutes", "torch_threads", "iw_cap", "dual_clip"):
+            _positive(self, name)
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        in_range(self, "clip_low", 0.0, 1.0)
+        in_range(self, "clip_high", 0.0, 10.0)
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+
+@dataclass
+class WarmstartConfig:
+    steps: int = 300
+    """Supervised steps on verified reference solutions before RL (0 = skip)."""
+
+    lr: float = 1e-3
+    """Learning rate of the warm-start."""
+
+    batch_size: int = 32
+    """Reference trajectories per supervised step."""
+
+    max_examples: int = 400
+    """Reference solutions drawn from the training tasks."""
+
+    def check(self):
+        if self.steps < 0:
+            raise ConfigError(f"steps must be >= 0, got {self.steps}")
+        _positive(self, "lr")
+        _positive(self, "batch_size")
+        _positive(self, "max_examples")
+
+
+@dataclass
+class EvalConfig:
+    num_tasks: int = 100
+    """Held-out tasks evaluated before and after RL (0 = skip)."""
+
+    temperature: float = 0.0
+    """0 = greedy decoding for evaluation."""
+
+    def check(self):
+        if self.num_tasks < 0:
+            raise ConfigError(f"num_tasks must be >= 0, got {self.num_tasks}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
 class RunConfig:
     name: str = "default"
     """Run name: the run directory is ``runs/<name>`` unless ``--run-dir`` says otherwise."""
@@ -75,6 +259,12 @@ class RunConfig:
 
     redis: RedisConfig = field(default_factory=RedisConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def check(self):
         for f in dataclasses.fields(self):

@@ -1,0 +1,191 @@
+"""The actor role: take tasks, roll out groups, stream them to replay, follow new weights.
+
+    while not stopped:
+        load newer weights if announced            # also between turns, mid-trajectory
+        wait until accepted + running <= (max_staleness + version + 1) * batch_groups
+        tasks = pop groups_in_flight tasks from the Redis queue
+        groups = rollout(tasks, n per task)        # one batched generate per turn
+        push groups to replay (retried until acknowledged), keep rolling meanwhile
+        heartbeat, metrics
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from actor.backends.base import InferenceBackend, SamplingParams
+from actor.envs import make_env
+from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, to_groups
+from autodidact.metrics import MetricsWriter, RateMeter
+from protocol.config import RunConfig
+from protocol.control import ControlPlane
+from protocol.weights import WeightSubscriber
+from replay.client import ReplayClient
+
+log = logging.getLogger(__name__)
+
+
+def make_backend(cfg: RunConfig) -> InferenceBackend:
+    if cfg.actor.backend == "vllm":
+        from actor.backends.vllm import VLLMBackend  # optional extra, GPU only
+
+        return VLLMBackend(cfg.model.path)
+    from actor.backends.hf import TransformersBackend
+
+    return TransformersBackend(cfg.model.path, device=cfg.actor.device)
+
+
+def rollout_settings(cfg: RunConfig) -> RolloutSettings:
+    return RolloutSettings(max_turns=cfg.env.max_turns, max_context=cfg.env.max_context,
+                           max_action_tokens=cfg.actor.max_action_tokens,
+                           constrained=cfg.actor.constrained)
+
+
+class Actor:
+    def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane,
+                 replay: ReplayClient, backend: InferenceBackend, actor_id: str):
+        self.cfg = cfg
+        self.control = control
+        self.replay = replay
+        self.backend = backend
+        self.actor_id = actor_id
+        self.codec = PromptCodec(backend.tokenizer)
+        self.settings = rollout_settings(cfg)
+        self.weights = WeightSubscriber(control, actor_id)
+        self.metrics = MetricsWriter(run_dir, "actor", actor_id)
+        self.tokens = RateMeter()
+        self.groups_done = 0
+        self._stop = False
+        self._idle_s = 0.0
+        self._seed = cfg.seed * 1000 + hash(actor_id) % 1000
+
+    def request_stop(self, *_):
+        self._stop = True
+
+    # --- weights ---
+
+    def maybe_load_weights(self) -> None:
+        got = self.weights.poll()
+        if got is not None:
+            version, state = got
+            self.backend.load_weights(state, version)
+            self.weights.loaded(version)
+            log.info("%s loaded weights v%d", self.actor_id, version)
+
+    # --- admission control ---
+
+    def admitted(self, n_groups: int) -> bool:
+        """The staleness bound: no rollout compute on data too old to be trained on."""
+        lc = self.cfg.learner
+        counters = self.control.counters()
+        running = sum(int(v) for v in self.control.r.hvals(self._running_key()))
+        accepted = counters.get("actor/accepted", 0)
+        version = self.control.get_version()
+        return accepted + running + n_groups <= (lc.max_staleness + version + 1) * lc.batch_groups
+
+    def _running_key(self) -> str:
+        return f"{self.control.keys.prefix}:running"
+
+    def _set_running(self, n: int) -> None:
+        self.control.r.hset(self._running_key(), self.actor_id, n)
+
+    # --- the loop ---
+
+    def run(self) -> None:
+        self._set_running(0)
+        self.maybe_load_weights()
+        while not self._stop:
+            self.drain_acks(0.0)
+            tasks = self.take_tasks()
+            if not tasks:
+                continue
+            t0 = time.monotonic()
+            groups = self.roll(tasks)
+            for g in groups:
+                self.replay.push_group(g)
+            self._set_running(0)
+            self.groups_done += len(groups)
+            self._log(groups, time.monotonic() - t0)
+        self.drain_acks(5.0, until_empty=True)
+        self._set_running(0)
+
+    def take_tasks(self):
+        want = self.cfg.actor.groups_in_flight
+        t0 = time.monotonic()
+        while not self._stop:
+            self.maybe_load_weights()
+            if self.admitted(want):
+                self._set_running(want)  # claim before popping so others see it
+                tasks = [t for t in (self.control.pop_task(0.2) for _ in range(want)) if t]
+                self._set_running(len(tasks))
+                if tasks:
+                    self._idle_s += time.monotonic() - t0
+                    return tasks
+            self.drain_acks(0.1)
+            self.control.heartbeat("actor", self.actor_id, groups=self.groups_done, waiting=True)
+        return []
+
+    def roll(self, tasks):
+        env_name = self.cfg.env.name
+        episodes = start_episodes(tasks, self.cfg.actor.group_size, lambda: make_env(env_name),
+                                  self.codec)
+        self._seed += 1
+        params = SamplingParams(temperature=self.cfg.actor.temperature,
+                                top_p=self.cfg.actor.top_p,
+                                max_new_tokens=self.cfg.actor.max_action_tokens,
+                                stop_token_ids=(self.codec.eoa_id,), seed=self._seed,
+                                logprobs_mode="raw")
+        rollout(self.backend, episodes, self.codec, params, self.settings,
+                between_turns=self.maybe_load_weights)
+        self.tokens.add(sum(sum(ep.mask) for ep in episodes))
+        return to_groups(episodes, self.cfg.actor.group_size, self.actor_id, time.time())
+
+    def drain_acks(self, timeout_s: float, until_empty: bool = False) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for _, status in self.replay.poll_acks(max(0.0, deadline - time.monotonic())
+                                                   if until_empty else timeout_s):
+                if status == "stored":
+                    self.control.incr("actor/accepted")
+                elif status.startswith("error"):
+                    self.control.incr("actor/rejected")
+                    log.error("replay refused a group: %s", status)
+            if not until_empty or not self.replay.unacked() or time.monotonic() > deadline:
+                return
+
+    def _log(self, groups, rollout_s: float) -> None:
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        turns = [len(t.steps) for g in groups for t in g.trajectories]
+        versions = [g.policy_versions() for g in groups]
+        self.metrics.log({
+            "success_rate": float(np.mean([r >= 1.0 for r in rewards])),
+            "reward": float(np.mean(rewards)), "turns": float(np.mean(turns)),
+            "tokens_per_s": self.tokens.rate(), "groups": self.groups_done,
+            "rollout_s": rollout_s, "idle_s": self._idle_s, "version": self.backend.version,
+            "mixed_version_groups": sum(lo != hi for lo, hi in versions),
+            "unacked": len(self.replay.unacked()),
+        }, step=self.groups_done)
+        self._idle_s = 0.0
+        self.control.heartbeat("actor", self.actor_id, groups=self.groups_done,
+                               version=self.backend.version)
+
+
+def main(cfg: RunConfig, run_dir: Path, actor_id: str) -> None:
+    torch.set_num_threads(cfg.actor.torch_threads)
+    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
+    replay = ReplayClient(cfg.replay.address)
+    actor = Actor(cfg, run_dir, control, replay, make_backend(cfg), actor_id)
+    signal.signal(signal.SIGTERM, actor.request_stop)
+    signal.signal(signal.SIGINT, actor.request_stop)
+    try:
+        actor.run()
+    finally:
+        replay.close()
+        actor.backend.close()
+        actor.metrics.close()

@@ -1,0 +1,199 @@
+"""The learner role: draw groups from replay, take clipped off-policy steps, publish weights.
+
+    hello(replay, ledger from checkpoint)           # a resume neither repeats nor skips
+    while updates < max_updates and within budget:
+        groups = draw batch_groups from replay      # oldest first, within the staleness bound
+        batch = build_batch(groups)                 # masks, GRPO advantages
+        proximal = logprobs under current params    # decoupled PPO
+        loss = policy_loss(...); optimizer step
+        every k updates: publish weights, version += 1
+        every m updates: checkpoint (+ ledger), then commit the ledger to replay
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from autodidact.metrics import MetricsWriter
+from learner.batching import build_batch
+from learner.logprobs import token_logprobs
+from learner.losses import policy_loss
+from protocol.config import LearnerConfig, RunConfig
+from protocol.control import ControlPlane
+from protocol.errors import TransportTimeout
+from protocol.weights import WeightPublisher
+from replay.client import ReplayClient
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoints/latest.pt"
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane,
+                 replay: ReplayClient, learner_id: str = "learner"):
+        self.cfg: LearnerConfig = cfg.learner
+        self.run_dir = Path(run_dir)
+        self.control = control
+        self.replay = replay
+        self.learner_id = learner_id
+        self.device = torch.device(self.cfg.device)
+        torch.manual_seed(cfg.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
+        self.model.train()
+        self.pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+                                           betas=(0.9, 0.99), weight_decay=0.0)
+        self.publisher = WeightPublisher(self.run_dir, control)
+        self.metrics = MetricsWriter(self.run_dir, "learner", learner_id)
+        self.updates = 0
+        self.version = 0
+        self.consumed: list[str] = []  # the ledger: every group id trained on, in order
+        self._uncommitted: list[str] = []
+        self._stop = False
+
+    # --- lifecycle ---
+
+    def resume(self) -> bool:
+        """Restore the latest checkpoint if there is one."""
+        path = self.run_dir / CHECKPOINT
+        if not path.exists():
+            return False
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates, self.version = state["updates"], state["version"]
+        self.consumed = list(state["consumed"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+        random.setstate(state["python_rng"])
+        log.info("resumed at update %d, version %d, %d groups consumed",
+                 self.updates, self.version, len(self.consumed))
+        return True
+
+    def checkpoint(self) -> None:
+        """Write model, optimizer, RNG, version and ledger atomically, then tell replay."""
+        path = self.run_dir / CHECKPOINT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "updates": self.updates, "version": self.version, "consumed": self.consumed,
+                 "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
+                 "python_rng": random.getstate()}
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self._uncommitted:
+            self.replay.commit_ledger(self.learner_id, self._uncommitted, self.version)
+            self._uncommitted = []
+
+    def request_stop(self, *_):
+        self._stop = True
+
+    # --- the loop ---
+
+    def run(self, max_updates: int | None = None) -> None:
+        max_updates = max_updates or self.cfg.max_updates
+        self.replay.hello(self.learner_id, self.version, self.consumed)
+        self.publisher.publish(self.model.state_dict(), self.version, wait=True)
+        deadline = time.monotonic() + 60 * self.cfg.max_minutes
+        while self.updates < max_updates and time.monotonic() < deadline and not self._stop:
+            groups, waited = self.draw(deadline)
+            if groups is None:
+                break
+            self.update(groups, waited)
+        self.publisher.wait()
+        self.checkpoint()
+        self.metrics.log({"done": 1, "updates": self.updates, "version": self.version},
+                         step=self.updates)
+
+    def draw(self, deadline: float):
+        """Block until ``batch_groups`` groups arrived; (None, _) when stopping."""
+        groups, t0 = [], time.monotonic()
+        seen = set(self.consumed[-100_000:])
+        while len(groups) < self.cfg.batch_groups:
+            if self._stop or time.monotonic() > deadline:
+                return None, 0.0
+            try:
+                batch = self.replay.request_batch(
+                    self.learner_id, self.cfg.batch_groups - len(groups), self.version,
+                    self.cfg.max_staleness)
+            except TransportTimeout:
+                log.warning("replay did not answer a batch request; retrying")
+                continue
+            if not batch.groups:
+                time.sleep(0.05)  # nothing fresh yet: actors are still rolling out
+            for g in batch.groups:
+                if g.group_id in seen:  # defence in depth: replay already guarantees this
+                    log.error("replay delivered %s twice; dropped", g.group_id)
+                    continue
+                seen.add(g.group_id)
+                groups.append(g)
+        return groups, time.monotonic() - t0
+
+    def update(self, groups, waited_s: float) -> None:
+        t0 = time.monotonic()
+        batch, stats = build_batch(groups, self.pad_id)
+        batch = batch.to(self.device)
+        with torch.no_grad():
+            proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+        logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+        loss, m = policy_loss(
+            logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.action_mask,
+            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
+            dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.updates += 1
+        ids = [g.group_id for g in groups]
+        self.consumed += ids
+        self._uncommitted += ids
+        if self.updates % self.cfg.publish_every == 0:
+            self.version += 1
+            self.publisher.publish(self.model.state_dict(), self.version)
+        if self.updates % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
+        self._log(groups, stats, m, float(grad_norm), waited_s, time.monotonic() - t0)
+
+    def _log(self, groups, stats, m, grad_norm, waited_s, step_s):
+        lags = [self.version - g.policy_versions()[0] for g in groups]
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        tokens = stats["tokens"]
+        self.metrics.log({
+            **m, "grad_norm": grad_norm, "version": self.version, "updates": self.updates,
+            "degenerate_groups": stats["degenerate_groups"], "groups": len(groups),
+            "reward": float(np.mean(rewards)), "lag_min": min(lags), "lag_mean": float(np.mean(lags)),
+            "lag_max": max(lags), "tokens_per_s": tokens / max(step_s, 1e-9),
+            "updates_per_s": 1.0 / max(step_s + waited_s, 1e-9), "step_s": step_s,
+            "idle_s": waited_s, "publish_s": self.publisher.last_publish_s,
+        }, step=self.updates)
+        self.control.set_state(learner_updates=self.updates, version=self.version)
+
+
+def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
+         resume: bool = False) -> None:
+    torch.set_num_threads(cfg.learner.torch_threads)
+    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
+    replay = ReplayClient(cfg.replay.address)
+    learner = Learner(cfg, run_dir, control, replay)
+    signal.signal(signal.SIGTERM, learner.request_stop)
+    signal.signal(signal.SIGINT, learner.request_stop)
+    if resume:
+        learner.resume()
+    try:
+        learner.run(max_updates)
+    finally:
+        replay.close()
+        learner.metrics.close()
