@@ -1,0 +1,123 @@
+"""Client of the replay server, for actors (push groups), judges and the learner.
+
+Pushes are pipelined: :meth:`ReplayClient.push_group` returns at once and acks arrive through
+:meth:`ReplayClient.poll_acks`. A push's message id is ``"group:" + group_id``, so the
+transport's retries and an actor re-sending the same group are one and the same request to
+the server, which stores it once. The other calls block until answered.
+"""
+
+from __future__ import annotations
+
+import time
+
+from protocol.errors import RemoteError, TransportTimeout
+from protocol.messages import (
+    Ack,
+    Batch,
+    BatchRequest,
+    Error,
+    Group,
+    JudgePull,
+    JudgeWork,
+    LearnerHello,
+    LedgerCommit,
+    Stats,
+    StatsRequest,
+    StepLabels,
+)
+from protocol.transport import Channel, ZmqChannel
+
+PUSH_PREFIX = "group:"
+
+
+class ReplayClient:
+    def __init__(self, address: str | None = None, retry_after_s: float = 2.0,
+                 timeout_s: float = 30.0, channel: Channel | None = None):
+        if channel is None and address is None:
+            raise ValueError("ReplayClient needs an address or a channel")
+        self.channel = channel or ZmqChannel(address, retry_after_s=retry_after_s)
+        self.timeout_s = timeout_s
+        self._acks: list[tuple[str, str]] = []
+        self._replies: dict[str, object] = {}  # answers to blocking calls, by msg id
+
+    # --- actors ----------------------------------------------------------------------------
+
+    def push_group(self, group: Group) -> str:
+        """Send ``group`` without waiting; re-sent until acknowledged. Returns the msg id."""
+        return self.channel.send(group, PUSH_PREFIX + group.group_id)
+
+    def poll_acks(self, timeout_s: float = 0.0) -> list[tuple[str, str]]:
+        """(group_id, status) for pushes answered since the last call: ``stored``,
+        ``duplicate``, or ``error:<reason>`` (refused, e.g. ``error:store_full``; not retried)."""
+        self._collect(timeout_s)
+        out, self._acks = self._acks, []
+        return out
+
+    def unacked(self) -> list[str]:
+        """Group ids pushed and not answered yet."""
+        n = len(PUSH_PREFIX)
+        return [mid[n:] for mid in self.channel.pending if mid.startswith(PUSH_PREFIX)]
+
+    # --- judges ----------------------------------------------------------------------------
+
+    def pull_judge_work(self, judge_id: str, max_groups: int = 1,
+                        lease_s: float = 60.0) -> list[Group]:
+        work: JudgeWork = self._request(JudgePull(judge_id, max_groups, lease_s))
+        return work.groups
+
+    def submit_labels(self, labels: StepLabels) -> str:
+        """``stored``, or ``duplicate`` when the group was already judged."""
+        return self._request(labels).status
+
+    # --- learner ---------------------------------------------------------------------------
+
+    def hello(self, learner_id: str, version: int, consumed: list[str] = ()) -> dict:
+        return self._request(LearnerHello(learner_id, version, list(consumed))).info
+
+    def request_batch(self, learner_id: str, num_groups: int, version: int,
+                      max_staleness: int = 4, require_labels: bool = False) -> Batch:
+        return self._request(BatchRequest(learner_id, num_groups, version, max_staleness,
+                                          require_labels))
+
+    def commit_ledger(self, learner_id: str, group_ids: list[str], version: int = 0) -> dict:
+        return self._request(LedgerCommit(learner_id, list(group_ids), version)).info
+
+    def stats(self) -> dict:
+        reply: Stats = self._request(StatsRequest())
+        return reply.values
+
+    def close(self) -> None:
+        self.channel.close()
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _request(self, msg, timeout_s: float | None = None):
+        # Not Channel.request: that drops replies to other ids, and push acks may arrive while
+        # we wait here.
+        msg_id = self.channel.send(msg)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while msg_id not in self._replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.channel.forget(msg_id)
+                raise TransportTimeout(f"no answer to {type(msg).__name__} in time")
+            self._collect(min(left, 0.1))
+        reply = self._replies.pop(msg_id)
+        if isinstance(reply, Error):
+            raise RemoteError(reply.reason, reply.detail)
+        return reply
+
+    def _collect(self, timeout_s: float) -> None:
+        for msg_id, reply in self.channel.poll(timeout_s):
+            if msg_id.startswith(PUSH_PREFIX):
+                self._acks.append((msg_id[len(PUSH_PREFIX):], _status(reply)))
+            else:
+                self._replies[msg_id] = reply
+
+
+def _status(reply) -> str:
+    if isinstance(reply, Ack):
+        return reply.status
+    if isinstance(reply, Error):
+        return f"error:{reply.reason}"
+    return f"error:unexpected {type(reply).__name__}"

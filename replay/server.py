@@ -1,0 +1,555 @@
+"""The replay server: the only writer of ``<run_dir>/replay.lmdb``.
+
+Actors push groups, judges pull work and write labels back, the learner asks for batches and
+commits its consumed ledger, all over one ZeroMQ ROUTER socket. Everything a burst of frames
+changes is written in one LMDB transaction, and nothing is acknowledged before that
+transaction commits: an ack means "on disk".
+
+LMDB is the truth. The server keeps an in-memory copy of the small per-group index (loaded at
+start) to pick work without scanning the store; whenever a write transaction aborts, the copy
+is reloaded from LMDB rather than patched.
+
+Run it alone with ``python -m replay.server --run-dir DIR [--address A] [--set key=value ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import lmdb
+
+from protocol import codec
+from protocol.config import ReplayConfig, load_config
+from protocol.errors import SchemaError
+from protocol.messages import (
+    Ack,
+    Batch,
+    BatchRequest,
+    Error,
+    Group,
+    JudgePull,
+    JudgeWork,
+    LearnerHello,
+    LedgerCommit,
+    Stats,
+    StatsRequest,
+    StepLabels,
+)
+from protocol.transport import Incoming, RouterServer, local_address
+from replay.store import (
+    EVICTED,
+    EVICTED_STALE,
+    LAST_BATCH,
+    LEARNER_VERSION,
+    MAX_STALENESS,
+    NEXT_SEQ,
+    GroupRecord,
+    Store,
+    store_path,
+)
+
+log = logging.getLogger("replay.server")
+
+ADDR_FILE = "replay.addr"
+MAX_KEY_BYTES = 500  # LMDB refuses keys longer than 511 bytes
+WRITES = (Group, StepLabels, LearnerHello, BatchRequest, LedgerCommit)  # handled in the txn
+READS = (JudgePull, StatsRequest)  # handled after the commit, so they see what it wrote
+STORE_FULL = "replay store is full: grow replay.map_size and restart the replay server"
+
+
+class _HandlerCrash(Exception):
+    """A handler raised something unexpected; its transaction must not commit."""
+
+    def __init__(self, incoming: Incoming, exc: Exception):
+        super().__init__(repr(exc))
+        self.incoming, self.exc = incoming, exc
+
+
+class ReplayServer:
+    """Serves actors, judges and the learner from one thread; see :meth:`run`."""
+
+    def __init__(self, run_dir, cfg: ReplayConfig, address: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        with contextlib.ExitStack() as undo:  # a failed start releases what it took
+            self._lock = _single_writer_lock(store_path(run_dir))
+            undo.callback(os.close, self._lock)
+            self.store = Store(run_dir, map_size=cfg.map_size)
+            undo.callback(self.store.close)
+            self.store.env.reader_check()  # clear reader slots of a killed predecessor
+            self.rpc = RouterServer(address or cfg.address or local_address(run_dir, "replay"),
+                                    max_frame_bytes=cfg.max_frame_bytes)
+            undo.pop_all()
+        self.address = self.rpc.bound_address
+        self.counters: Counter = Counter()
+        self.leases: dict[str, float] = {}  # group_id -> monotonic deadline; memory only
+        self.stale_seen: set[str] = set()  # passed over as too stale (counted once each)
+        self._stale_added: list[str] = []  # stale_seen additions of the open txn, for undo
+        self._stop = threading.Event()
+        self._next_lease_sweep = 0.0
+        self._nothing_evictable: tuple | None = None  # see _evict
+        self._last_logged: dict[str, float] = {}
+        self._handlers = {Group: self._on_group, StepLabels: self._on_labels,
+                          LearnerHello: self._on_hello, BatchRequest: self._on_batch_request,
+                          LedgerCommit: self._on_ledger, JudgePull: self._on_judge_pull,
+                          StatsRequest: self._on_stats}
+        self._reload()
+        log.info("replay server on %s: %d groups in %s", self.address, len(self.index),
+                 store_path(run_dir))
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self, stop_event: threading.Event | None = None) -> None:
+        """Serve until ``stop_event`` (or :meth:`stop`) is set::
+
+            while not stopped:
+                burst = rpc.poll(max_batch=cfg.write_batch)    # frames waiting, decoded
+                for incoming, reply in self.handle(burst):     # one LMDB txn, committed
+                    rpc.reply(incoming, reply)                 # so acks follow the commit
+                self._expire_leases()
+        """
+        stop = stop_event or self._stop
+        while not stop.is_set() and not self._stop.is_set():
+            burst = self.rpc.poll(timeout_ms=100, max_batch=self.cfg.write_batch)
+            for incoming, reply in self.handle(burst):
+                self.rpc.reply(incoming, reply)
+            self._expire_leases()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def handle(self, burst: list[Incoming]) -> list[tuple[Incoming, object]]:
+        """Replies for one burst; every write in it is committed before this returns."""
+        writes, reads = [], []
+        for inc in burst:
+            if inc.error is not None:
+                self.rpc.reject(inc, inc.error)  # nothing stored was touched
+            elif isinstance(inc.msg, WRITES):
+                writes.append(inc)
+            elif isinstance(inc.msg, READS):
+                reads.append(inc)
+            else:
+                self.rpc.reject(inc, SchemaError(
+                    "unexpected_type", f"the replay server does not serve {type(inc.msg).TYPE!r}"))
+        replies = self._commit(writes) if writes else []
+        return replies + [(inc, self._dispatch(None, inc)) for inc in reads]
+
+    def _commit(self, writes: list[Incoming]) -> list[tuple[Incoming, object]]:
+        """Handle ``writes`` in one transaction. A full map refuses pushes first, then every
+        write (reads go on); a handler that crashes is answered alone and the rest redone."""
+        refused: tuple[type, ...] = ()
+        crashed: dict[int, Exception] = {}
+        while True:
+            undo = (self.counters.copy(), self.rpc.counters.rejected.copy())
+            self._stale_added = []
+            try:
+                return self._write_txn(writes, refused, crashed)
+            except Exception as exc:
+                self._rollback(*undo)  # the txn was aborted: memory follows LMDB
+                if isinstance(exc, _HandlerCrash):
+                    crashed[id(exc.incoming)] = exc.exc
+                elif isinstance(exc, lmdb.MapFullError) and refused != WRITES:
+                    self._log_store_full()
+                    refused = (Group,) if not refused else WRITES
+                else:
+                    # Not one frame's fault (disk trouble, or a bug outside the handlers):
+                    # answer nothing, so clients retry.
+                    log.error("write transaction failed; nothing acknowledged", exc_info=exc)
+                    self.counters["errors/store" if isinstance(exc, lmdb.Error)
+                                  else "errors/internal"] += 1
+                    return []
+
+    def _rollback(self, counters: Counter, rejected: Counter) -> None:
+        self.counters, self.rpc.counters.rejected = counters, rejected
+        self.stale_seen.difference_update(self._stale_added)
+        self._reload()
+
+    def _write_txn(self, writes, refused, crashed) -> list[tuple[Incoming, object]]:
+        replies = []
+        with self.store.env.begin(write=True) as txn:  # aborts if anything raises
+            for inc in writes:
+                if id(inc) in crashed:
+                    replies.append((inc, self._internal_error(crashed[id(inc)])))
+                elif isinstance(inc.msg, refused):
+                    self.counters["store_full"] += 1
+                    replies.append((inc, Error("store_full", STORE_FULL)))
+                else:
+                    replies.append((inc, self._dispatch(txn, inc)))
+            if not refused:
+                self._evict(txn)
+            self._save_counters(txn)
+        self.counters["write_txns"] += 1
+        return replies
+
+    def _dispatch(self, txn, inc: Incoming):
+        try:
+            return self._handlers[type(inc.msg)](txn, inc)
+        except SchemaError as exc:  # well-formed but inconsistent with what is stored
+            self.rpc.counters.rejected[exc.reason] += 1
+            log.warning("refused %s: %s", type(inc.msg).TYPE, exc)
+            return Error(exc.reason, str(exc)[:500])
+        except lmdb.MapFullError:
+            raise
+        except Exception as exc:
+            if txn is None:
+                return self._internal_error(exc)
+            raise _HandlerCrash(inc, exc) from exc
+
+    def _internal_error(self, exc: Exception) -> Error:
+        self.counters["errors/internal"] += 1
+        log.error("handler failed: %r", exc, exc_info=exc)
+        return Error("invalid", f"internal error: {type(exc).__name__}")
+
+    # --- in-memory view --------------------------------------------------------------------
+
+    def _reload(self) -> None:
+        """Rebuild the in-memory view from what LMDB holds now."""
+        with self.store.env.begin() as txn:
+            self.index: dict[str, GroupRecord] = self.store.load_index(txn)
+            get = self.store.get_meta
+            self.next_seq = get(txn, NEXT_SEQ, 0)
+            self.evicted = get(txn, EVICTED, 0)
+            self.evicted_stale = get(txn, EVICTED_STALE, 0)
+            self.learner_version = get(txn, LEARNER_VERSION)
+            self.max_staleness = get(txn, MAX_STALENESS)
+        self._saved = (self.next_seq, self.evicted, self.evicted_stale,
+                       self.learner_version, self.max_staleness)
+        self.nbytes = sum(r.nbytes for r in self.index.values())
+        self._rebuild_queues()
+        self.stale_seen &= self.index.keys()
+
+    def _rebuild_queues(self) -> None:
+        # Insertion-ordered dicts used as ordered sets: oldest first, O(1) removal.
+        self.deliverable = {g: None for g, r in self.index.items()
+                            if not (r.delivered or r.consumed)}
+        self.unjudged = {g: None for g, r in self.index.items()
+                         if not (r.judged or r.consumed)}
+
+    def _save_counters(self, txn) -> None:
+        now = (self.next_seq, self.evicted, self.evicted_stale,
+               self.learner_version, self.max_staleness)
+        if now != self._saved:
+            for key, value in zip((NEXT_SEQ, EVICTED, EVICTED_STALE, LEARNER_VERSION,
+                                   MAX_STALENESS), now):
+                self.store.put_meta(txn, key, value)
+            self._saved = now
+
+    def _stale_floor(self) -> int | None:
+        """Groups whose oldest token version is below this will never be trained."""
+        if self.learner_version is None or self.max_staleness is None:
+            return None
+        return self.learner_version - self.max_staleness
+
+    def _is_stale(self, rec: GroupRecord, floor: int | None) -> bool:
+        # A group with no generated tokens (min_version -1) carries no staleness: fresh.
+        return floor is not None and 0 <= rec.min_version < floor
+
+    # --- writes ----------------------------------------------------------------------------
+
+    def _on_group(self, txn, inc: Incoming):
+        group: Group = inc.msg
+        gid = group.group_id
+        if gid in self.index:
+            self.counters["duplicates"] += 1
+            return Ack(status="duplicate")
+        if len(gid.encode()) > MAX_KEY_BYTES:
+            raise SchemaError("invalid", f"group_id longer than {MAX_KEY_BYTES} bytes", "group_id")
+        vmin, vmax = group.policy_versions()
+        rec = GroupRecord(seq=self.next_seq, task_id=group.task.task_id, min_version=vmin,
+                          max_version=vmax, nbytes=len(inc.body), created=time.time())
+        # The body exactly as sent: what the learner reads back is byte-identical.
+        self.store.put_group(txn, gid, inc.body, rec)
+        self.next_seq += 1
+        self.index[gid] = rec
+        self.deliverable[gid] = None
+        self.unjudged[gid] = None
+        self.nbytes += rec.nbytes
+        self.counters["groups_stored"] += 1
+        if self._is_stale(rec, self._stale_floor()):
+            self.counters["stale_at_ingest"] += 1
+        return Ack(status="stored")
+
+    def _on_labels(self, txn, inc: Incoming):
+        labels: StepLabels = inc.msg
+        rec = self.index.get(labels.group_id)
+        if rec is None:
+            raise SchemaError("invalid", f"no stored group {labels.group_id[:80]!r}", "group_id")
+        if rec.judged:  # a retry, or a second judge after a lease ran out: first one wins
+            return Ack(status="duplicate")
+        group = codec.decode_body(Group.TYPE, self.store.body(txn, labels.group_id))
+        want = [len(t.steps) for t in group.trajectories]
+        got = [len(row) for row in labels.labels]
+        if got != want:
+            raise SchemaError("invalid", f"labels per step {got} for a group with steps {want}",
+                              "labels")
+        self.store.put_labels(txn, labels.group_id, inc.body)
+        rec.judged = True
+        self.store.put_record(txn, labels.group_id, rec)
+        self.unjudged.pop(labels.group_id, None)
+        self.leases.pop(labels.group_id, None)
+        self.counters["labels_stored"] += 1
+        return Ack(status="stored")
+
+    def _on_batch_request(self, txn, inc: Incoming):
+        req: BatchRequest = inc.msg
+        if self.learner_version is None or req.version > self.learner_version:
+            self.learner_version = req.version
+        self.max_staleness = req.max_staleness
+        last = self.store.get_meta(txn, LAST_BATCH + req.learner_id)
+        if last is not None and inc.msg_id and last[0] == inc.msg_id:
+            # The learner retried because our reply was lost: the same groups again, so none
+            # is marked delivered without having reached it.
+            ids, skipped = [g for g in last[1] if g in self.index], 0
+            self.counters["batch_retries"] += 1
+        else:
+            ids, skipped = self._pick_batch(req)
+            for gid in ids:
+                self.index[gid].delivered = True
+                self.store.put_record(txn, gid, self.index[gid])
+                self.deliverable.pop(gid)
+            self.counters["groups_delivered"] += len(ids)
+            self.store.put_meta(txn, LAST_BATCH + req.learner_id, [inc.msg_id, ids])
+        groups = [codec.decode_body(Group.TYPE, self.store.body(txn, g)) for g in ids]
+        raw_labels = [self.store.labels(txn, g) for g in ids]
+        labels = [codec.decode_body(StepLabels.TYPE, raw) for raw in raw_labels if raw]
+        return Batch(groups=groups, labels=labels, stale_skipped=skipped)
+
+    def _pick_batch(self, req: BatchRequest) -> tuple[list[str], int]:
+        """Oldest deliverable groups within the staleness bound; counts each stale one once."""
+        floor = req.version - req.max_staleness
+        ids, skipped = [], 0
+        for gid in self.deliverable:
+            if len(ids) >= req.num_groups:
+                break
+            rec = self.index[gid]
+            if self._is_stale(rec, floor):
+                if gid not in self.stale_seen:
+                    self.stale_seen.add(gid)
+                    self._stale_added.append(gid)
+                    skipped += 1
+            elif rec.judged or not req.require_labels:
+                ids.append(gid)
+        self.counters["stale_skipped"] += skipped
+        return ids, skipped
+
+    def _on_ledger(self, txn, inc: Incoming):
+        commit: LedgerCommit = inc.msg
+        marked, unknown = self._consume(txn, commit.group_ids)
+        return Ack(status="ok", info={"consumed": marked, "unknown": unknown})
+
+    def _on_hello(self, txn, inc: Incoming):
+        """A learner (re)starts from a checkpoint: what it covers is consumed; whatever was
+        delivered after it was trained by a learner whose state is gone, so it is served again."""
+        hello: LearnerHello = inc.msg
+        self.learner_version = hello.version  # a resume may go back to an older version
+        marked, unknown = self._consume(txn, hello.consumed)
+        reset = 0
+        for gid, rec in self.index.items():
+            if rec.delivered and not rec.consumed:
+                rec.delivered = False
+                self.store.put_record(txn, gid, rec)
+                reset += 1
+        if reset:
+            self._rebuild_queues()
+        self.store.delete_meta(txn, LAST_BATCH + hello.learner_id)
+        log.info("learner %s at version %d: %d consumed, %d to deliver again, %d unknown ids",
+                 hello.learner_id, hello.version, marked, reset, unknown)
+        return Ack(status="ok", info={"consumed": marked, "redeliver": reset, "unknown": unknown})
+
+    def _consume(self, txn, group_ids) -> tuple[int, int]:
+        marked = unknown = 0
+        for gid in group_ids:
+            rec = self.index.get(gid)
+            if rec is None:  # evicted, or never stored here
+                unknown += 1
+            elif not rec.consumed:
+                rec.consumed = rec.delivered = True
+                self.store.put_record(txn, gid, rec)
+                self.deliverable.pop(gid, None)
+                self.unjudged.pop(gid, None)
+                marked += 1
+        self.counters["groups_consumed"] += marked
+        return marked, unknown
+
+    def _evict(self, txn) -> None:
+        """Oldest consumed groups first, then unconsumed ones past the staleness bound; fresh
+        unconsumed data is never evicted, even over capacity."""
+        if not self._over_capacity():
+            return
+        if self._nothing_evictable != self._eviction_epoch():
+            floor = self._stale_floor()
+            for evictable in (lambda r: r.consumed, lambda r: self._is_stale(r, floor)):
+                for gid, rec in list(self.index.items()):  # oldest first
+                    if not self._over_capacity():
+                        return
+                    if evictable(rec):
+                        self._delete(txn, gid, rec, stale=not rec.consumed)
+            # Until something is consumed or goes stale, a rescan would find nothing.
+            self._nothing_evictable = self._eviction_epoch()
+        self.counters["over_capacity"] += 1
+        if self._due("over_capacity"):
+            log.warning("over capacity (%d groups, %d bytes; limits %d, %d) and nothing left "
+                        "to evict: all unconsumed and fresh", len(self.index), self.nbytes,
+                        self.cfg.max_groups, self.cfg.max_bytes)
+
+    def _eviction_epoch(self) -> tuple:
+        return (self.counters["groups_consumed"], self.counters["stale_at_ingest"],
+                self.learner_version, self.max_staleness)
+
+    def _over_capacity(self) -> bool:
+        return len(self.index) > self.cfg.max_groups or self.nbytes > self.cfg.max_bytes
+
+    def _delete(self, txn, gid: str, rec: GroupRecord, stale: bool) -> None:
+        self.store.delete_group(txn, gid, rec)
+        del self.index[gid]
+        for view in (self.deliverable, self.unjudged, self.leases):
+            view.pop(gid, None)
+        self.stale_seen.discard(gid)
+        self.nbytes -= rec.nbytes
+        self.evicted += 1
+        self.evicted_stale += stale
+
+    def _log_store_full(self) -> None:
+        if self._due("store_full"):
+            log.error("LMDB map full at replay.map_size=%d bytes (%s): pushes are refused with "
+                      "store_full until replay.map_size is grown and the server restarted",
+                      self.cfg.map_size, store_path(self.run_dir))
+
+    def _due(self, what: str, every_s: float = 10.0) -> bool:
+        """Rate limit for warnings that would otherwise repeat on every burst."""
+        now = time.monotonic()
+        if now - self._last_logged.get(what, -every_s) < every_s:
+            return False
+        self._last_logged[what] = now
+        return True
+
+    # --- reads (after the commit) ----------------------------------------------------------
+
+    def _on_judge_pull(self, _txn, inc: Incoming):
+        pull: JudgePull = inc.msg
+        now = time.monotonic()
+        floor = self._stale_floor()
+        picked = []
+        for gid in self.unjudged:
+            if len(picked) >= pull.max_groups:
+                break
+            # Stale groups will never be trained: no judge time for them.
+            if self.leases.get(gid, 0.0) <= now and not self._is_stale(self.index[gid], floor):
+                picked.append(gid)
+        with self.store.env.begin() as txn:
+            groups = [codec.decode_body(Group.TYPE, self.store.body(txn, g)) for g in picked]
+        lease_s = pull.lease_s if pull.lease_s > 0 else self.cfg.judge_lease_s
+        for gid in picked:
+            self.leases[gid] = now + lease_s
+        self.counters["leases_granted"] += len(picked)
+        return JudgeWork(groups=groups)
+
+    def _on_stats(self, _txn, _inc: Incoming):
+        return Stats(values=self.stats())
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        if now < self._next_lease_sweep:
+            return
+        self._next_lease_sweep = now + 1.0
+        expired = [g for g, deadline in self.leases.items() if deadline <= now]
+        for gid in expired:
+            del self.leases[gid]
+        self.counters["leases_expired"] += len(expired)
+
+    def stats(self) -> dict:
+        recs = self.index.values()
+        versions = [v for r in recs if r.min_version >= 0 for v in (r.min_version, r.max_version)]
+        values = {
+            "groups": len(self.index), "bytes": self.nbytes,
+            "judged": sum(r.judged for r in recs), "delivered": sum(r.delivered for r in recs),
+            "consumed": sum(r.consumed for r in recs), "deliverable": len(self.deliverable),
+            "unjudged": len(self.unjudged), "leased": len(self.leases),
+            "evicted": self.evicted, "evicted_stale": self.evicted_stale,
+            "oldest_version": min(versions, default=None),
+            "newest_version": max(versions, default=None),
+            "learner_version": self.learner_version,
+            "received": self.rpc.counters.received, "replied": self.rpc.counters.replied,
+        }
+        values.update(self.counters)
+        values.update({f"rejected/{r}": n for r, n in self.rpc.counters.rejected.items()})
+        return values
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self.rpc.close()
+            self.store.close()
+            os.close(self._lock)  # only now may another server open the store
+            self._lock = None
+
+
+def _single_writer_lock(path: Path) -> int:
+    """Refuse to start a second server on the same store: two writers would each trust their
+    own in-memory index. The kernel drops the lock when the process dies, even by SIGKILL."""
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / "server.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"another replay server is serving {path}") from None
+    return fd
+
+
+def serve(run_dir, cfg: ReplayConfig, address: str | None = None) -> None:
+    """Run a replay server until SIGTERM or SIGINT, then close sockets and LMDB cleanly.
+
+    The bound address is written to ``<run_dir>/replay.addr`` (removed again on a clean stop)
+    so other processes on this machine can find the server.
+    """
+    server = ReplayServer(run_dir, cfg, address)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("replay server: %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    addr_file = Path(run_dir) / ADDR_FILE
+    tmp = addr_file.with_suffix(".addr.tmp")
+    tmp.write_text(server.address + "\n")
+    os.replace(tmp, addr_file)  # readers never see half an address
+    try:
+        server.run(stop)
+    finally:
+        final = server.stats()
+        server.close()
+        addr_file.unlink(missing_ok=True)
+        log.info("replay server stopped: %s", final)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m replay.server", description=__doc__.split(
+        "\n")[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--address", default=None)
+    parser.add_argument("-c", "--config", default=None, help="YAML config file")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. replay.write_batch=64 (repeatable)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, args.sets)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+    serve(args.run_dir, cfg.replay, args.address or cfg.replay.address or None)
+
+
+if __name__ == "__main__":
+    main()

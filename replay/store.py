@@ -1,0 +1,182 @@
+"""The durable replay store: one LMDB environment, ``<run_dir>/replay.lmdb``, with named sub-dbs.
+
+=========  ==========================  =====================================================
+sub-db     key                         value
+=========  ==========================  =====================================================
+groups     group_id (utf-8)            the Group body exactly as the actor sent it (msgpack)
+index      group_id                    :class:`GroupRecord` (msgpack list): seq, versions, flags
+order      seq (8 bytes, big-endian)   group_id: ingest order, so scans go oldest-first
+labels     group_id                    the StepLabels body exactly as the judge sent it
+meta       name (utf-8)                msgpack value: next seq, eviction counters, learner
+                                       version seen, last batch per learner
+=========  ==========================  =====================================================
+
+The replay server (:mod:`replay.server`) is the only writer. Anyone may read, also while it
+runs: :func:`read_stats` opens the environment read-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+import lmdb
+import msgpack
+
+STORE_DIR = "replay.lmdb"
+MAX_DBS = 8  # five sub-dbs today, room to add a few without touching existing stores
+_SUBDBS = ("groups", "index", "order", "labels", "meta")
+_SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is ingest order
+
+# meta keys
+NEXT_SEQ = "next_seq"
+EVICTED = "evicted"
+EVICTED_STALE = "evicted_stale"
+LEARNER_VERSION = "learner_version"  # newest policy version a learner told us about
+MAX_STALENESS = "max_staleness"  # the bound the learner last asked for
+LAST_BATCH = "last_batch/"  # + learner_id: [msg_id, [group ids]] of the last Batch sent
+
+
+@dataclasses.dataclass(slots=True)  # one per stored group in the server's memory
+class GroupRecord:
+    """What the server keeps in memory (and in ``index``) per stored group."""
+
+    seq: int  # ingest order
+    task_id: str
+    min_version: int  # over generated tokens; -1 when nothing was generated
+    max_version: int
+    nbytes: int  # stored body size
+    judged: bool = False
+    delivered: bool = False  # handed to the learner (and not reset by a LearnerHello since)
+    consumed: bool = False  # covered by a learner checkpoint: never delivered again
+    created: float = 0.0  # unix time the server stored it
+
+    def pack(self) -> bytes:
+        return msgpack.packb([getattr(self, name) for name in _RECORD_FIELDS])
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> GroupRecord:
+        return cls(*msgpack.unpackb(raw))
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(GroupRecord))
+
+
+def store_path(run_dir) -> Path:
+    return Path(run_dir) / STORE_DIR
+
+
+def seq_key(seq: int) -> bytes:
+    return _SEQ.pack(seq)
+
+
+class Store:
+    """Thin typed access to the sub-dbs; transactions are the caller's (``store.env.begin``)."""
+
+    def __init__(self, run_dir, map_size: int = 10 * 1024**2, readonly: bool = False):
+        path = store_path(run_dir)
+        if not readonly:
+            path.mkdir(parents=True, exist_ok=True)
+        # Defaults keep sync and metasync on: a commit is on disk when it returns, which is what
+        # lets the server ack a group right after committing it.
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=MAX_DBS, subdir=True,
+                             readonly=readonly, create=not readonly)
+        try:
+            self.db = {name: self.env.open_db(name.encode(), create=not readonly)
+                       for name in _SUBDBS}
+        except lmdb.Error:
+            self.env.close()
+            raise
+
+    def close(self) -> None:
+        self.env.close()
+
+    # --- groups ----------------------------------------------------------------------------
+
+    def put_group(self, txn, group_id: str, body: bytes, rec: GroupRecord) -> None:
+        key = group_id.encode()
+        txn.put(key, body, db=self.db["groups"])
+        txn.put(key, rec.pack(), db=self.db["index"])
+        txn.put(seq_key(rec.seq), key, db=self.db["order"])
+
+    def put_record(self, txn, group_id: str, rec: GroupRecord) -> None:
+        txn.put(group_id.encode(), rec.pack(), db=self.db["index"])
+
+    def body(self, txn, group_id: str) -> bytes | None:
+        return txn.get(group_id.encode(), db=self.db["groups"])
+
+    def delete_group(self, txn, group_id: str, rec: GroupRecord) -> None:
+        key = group_id.encode()
+        for name in ("groups", "index", "labels"):
+            txn.delete(key, db=self.db[name])
+        txn.delete(seq_key(rec.seq), db=self.db["order"])
+
+    def load_index(self, txn) -> dict[str, GroupRecord]:
+        """Every record, oldest first (dicts keep insertion order)."""
+        index = {}
+        groups_index = self.db["index"]
+        for _, key in txn.cursor(db=self.db["order"]):
+            index[key.decode()] = GroupRecord.unpack(txn.get(key, db=groups_index))
+        return index
+
+    def iter_bodies(self, txn):
+        """(group_id, body) for every stored group, in key order."""
+        for key, body in txn.cursor(db=self.db["groups"]):
+            yield key.decode(), body
+
+    # --- labels ----------------------------------------------------------------------------
+
+    def put_labels(self, txn, group_id: str, body: bytes) -> None:
+        txn.put(group_id.encode(), body, db=self.db["labels"])
+
+    def labels(self, txn, group_id: str) -> bytes | None:
+        return txn.get(group_id.encode(), db=self.db["labels"])
+
+    # --- meta ------------------------------------------------------------------------------
+
+    def get_meta(self, txn, name: str, default=None):
+        raw = txn.get(name.encode(), db=self.db["meta"])
+        return default if raw is None else msgpack.unpackb(raw)
+
+    def put_meta(self, txn, name: str, value) -> None:
+        txn.put(name.encode(), msgpack.packb(value), db=self.db["meta"])
+
+    def delete_meta(self, txn, name: str) -> None:
+        txn.delete(name.encode(), db=self.db["meta"])
+
+
+def read_stats(run_dir) -> dict:
+    """Counts over the store at ``run_dir``, read-only: safe while the server runs.
+
+    ``evicted`` counts every group evicted so far, ``evicted_stale`` the unconsumed ones among
+    them that were evicted for being past the staleness bound. Versions are over generated
+    tokens of the groups still stored (null when none has any).
+    """
+    out = {"groups": 0, "judged": 0, "consumed": 0, "delivered": 0, "evicted": 0,
+           "evicted_stale": 0, "bytes": 0, "oldest_version": None, "newest_version": None}
+    if not (store_path(run_dir) / "data.mdb").exists():
+        return out
+    try:
+        store = Store(run_dir, readonly=True)
+    except lmdb.NotFoundError:  # created a moment ago; its sub-dbs are not committed yet
+        return out
+    try:
+        with store.env.begin() as txn:
+            versions = []
+            for _, raw in txn.cursor(db=store.db["index"]):
+                rec = GroupRecord.unpack(raw)
+                out["groups"] += 1
+                out["judged"] += rec.judged
+                out["consumed"] += rec.consumed
+                out["delivered"] += rec.delivered
+                out["bytes"] += rec.nbytes
+                if rec.min_version >= 0:
+                    versions += (rec.min_version, rec.max_version)
+            out["evicted"] = store.get_meta(txn, EVICTED, 0)
+            out["evicted_stale"] = store.get_meta(txn, EVICTED_STALE, 0)
+            if versions:
+                out["oldest_version"], out["newest_version"] = min(versions), max(versions)
+    finally:
+        store.close()
+    return out

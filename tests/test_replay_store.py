@@ -1,0 +1,100 @@
+"""The LMDB layer on its own, and ReplayServer.handle on bursts built by hand."""
+
+from __future__ import annotations
+
+import pytest
+from helpers_replay import labels_for, make_group
+
+from protocol import codec
+from protocol.config import ReplayConfig
+from protocol.messages import Error, JudgePull, StatsRequest
+from protocol.transport import Incoming
+from replay.server import ReplayServer
+from replay.store import EVICTED, GroupRecord, Store, read_stats, store_path
+
+
+def test_record_round_trip():
+    rec = GroupRecord(seq=7, task_id="t", min_version=-1, max_version=-1, nbytes=10,
+                      judged=True, delivered=False, consumed=True, created=1.5)
+    assert GroupRecord.unpack(rec.pack()) == rec
+
+
+def test_index_loads_in_ingest_order_and_delete_removes_everything(tmp_path):
+    store = Store(tmp_path, map_size=1 << 24)
+    names = ["b", "a", "d", "c"]  # key order differs from ingest order
+    with store.env.begin(write=True) as txn:
+        for seq, name in enumerate(names):
+            rec = GroupRecord(seq, "task", 0, 1, 3)
+            store.put_group(txn, name, b"abc", rec)
+            store.put_labels(txn, name, b"lab")
+        store.put_meta(txn, EVICTED, 5)
+    with store.env.begin(write=True) as txn:
+        index = store.load_index(txn)
+        assert list(index) == names
+        store.delete_group(txn, "d", index["d"])
+    with store.env.begin() as txn:
+        assert list(store.load_index(txn)) == ["b", "a", "c"]
+        assert store.body(txn, "d") is None and store.labels(txn, "d") is None
+        assert store.get_meta(txn, EVICTED) == 5 and store.get_meta(txn, "nothing", 1) == 1
+    store.close()
+    stats = read_stats(tmp_path)
+    assert (stats["groups"], stats["bytes"], stats["evicted"]) == (3, 9, 5)
+    assert (stats["oldest_version"], stats["newest_version"]) == (0, 1)
+
+
+def test_read_stats_without_a_store(tmp_path):
+    stats = read_stats(tmp_path)
+    assert stats["groups"] == 0 and stats["oldest_version"] is None
+    assert not store_path(tmp_path).exists()  # reading never creates one
+
+
+def test_read_stats_ignores_groups_without_generated_tokens(tmp_path):
+    store = Store(tmp_path, map_size=1 << 24)
+    with store.env.begin(write=True) as txn:
+        store.put_group(txn, "p", b"x", GroupRecord(0, "t", -1, -1, 1))
+    store.close()
+    stats = read_stats(tmp_path)
+    assert stats["groups"] == 1 and stats["newest_version"] is None
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = ReplayServer(tmp_path, ReplayConfig(), "tcp://127.0.0.1:*")
+    yield srv
+    srv.close()
+
+
+def incoming(msg, msg_id="m"):
+    return Incoming(route=[], msg_id=msg_id, msg=msg, body=codec.encode_body(msg))
+
+
+def test_a_burst_with_the_same_group_twice_stores_it_once(server):
+    g = make_group(1)
+    replies = server.handle([incoming(g, "a"), incoming(g, "b"), incoming(StatsRequest())])
+    assert [r.status for _, r in replies[:2]] == ["stored", "duplicate"]
+    assert replies[2][1].values["groups"] == 1  # reads run after the commit: they see it
+    assert server.counters["write_txns"] == 1
+
+
+def test_second_server_on_the_same_store_is_refused(server, tmp_path):
+    with pytest.raises(RuntimeError, match="another replay server"):
+        ReplayServer(tmp_path, ReplayConfig(), "tcp://127.0.0.1:*")
+
+
+def test_map_full_refuses_the_pushes_of_the_burst_and_serves_reads(tmp_path):
+    srv = ReplayServer(tmp_path, ReplayConfig(map_size=1 << 20), "tcp://127.0.0.1:*")
+    try:
+        first = make_group(0)
+        srv.handle([incoming(first)])
+        big = [make_group(i, max_tokens=8000) for i in range(1, 12)]
+        replies = srv.handle([incoming(g, g.group_id) for g in big] +
+                             [incoming(labels_for(first), "lab"), incoming(JudgePull("j", 1))])
+        by_id = {inc.msg_id: r for inc, r in replies}
+        assert all(isinstance(by_id[g.group_id], Error) and by_id[g.group_id].reason ==
+                   "store_full" for g in big)  # the whole burst's pushes: nothing half-written
+        assert by_id["lab"].status == "stored"  # the small write still fits
+        assert [g.group_id for g in by_id["m"].groups] == []  # judged already: nothing to do
+        assert list(srv.index) == [first.group_id]
+    finally:
+        srv.close()
+    assert read_stats(tmp_path)["groups"] == 1 and read_stats(tmp_path)["judged"] == 1
