@@ -16,6 +16,7 @@ against the dataclass annotations and raises :class:`SchemaError` with a reason 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -180,7 +181,7 @@ def _to_array(raw: _RawArray, want_dtype: str, path: str) -> np.ndarray:
     if raw.dtype != want_dtype:
         raise SchemaError("wrong_dtype", f"{raw.dtype} where {want_dtype} is required", path)
     dtype = np.dtype(raw.dtype)
-    count = int(np.prod(raw.shape, dtype=np.int64)) if raw.shape else 1
+    count = math.prod(raw.shape)  # Python ints: a hostile shape cannot overflow the check
     if count * dtype.itemsize != len(raw.data):
         raise SchemaError("bad_array", f"{len(raw.data)} bytes for shape {raw.shape}", path)
     return np.frombuffer(raw.data, dtype=dtype).reshape(raw.shape)

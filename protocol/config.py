@@ -250,6 +250,20 @@ class EvalConfig:
 
 
 @dataclass
+class TrackingConfig:
+    wandb: str = "offline"
+    """``offline`` (into the run directory; ``wandb sync`` later), ``online`` (after
+    ``wandb login``) or ``disabled``. metrics.jsonl is written in every mode."""
+
+    group: str = ""
+    """wandb run group, e.g. one ablation arm."""
+
+    def check(self):
+        if self.wandb not in ("offline", "online", "disabled"):
+            raise ConfigError(f"wandb must be offline, online or disabled, got {self.wandb!r}")
+
+
+@dataclass
 class RunConfig:
     name: str = "default"
     """Run name: the run directory is ``runs/<name>`` unless ``--run-dir`` says otherwise."""
@@ -265,6 +279,7 @@ class RunConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def check(self):
         for f in dataclasses.fields(self):

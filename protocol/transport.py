@@ -145,15 +145,14 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def send(self, msg, msg_id: str | None = None) -> str: ...
 
-    @abc.abstractmethod
-    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, object]]: ...
-
     @property
     @abc.abstractmethod
     def pending(self) -> dict[str, object]:
         """Requests sent and not yet answered, by id."""
 
     def request(self, msg, timeout_s: float = 30.0, msg_id: str | None = None):
+        """Send and wait for this request's answer. Answers to other requests that arrive
+        meanwhile are kept and handed out by the next ``poll``, never dropped."""
         msg_id = self.send(msg, msg_id)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -161,11 +160,21 @@ class Channel(abc.ABC):
             if left <= 0:
                 self.forget(msg_id)
                 raise TransportTimeout(f"no answer to {type(msg).__name__} in {timeout_s:.1f}s")
-            for rid, reply in self.poll(min(left, 0.5)):
-                if rid == msg_id:
-                    if isinstance(reply, Error):
-                        raise RemoteError(reply.reason, reply.detail)
+            for rid, reply in self._poll_wire(min(left, 0.5)):
+                if rid != msg_id:
+                    self._early.append((rid, reply))
+                elif isinstance(reply, Error):
+                    raise RemoteError(reply.reason, reply.detail)
+                else:
                     return reply
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, object]]:
+        early, self._early = self._early, []
+        return early + self._poll_wire(0.0 if early else timeout_s)
+
+    @abc.abstractmethod
+    def _poll_wire(self, timeout_s: float) -> list[tuple[str, object]]:
+        """Answers that arrived (waiting up to ``timeout_s``), re-sending overdue requests."""
 
     def forget(self, msg_id: str) -> None:
         self.pending.pop(msg_id, None)
@@ -187,6 +196,7 @@ class ZmqChannel(Channel):
 
     def __init__(self, address: str, retry_after_s: float = 2.0,
                  context: zmq.Context | None = None, identity: str | None = None):
+        self._early: list[tuple[str, object]] = []
         self.address = address
         self.retry_after_s = retry_after_s
         self.resends = 0
@@ -217,7 +227,7 @@ class ZmqChannel(Channel):
         except zmq.Again:
             pass  # queue full while the server is away: the retry timer re-sends it
 
-    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, object]]:
+    def _poll_wire(self, timeout_s: float) -> list[tuple[str, object]]:
         out = []
         if self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             while True:
@@ -263,6 +273,7 @@ class LoopbackChannel(Channel):
 
     def __init__(self, handler: Callable[[str, bytes, object], object]):
         self._handler = handler
+        self._early: list[tuple[str, object]] = []
         self._replies: list[tuple[str, object]] = []
         self._pending: dict[str, object] = {}
         self.sent: list[bytes] = []
@@ -282,7 +293,7 @@ class LoopbackChannel(Channel):
         self._replies.append((msg_id, reply))
         return msg_id
 
-    def poll(self, timeout_s: float = 0.0) -> list[tuple[str, object]]:
+    def _poll_wire(self, timeout_s: float) -> list[tuple[str, object]]:
         out, self._replies = self._replies, []
         return out
 

@@ -130,3 +130,16 @@ def test_exit_with_unsent_messages_does_not_hang():
 
 def _free_port():
     return free_tcp_port()
+
+
+def test_request_keeps_answers_to_pipelined_sends(echo):
+    ch = ZmqChannel(echo.address)
+    ids = {ch.send(Task("t", "files", "q", i)) for i in range(5)}
+    time.sleep(0.2)  # their answers are waiting on the socket when the request reads it
+    assert isinstance(ch.request(StatsRequest(), timeout_s=5), Ack)
+    got = set()
+    deadline = time.monotonic() + 5
+    while got != ids and time.monotonic() < deadline:
+        got |= {rid for rid, _ in ch.poll(0.1)}
+    assert got == ids and ch.pending == {}
+    ch.close()

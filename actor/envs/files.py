@@ -15,7 +15,9 @@ Goal (``Task.goal``): ``{"all": [condition, ...]}`` with conditions
 from __future__ import annotations
 
 import copy
+import functools
 import random
+import zlib
 
 from actor.envs.base import (
     ArgSpec,
@@ -214,9 +216,10 @@ class FilesEnv(Environment):
     valid world for synthetic tasks.
     """
 
-    def __init__(self, num_worlds: int = NUM_WORLDS):
+    def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "world"):
         super().__init__()
         self.num_worlds = num_worlds
+        self.holdout = holdout
         self.tree: dict = {}
         self.cwd: list[str] = []
 
@@ -251,7 +254,7 @@ class FilesEnv(Environment):
     def tasks(self, split: str) -> list[Task]:
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-        return [t for t in build_tasks(self.num_worlds) if t.split == split]
+        return [t for t in _cached_tasks(self.num_worlds, self.holdout) if t.split == split]
 
     @classmethod
     def vocabulary(cls) -> list[str]:
@@ -721,20 +724,40 @@ TEMPLATES = {
 }
 
 
-def build_tasks(num_worlds: int = NUM_WORLDS) -> list[Task]:
-    """Every template over worlds ``0 .. num_worlds-1``, in a fixed order with stable ids."""
+def _held_out(seed: int, task_id: str, holdout: str) -> bool:
+    if holdout == "world":
+        return seed % TEST_EVERY == TEST_EVERY - 1
+    # "task": a stable 1-in-TEST_EVERY sample of tasks, their worlds shared with training tasks
+    return zlib.crc32(task_id.encode()) % TEST_EVERY == TEST_EVERY - 1
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tasks(num_worlds: int, holdout: str) -> tuple[Task, ...]:
+    return tuple(build_tasks(num_worlds, holdout))
+
+
+def build_tasks(num_worlds: int = NUM_WORLDS, holdout: str = "world") -> list[Task]:
+    """Every template over worlds ``0 .. num_worlds-1``, in a fixed order with stable ids.
+
+    ``holdout="world"``: test tasks live in worlds never seen in training (every 5th seed);
+    ``holdout="task"``: every 5th task (by a stable hash of its id) is held out, in the same
+    worlds as the training tasks.
+    """
+    if holdout not in ("world", "task"):
+        raise ValueError(f"holdout must be 'world' or 'task', not {holdout!r}")
     tasks = []
     for seed in range(num_worlds):
-        split = "test" if seed % TEST_EVERY == TEST_EVERY - 1 else "train"
         for index, (name, template) in enumerate(TEMPLATES.items()):
             # One rng per (world, template): adding a template never changes the others.
             made = template(_World(seed, random.Random(seed * 1000 + index)))
             if made is None:
                 continue
             query, reference, conditions = made
+            task_id = f"files/{seed:04d}/{name}"
+            split = "test" if _held_out(seed, task_id, holdout) else "train"
             tasks.append(
                 Task(
-                    task_id=f"files/{seed:04d}/{name}",
+                    task_id=task_id,
                     env="files",
                     query=query,
                     seed=seed,
