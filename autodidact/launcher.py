@@ -25,6 +25,7 @@ from rich.console import Console
 from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.metrics import read_metrics
 from autodidact.supervisor import RoleSpec, Supervisor
+from autodidact.tracking import WandbMirror
 from protocol.config import RunConfig, to_dict
 from protocol.control import ControlPlane, default_prefix
 from protocol.errors import TransportTimeout
@@ -73,7 +74,8 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
     return str(path)
 
 
-def held_out_success(cfg: RunConfig, model_path: str, label: str) -> float | None:
+def held_out_success(cfg: RunConfig, model_path: str, label: str) -> dict | None:
+    """avg@k and best@k (sampled) and greedy success on held-out tasks."""
     if cfg.eval.num_tasks == 0:
         return None
     from actor.actor import rollout_settings
@@ -83,12 +85,19 @@ def held_out_success(cfg: RunConfig, model_path: str, label: str) -> float | Non
 
     tasks = make_env(cfg.env.name).tasks("test")
     tasks = random.Random(cfg.seed).sample(tasks, min(cfg.eval.num_tasks, len(tasks)))
+    e = cfg.eval
     with TransformersBackend(model_path, device=cfg.actor.device) as backend:
-        result = evaluate(backend, tasks, cfg.env.name, rollout_settings(cfg),
-                          temperature=cfg.eval.temperature, seed=cfg.seed)
-    console.print(f"  held-out success {label}: [bold]{result['avg']:.1%}[/] "
-                  f"({result['tasks']} tasks)")
-    return result["avg"]
+        sampled = evaluate(backend, tasks, cfg.env.name, rollout_settings(cfg),
+                           temperature=e.temperature, k=e.k, seed=cfg.seed)
+        result = {"avg": sampled["avg"], "best": sampled["best"], "tasks": sampled["tasks"]}
+        if e.greedy:
+            greedy = evaluate(backend, tasks, cfg.env.name, rollout_settings(cfg),
+                              temperature=0.0, seed=cfg.seed)
+            result["greedy"] = greedy["avg"]
+    greedy_text = f", greedy {result['greedy']:.1%}" if "greedy" in result else ""
+    console.print(f"  held-out success {label}: [bold]avg@{e.k} {result['avg']:.1%}[/] "
+                  f"(best@{e.k} {result['best']:.1%}{greedy_text}; {result['tasks']} tasks)")
+    return result
 
 
 def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str) -> str:
@@ -184,8 +193,12 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
                              log_path=logs / f"actor-{i}.log"))
     control.set_state(phase="rl")
     feeder = TaskFeeder(cfg, control)
-    code = supervise(cfg, run_dir, control, roles, feeder)
-    roles.stop()
+    mirror = WandbMirror(run_dir, cfg.tracking.wandb, to_dict(cfg), cfg.name, cfg.tracking.group)
+    try:
+        code = supervise(cfg, run_dir, control, roles, feeder, mirror)
+    finally:
+        roles.stop()
+        mirror.close()
     final = _latest_weights(run_dir)
     if code == 0 and final is not None:
         summary["success_rl"] = held_out_success(cfg, final, "after RL")
@@ -196,7 +209,7 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     return code
 
 
-def supervise(cfg, run_dir, control, roles, feeder) -> int:
+def supervise(cfg, run_dir, control, roles, feeder, mirror) -> int:
     """Restart dead actors, keep tasks flowing, show progress until the learner exits."""
     t0, last_print = time.monotonic(), 0.0
     while True:
@@ -213,6 +226,7 @@ def supervise(cfg, run_dir, control, roles, feeder) -> int:
         if time.monotonic() - last_print > 10:
             last_print = time.monotonic()
             _print_progress(run_dir, control, roles, time.monotonic() - t0)
+            mirror.sync()
         time.sleep(0.5)
 
 
@@ -251,12 +265,13 @@ def _latest_weights(run_dir: Path) -> str | None:
 
 
 def _print_summary(summary: dict) -> None:
-    def pct(key):
-        v = summary.get(key)
+    def pct(stage, key="avg"):
+        v = (summary.get(f"success_{stage}") or {}).get(key)
         return "n/a" if v is None else f"{v:.1%}"
 
     learner = summary.get("learner", {})
-    console.print("[bold]summary[/]  held-out success: "
-                  f"base {pct('success_base')} -> warm-start {pct('success_warm')} -> "
-                  f"RL {pct('success_rl')}   ({learner.get('learner/updates', 0)} updates, "
-                  f"version {learner.get('learner/version', 0)})")
+    console.print(f"[bold]summary[/]  held-out avg@k: base {pct('base')} -> warm-start "
+                  f"{pct('warm')} -> RL {pct('rl')}   (greedy: {pct('base', 'greedy')} -> "
+                  f"{pct('warm', 'greedy')} -> {pct('rl', 'greedy')})   "
+                  f"{learner.get('learner/updates', 0)} updates, "
+                  f"version {learner.get('learner/version', 0)}")

@@ -239,14 +239,20 @@ class EvalConfig:
     num_tasks: int = 100
     """Held-out tasks evaluated before and after RL (0 = skip)."""
 
-    temperature: float = 0.0
-    """0 = greedy decoding for evaluation."""
+    k: int = 4
+    """Sampled episodes per task: success is reported as avg@k and best@k."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the avg@k evaluation (the rollouts' own temperature)."""
+
+    greedy: bool = True
+    """Also report greedy (temperature 0) success on the same tasks."""
 
     def check(self):
         if self.num_tasks < 0:
             raise ConfigError(f"num_tasks must be >= 0, got {self.num_tasks}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        _positive(self, "k")
+        _positive(self, "temperature")
 
 
 @dataclass
