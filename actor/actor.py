@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from actor.backends.base import InferenceBackend, SamplingParams
-from actor.envs import make_env
+from actor.envs.base import env_maker
 from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, to_groups
 from autodidact.metrics import MetricsWriter, RateMeter
 from protocol.config import RunConfig
@@ -57,6 +57,7 @@ class Actor:
         self.actor_id = actor_id
         self.codec = PromptCodec(backend.tokenizer)
         self.settings = rollout_settings(cfg)
+        self.make_env = env_maker(cfg.env)
         self.weights = WeightSubscriber(control, actor_id)
         self.metrics = MetricsWriter(run_dir, "actor", actor_id)
         self.tokens = RateMeter()
@@ -132,9 +133,7 @@ class Actor:
         return []
 
     def roll(self, tasks):
-        env_name = self.cfg.env.name
-        episodes = start_episodes(tasks, self.cfg.actor.group_size, lambda: make_env(env_name),
-                                  self.codec)
+        episodes = start_episodes(tasks, self.cfg.actor.group_size, self.make_env, self.codec)
         self._seed += 1
         params = SamplingParams(temperature=self.cfg.actor.temperature,
                                 top_p=self.cfg.actor.top_p,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from actor.backends.base import InferenceBackend, SamplingParams
-from actor.envs import make_env
 from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, success_rate
+from actor.envs.base import Environment
 from protocol.messages import Task
 
 
-def evaluate(backend: InferenceBackend, tasks: list[Task], env_name: str,
+def evaluate(backend: InferenceBackend, tasks: list[Task], make_env: Callable[[], Environment],
              settings: RolloutSettings, temperature: float = 0.0, k: int = 1,
              batch_tasks: int = 64, seed: int = 0) -> dict:
     """avg@k and best@k success over ``tasks`` (k episodes per task)."""
@@ -18,7 +20,7 @@ def evaluate(backend: InferenceBackend, tasks: list[Task], env_name: str,
     per_task = []
     for i in range(0, len(tasks), batch_tasks):
         chunk = tasks[i:i + batch_tasks]
-        episodes = start_episodes(chunk, k, lambda: make_env(env_name), codec)
+        episodes = start_episodes(chunk, k, make_env, codec)
         rollout(backend, episodes, codec, params, settings)
         per_task += [episodes[j:j + k] for j in range(0, len(episodes), k)]
     return {

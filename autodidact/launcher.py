@@ -80,18 +80,19 @@ def held_out_success(cfg: RunConfig, model_path: str, label: str) -> dict | None
         return None
     from actor.actor import rollout_settings
     from actor.backends.hf import TransformersBackend
-    from actor.envs import make_env
+    from actor.envs.base import env_maker
     from actor.evaluate import evaluate
 
-    tasks = make_env(cfg.env.name).tasks("test")
+    make_env = env_maker(cfg.env)
+    tasks = make_env().tasks("test")
     tasks = random.Random(cfg.seed).sample(tasks, min(cfg.eval.num_tasks, len(tasks)))
     e = cfg.eval
     with TransformersBackend(model_path, device=cfg.actor.device) as backend:
-        sampled = evaluate(backend, tasks, cfg.env.name, rollout_settings(cfg),
+        sampled = evaluate(backend, tasks, make_env, rollout_settings(cfg),
                            temperature=e.temperature, k=e.k, seed=cfg.seed)
         result = {"avg": sampled["avg"], "best": sampled["best"], "tasks": sampled["tasks"]}
         if e.greedy:
-            greedy = evaluate(backend, tasks, cfg.env.name, rollout_settings(cfg),
+            greedy = evaluate(backend, tasks, make_env, rollout_settings(cfg),
                               temperature=0.0, seed=cfg.seed)
             result["greedy"] = greedy["avg"]
     greedy_text = f", greedy {result['greedy']:.1%}" if "greedy" in result else ""
@@ -125,9 +126,9 @@ class TaskFeeder:
     """Keeps the Redis task queue topped up with shuffled training tasks, epoch after epoch."""
 
     def __init__(self, cfg: RunConfig, control: ControlPlane):
-        from actor.envs import make_env
+        from actor.envs.base import env_maker
 
-        self.tasks = make_env(cfg.env.name).tasks("train")
+        self.tasks = env_maker(cfg.env)().tasks("train")
         self.rng = random.Random(cfg.seed)
         self.control = control
         self.low_water = 4 * cfg.actor.num_actors * cfg.actor.groups_in_flight

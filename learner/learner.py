@@ -151,7 +151,8 @@ class Learner:
         loss, m = policy_loss(
             logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.action_mask,
             clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
-            dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap)
+            dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
+            aggregation=self.cfg.loss_aggregation)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)

@@ -22,6 +22,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | None = None,
+    aggregation: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled clipped surrogate, token-mean over the trained tokens.
 
@@ -38,7 +39,13 @@ def policy_loss(
         kl     = exp(q) - q - 1,  q = log π_ref - log π_θ            k3 estimator of KL(π_θ‖π_ref)
         ℓ      = w·s + kl_coef·kl
 
-        loss   = Σ keep·ℓ / Σ keep          (or / num_tokens when given)
+        loss   = Σ keep·ℓ / Σ keep          (or / num_tokens when given)        token-mean
+        loss   = mean_i [Σ_t keep·ℓ / Σ_t keep]  over rows i with kept tokens   seq-mean-token-mean
+
+    ``aggregation="seq-mean-token-mean"`` weights every trajectory equally whatever its length
+    (the original GRPO form). Under token-mean, long failed episodes outweigh short successes,
+    which pushes the sampled tokens down on net and raises entropy; on small policies that
+    drift can compound into a collapse, which the per-sequence mean avoids.
 
     The KL term is not importance-weighted: it is a regulariser, not an estimate of the return.
     ``proximal_logprobs=None`` means ``π_prox = π_b`` (plain PPO, ``w = 1``). ``dual_clip`` /
@@ -79,14 +86,25 @@ def policy_loss(
         kl_ref = _k3(ref_logprobs.detach().float() - logp)
         token_loss = token_loss + kl_coef * kl_ref
 
-    kept = keep.sum()
-    denom = kept.clamp(min=1).float() if num_tokens is None else float(max(num_tokens, 1))
     # where, not multiply: a dropped token's loss may be huge and must not leak in as inf·0.
     zero = torch.zeros_like(token_loss)
-    loss = torch.where(keep, token_loss, zero).sum() / denom
+    if aggregation == "seq-mean-token-mean":
+        per_row = keep.sum(dim=-1, keepdim=True).float()
+        rows = (per_row > 0).sum().clamp(min=1)
+        weight = torch.where(per_row > 0, 1.0 / per_row.clamp(min=1), 0.0) / rows
+        loss = torch.where(keep, token_loss * weight, zero).sum()
+        pg = torch.where(keep, pg_token * weight, zero).sum()
+    elif aggregation == "token-mean":
+        kept = keep.sum()
+        denom = kept.clamp(min=1).float() if num_tokens is None else float(max(num_tokens, 1))
+        loss = torch.where(keep, token_loss, zero).sum() / denom
+        pg = torch.where(keep, pg_token, zero).sum() / denom
+    else:
+        raise ValueError(f"aggregation must be token-mean or seq-mean-token-mean, "
+                         f"not {aggregation!r}")
 
     metrics = _metrics(
-        loss=loss, pg=torch.where(keep, pg_token, zero).sum() / denom, keep=keep, valid=valid,
+        loss=loss, pg=pg, keep=keep, valid=valid,
         clipped=clipped > unclipped, dual=dual, iw=iw, kl_behaviour=_k3(logp - behaviour),
         kl_ref=kl_ref,
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actor.envs import make_env
+from actor.envs.base import env_maker
 from actor.rollout import PromptCodec, RolloutSettings, scripted_episode, to_groups
 from learner.batching import build_batch
 from learner.logprobs import token_logprobs
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def reference_groups(cfg: RunConfig, codec: PromptCodec, settings: RolloutSettings) -> list[Group]:
     """One single-trajectory group per training task with a reference that solves it."""
-    env = make_env(cfg.env.name)
+    env = env_maker(cfg.env)()
     tasks = [t for t in env.tasks("train") if t.reference]
     random.Random(cfg.seed).shuffle(tasks)
     groups = []
@@ -64,7 +64,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        loss_value = float(loss)
+        loss_value = loss.item()
         if progress is not None and (step % 20 == 0 or step == cfg.warmstart.steps - 1):
             progress(step + 1, loss_value)
     model.save_pretrained(out_path)

@@ -105,6 +105,10 @@ class EnvConfig:
     max_context: int = 384
     """Context-length guard in tokens: an episode stops before its context would exceed this."""
 
+    options: dict = field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (``files``: ``num_worlds``,
+    ``holdout`` = ``task`` or ``world``)."""
+
     def check(self):
         _positive(self, "max_turns")
         _positive(self, "max_context")
@@ -179,6 +183,10 @@ class LearnerConfig:
     iw_cap: float = 5.0
     """Tokens whose importance weight proximal/behaviour exceeds this are masked (counted)."""
 
+    loss_aggregation: str = "seq-mean-token-mean"
+    """``token-mean`` (every trained token weighs the same) or ``seq-mean-token-mean`` (every
+    trajectory weighs the same; see learner/losses.py for why it is the default)."""
+
     kl_coef: float = 0.0
     """KL penalty to the frozen initial policy (0 = off, no reference copy kept)."""
 
@@ -207,6 +215,9 @@ class LearnerConfig:
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
         in_range(self, "clip_low", 0.0, 1.0)
+        if self.loss_aggregation not in ("token-mean", "seq-mean-token-mean"):
+            raise ConfigError("loss_aggregation must be token-mean or seq-mean-token-mean, "
+                              f"got {self.loss_aggregation!r}")
         in_range(self, "clip_high", 0.0, 10.0)
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")

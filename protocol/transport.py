@@ -145,10 +145,14 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def send(self, msg, msg_id: str | None = None) -> str: ...
 
+    def __init__(self):
+        self._pending: dict[str, object] = {}
+        self._early: list[tuple[str, object]] = []  # answers that arrived during a request()
+
     @property
-    @abc.abstractmethod
     def pending(self) -> dict[str, object]:
         """Requests sent and not yet answered, by id."""
+        return self._pending
 
     def request(self, msg, timeout_s: float = 30.0, msg_id: str | None = None):
         """Send and wait for this request's answer. Answers to other requests that arrive
@@ -196,11 +200,10 @@ class ZmqChannel(Channel):
 
     def __init__(self, address: str, retry_after_s: float = 2.0,
                  context: zmq.Context | None = None, identity: str | None = None):
-        self._early: list[tuple[str, object]] = []
+        super().__init__()
         self.address = address
         self.retry_after_s = retry_after_s
         self.resends = 0
-        self._pending: dict[str, _Pending] = {}
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -209,10 +212,6 @@ class ZmqChannel(Channel):
         if identity:
             self._sock.setsockopt(zmq.IDENTITY, identity.encode()[:255])
         self._sock.connect(address)
-
-    @property
-    def pending(self):
-        return self._pending
 
     def send(self, msg, msg_id: str | None = None) -> str:
         msg_id = msg_id or new_id()
@@ -272,16 +271,11 @@ class LoopbackChannel(Channel):
     """
 
     def __init__(self, handler: Callable[[str, bytes, object], object]):
+        super().__init__()
         self._handler = handler
-        self._early: list[tuple[str, object]] = []
         self._replies: list[tuple[str, object]] = []
-        self._pending: dict[str, object] = {}
         self.sent: list[bytes] = []
         self.received: list[bytes] = []
-
-    @property
-    def pending(self):
-        return self._pending
 
     def send(self, msg, msg_id: str | None = None) -> str:
         msg_id = msg_id or new_id()

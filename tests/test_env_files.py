@@ -324,20 +324,22 @@ def test_goal_from_states_relabels_what_changed():
 # --- tasks ------------------------------------------------------------------------------------
 
 
-def test_task_set_size_ids_and_splits():
-    env = FilesEnv()
+@pytest.mark.parametrize("holdout", ["task", "world"])
+def test_task_set_size_ids_and_splits(holdout):
+    env = FilesEnv(holdout=holdout)
     train, test = env.tasks("train"), env.tasks("test")
     ids = [t.task_id for t in train + test]
     assert len(ids) >= 500 and len(set(ids)) == len(ids)
     assert train and test and not {t.task_id for t in train} & {t.task_id for t in test}
-    assert not {t.seed for t in train} & {t.seed for t in test}  # test worlds are unseen
+    shared_worlds = {t.seed for t in train} & {t.seed for t in test}
+    assert bool(shared_worlds) == (holdout == "task")  # "world": test worlds are unseen
     assert 0.15 < len(test) / len(ids) < 0.25
     assert all(
         t.env == "files" and t.split == s
         for s, ts in (("train", train), ("test", test))
         for t in ts
     )
-    assert FilesEnv().tasks("train") == train  # stable across constructions
+    assert FilesEnv(holdout=holdout).tasks("train") == train  # stable across constructions
     assert len({(t.seed, t.query) for t in train + test}) == len(ids)
     with pytest.raises(ValueError):
         env.tasks("valid")

@@ -237,6 +237,17 @@ def test_policy_loss_hand_computed():
     assert math.isfinite(m["kl_behaviour"]) and m["kl_behaviour"] >= 0
 
 
+def test_policy_loss_sequence_mean_weights_rows_equally():
+    logp, prox, behav, adv, mask = loss_inputs()
+    loss, m = policy_loss(logp, prox, behav, adv, mask, aggregation="seq-mean-token-mean")
+    # row 0 keeps 4 tokens, row 1 keeps 1 (the w=10 token is capped): mean of the row means
+    want = ((-1.1 - 1.28 + 0.8 + 3.0) / 4 + (-1.0) / 1) / 2
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    assert m["tokens"] == 5
+    with pytest.raises(ValueError):
+        policy_loss(logp, prox, behav, adv, mask, aggregation="sum")
+
+
 def test_policy_loss_gradient_only_through_logprobs():
     logp, prox, behav, adv, mask = loss_inputs()
     for t in (prox, behav, adv):

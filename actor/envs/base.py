@@ -11,7 +11,7 @@ import importlib
 import re
 import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocol.messages import Task
@@ -286,6 +286,12 @@ def env_class(name: str) -> type[Environment]:
     except KeyError:
         known = ", ".join(env_names()) or "none"
         raise KeyError(f"unknown environment {name!r}; known: {known}") from None
+
+
+def env_maker(env_cfg) -> Callable[[], Environment]:
+    """A zero-argument factory for the environment an ``EnvConfig`` names."""
+    cls, options = env_class(env_cfg.name), dict(env_cfg.options)
+    return lambda: cls(**options)
 
 
 def make_env(name: str, **kwargs) -> Environment:

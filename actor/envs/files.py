@@ -44,7 +44,7 @@ CONTENT_WORDS = tuple(
 UP, ROOT = "..", "/"
 MAX_LIST = 30  # entries/words shown by ls, cat and grep before "..."
 NUM_WORLDS = 40
-TEST_EVERY = 5  # worlds with seed % 5 == 4 are held out: test tasks live in unseen worlds
+TEST_EVERY = 5  # one task (holdout="task") or one world (holdout="world") in 5 is held out
 
 TOOLS = (
     ToolSpec(
@@ -216,7 +216,7 @@ class FilesEnv(Environment):
     valid world for synthetic tasks.
     """
 
-    def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "world"):
+    def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "task"):
         super().__init__()
         self.num_worlds = num_worlds
         self.holdout = holdout
@@ -736,7 +736,7 @@ def _cached_tasks(num_worlds: int, holdout: str) -> tuple[Task, ...]:
     return tuple(build_tasks(num_worlds, holdout))
 
 
-def build_tasks(num_worlds: int = NUM_WORLDS, holdout: str = "world") -> list[Task]:
+def build_tasks(num_worlds: int = NUM_WORLDS, holdout: str = "task") -> list[Task]:
     """Every template over worlds ``0 .. num_worlds-1``, in a fixed order with stable ids.
 
     ``holdout="world"``: test tasks live in worlds never seen in training (every 5th seed);
