@@ -33,9 +33,8 @@ log = logging.getLogger(__name__)
 
 def make_backend(cfg: RunConfig) -> InferenceBackend:
     if cfg.actor.backend == "vllm":
-        from actor.backends.vllm import VLLMBackend  # optional extra, GPU only
-
-        return VLLMBackend(cfg.model.path)
+        raise NotImplementedError("actor.backend=vllm: not yet implemented (see issue 9); "
+                                  "use actor.backend=transformers")
     from actor.backends.hf import TransformersBackend
 
     return TransformersBackend(cfg.model.path, device=cfg.actor.device)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from actor.backends.base import InferenceBackend, SamplingParams
-from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, success_rate
 from actor.envs.base import Environment
+from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, success_rate
 from protocol.messages import Task
 
 
@@ -26,5 +26,6 @@ def evaluate(backend: InferenceBackend, tasks: list[Task], make_env: Callable[[]
     return {
         "tasks": len(per_task),
         "avg": sum(success_rate(eps) for eps in per_task) / max(len(per_task), 1),
-        "best": sum(any(ep.reward >= 1.0 for ep in eps) for eps in per_task) / max(len(per_task), 1),
+        "best": sum(any(ep.reward >= 1.0 for ep in eps) for eps in per_task)
+        / max(len(per_task), 1),
     }

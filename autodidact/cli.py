@@ -54,7 +54,8 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory (default runs/<name>).")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Run directory (default runs/<name>).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--redis-url", default=None, help="Use this Redis; none is started.")
 @click.option("--max-updates", type=int, default=None, help="Stop after this many learner updates.")
@@ -85,7 +86,8 @@ def show_config(config, sets):
 
 @main.group(invoke_without_command=True)
 @click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory holding replay.lmdb.")
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Run directory holding replay.lmdb.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--address", default=None, help="ZeroMQ address to bind (default: replay.address).")
 @click.pass_context

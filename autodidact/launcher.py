@@ -23,7 +23,7 @@ import yaml
 from rich.console import Console
 
 from autodidact.embedded_redis import EmbeddedRedis
-from autodidact.metrics import read_metrics
+from autodidact.metrics import MetricsTail, read_metrics
 from autodidact.supervisor import RoleSpec, Supervisor
 from autodidact.tracking import WandbMirror
 from protocol.config import RunConfig, to_dict
@@ -33,7 +33,7 @@ from protocol.messages import Stats, StatsRequest
 from protocol.transport import ZmqChannel, local_address
 
 log = logging.getLogger(__name__)
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def write_resolved_config(cfg: RunConfig, run_dir: Path) -> Path:
@@ -203,7 +203,8 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     final = _latest_weights(run_dir)
     if code == 0 and final is not None:
         summary["success_rl"] = held_out_success(cfg, final, "after RL")
-    summary["learner"] = _last(read_metrics(run_dir, "learner"))
+    learner_rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
+    summary["learner"] = learner_rows[-1] if learner_rows else {}
     summary_path.write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(summary)
     control.set_state(phase="done")
@@ -213,39 +214,56 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
 def supervise(cfg, run_dir, control, roles, feeder, mirror) -> int:
     """Restart dead actors, keep tasks flowing, show progress until the learner exits."""
     t0, last_print = time.monotonic(), 0.0
-    while True:
-        feeder.top_up()
-        failed = roles.check()
-        code = roles.exited("learner")
-        if code is not None:
-            if code != 0:
-                console.print(f"[red]learner exited with {code}; see {run_dir / 'logs'}[/]")
-            return code
-        if failed:
-            console.print(f"[red]roles failed for good: {failed}[/]")
-            return 1
-        if time.monotonic() - last_print > 10:
-            last_print = time.monotonic()
-            _print_progress(run_dir, control, roles, time.monotonic() - t0)
-            mirror.sync()
-        time.sleep(0.5)
+    progress = Progress(run_dir)
+    try:
+        while True:
+            feeder.top_up()
+            failed = roles.check()
+            code = roles.exited("learner")
+            if code is not None:
+                if code != 0:
+                    console.print(f"[red]learner exited with {code}; see {run_dir / 'logs'}[/]")
+                return code
+            if failed:
+                console.print(f"[red]roles failed for good: {failed}[/]")
+                return 1
+            if time.monotonic() - last_print > 10:
+                last_print = time.monotonic()
+                mirror.sync(progress.update())
+                progress.show(control, roles, time.monotonic() - t0)
+            time.sleep(0.5)
+    finally:
+        mirror.sync(progress.update())
 
 
-def _last(records: list[dict]) -> dict:
-    return records[-1] if records else {}
+class Progress:
+    """The live progress line, fed from the new records of metrics.jsonl."""
 
+    def __init__(self, run_dir: Path):
+        self.tail = MetricsTail(run_dir)
+        self.learner: dict = {}
+        self.actors: list[dict] = []
 
-def _print_progress(run_dir, control, roles, elapsed_s) -> None:
-    learner = _last([r for r in read_metrics(run_dir, "learner") if "learner/loss" in r])
-    actors = read_metrics(run_dir, "actor")[-20:]
-    success = sum(a.get("actor/success_rate", 0) for a in actors) / max(len(actors), 1)
-    groups = sum(control.counters().get(k, 0) for k in ("actor/accepted",))
-    console.print(
-        f"  [{elapsed_s:5.0f}s] update {learner.get('learner/updates', 0):>4}  "
-        f"version {learner.get('learner/version', 0):>4}  actor success {success:6.1%}  "
-        f"groups {groups:>6} ({groups / max(elapsed_s, 1e-9):.1f}/s)  "
-        f"lag {learner.get('learner/lag_mean', 0):.2f}  restarts {len(roles.restart_log)}",
-        highlight=False)
+    def update(self) -> list[dict]:
+        records = self.tail.read_new()
+        for rec in records:
+            if rec.get("role") == "learner" and "learner/loss" in rec:
+                self.learner = rec
+            elif rec.get("role") == "actor":
+                self.actors = (self.actors + [rec])[-20:]
+        return records
+
+    def show(self, control, roles, elapsed_s) -> None:
+        rates = [a.get("actor/success_rate", 0) for a in self.actors]
+        success = sum(rates) / max(len(rates), 1)
+        groups = control.counters().get("actor/accepted", 0)
+        lr = self.learner
+        console.print(
+            f"  [{elapsed_s:5.0f}s] update {lr.get('learner/updates', 0):>4}  "
+            f"version {lr.get('learner/version', 0):>4}  actor success {success:6.1%}  "
+            f"groups {groups:>6} ({groups / max(elapsed_s, 1e-9):.1f}/s)  "
+            f"lag {lr.get('learner/lag_mean', 0):.2f}  restarts {len(roles.restart_log)}",
+            highlight=False)
 
 
 def _latest_weights(run_dir: Path) -> str | None:

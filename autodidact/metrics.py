@@ -60,6 +60,31 @@ def read_metrics(run_dir: Path, role: str | None = None) -> list[dict]:
     return out
 
 
+class MetricsTail:
+    """Reads the records appended to metrics.jsonl since the last call (a line still being
+    written waits for the next call), so long runs never re-read the whole file."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.offset = 0
+
+    def read_new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        out = []
+        for line in complete.splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash mid-write
+        return out
+
+
 class RateMeter:
     """Counts events and reports a rate per second since the last report."""
 

@@ -8,7 +8,6 @@ step counter by being logged with a ``<role>/step`` metric as their x-axis.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -18,8 +17,6 @@ log = logging.getLogger(__name__)
 
 class WandbMirror:
     def __init__(self, run_dir: Path, mode: str, config: dict, name: str, group: str = ""):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.offset = 0
         self.run = None
         if mode == "disabled":
             return
@@ -37,31 +34,18 @@ class WandbMirror:
             log.warning("wandb disabled: %s", exc)
             self.run = None
 
-    def sync(self) -> int:
-        """Log every record appended since the last call; returns how many."""
-        if self.run is None or not self.path.exists():
-            return 0
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits
-        self.offset += len(complete)
-        n = 0
-        for line in complete.splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    def sync(self, records: list[dict]) -> None:
+        """Log ``records`` (new lines of metrics.jsonl) to wandb."""
+        if self.run is None:
+            return
+        for rec in records:
             role = rec.get("role", "run")
             values = {k: v for k, v in rec.items() if "/" in k and v is not None}
             values[f"{role}/step"] = rec.get("step", 0)
             self.run.log(values)
-            n += 1
-        return n
 
     def close(self) -> None:
         if self.run is not None:
-            self.sync()
             self.run.finish()
             self.run = None
 

@@ -175,7 +175,8 @@ class Learner:
         self.metrics.log({
             **m, "grad_norm": grad_norm, "version": self.version, "updates": self.updates,
             "degenerate_groups": stats["degenerate_groups"], "groups": len(groups),
-            "reward": float(np.mean(rewards)), "lag_min": min(lags), "lag_mean": float(np.mean(lags)),
+            "reward": float(np.mean(rewards)), "lag_min": min(lags),
+            "lag_mean": float(np.mean(lags)),
             "lag_max": max(lags), "tokens_per_s": tokens / max(step_s, 1e-9),
             "updates_per_s": 1.0 / max(step_s + waited_s, 1e-9), "step_s": step_s,
             "idle_s": waited_s, "publish_s": self.publisher.last_publish_s,
