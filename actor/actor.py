@@ -2,7 +2,7 @@
 
     while not stopped:
         load newer weights if announced            # also between turns, mid-trajectory
-        wait until accepted + running <= (max_staleness + version + 1) * batch_groups
+        admit: reserve group slots while admitted - stale <= (max_staleness + version + 1) * B
         tasks = pop groups_in_flight tasks from the Redis queue
         groups = rollout(tasks, n per task)        # one batched generate per turn
         push groups to replay (retried until acknowledged), keep rolling meanwhile
@@ -78,27 +78,12 @@ class Actor:
             self.weights.loaded(version)
             log.info("%s loaded weights v%d", self.actor_id, version)
 
-    # --- admission control ---
-
-    def admitted(self, n_groups: int) -> bool:
-        """The staleness bound: no rollout compute on data too old to be trained on."""
-        lc = self.cfg.learner
-        counters = self.control.counters()
-        running = sum(int(v) for v in self.control.r.hvals(self._running_key()))
-        accepted = counters.get("actor/accepted", 0)
-        version = self.control.get_version()
-        return accepted + running + n_groups <= (lc.max_staleness + version + 1) * lc.batch_groups
-
-    def _running_key(self) -> str:
-        return f"{self.control.keys.prefix}:running"
-
-    def _set_running(self, n: int) -> None:
-        self.control.r.hset(self._running_key(), self.actor_id, n)
-
     # --- the loop ---
 
     def run(self) -> None:
-        self._set_running(0)
+        released = self.control.release(self.actor_id)  # claims left by a crashed predecessor
+        if released:
+            log.warning("%s released %d slots claimed before a restart", self.actor_id, released)
         self.maybe_load_weights()
         while not self._stop:
             self.drain_acks(0.0)
@@ -109,21 +94,22 @@ class Actor:
             groups = self.roll(tasks)
             for g in groups:
                 self.replay.push_group(g)
-            self._set_running(0)
+            self.control.finish(self.actor_id, len(groups))
             self.groups_done += len(groups)
             self._log(groups, time.monotonic() - t0)
         self.drain_acks(5.0, until_empty=True)
-        self._set_running(0)
 
     def take_tasks(self):
-        want = self.cfg.actor.groups_in_flight
+        """Reserve slots under the staleness bound, then pop that many tasks."""
+        lc = self.cfg.learner
         t0 = time.monotonic()
         while not self._stop:
             self.maybe_load_weights()
-            if self.admitted(want):
-                self._set_running(want)  # claim before popping so others see it
-                tasks = [t for t in (self.control.pop_task(0.2) for _ in range(want)) if t]
-                self._set_running(len(tasks))
+            granted = self.control.admit(self.actor_id, self.cfg.actor.groups_in_flight,
+                                         lc.max_staleness, lc.batch_groups)
+            if granted:
+                tasks = [t for t in (self.control.pop_task(0.2) for _ in range(granted)) if t]
+                self.control.release(self.actor_id, granted - len(tasks))
                 if tasks:
                     self._idle_s += time.monotonic() - t0
                     return tasks
@@ -152,7 +138,9 @@ class Actor:
                 if status == "stored":
                     self.control.incr("actor/accepted")
                 elif status.startswith("error"):
+                    # a refused group will never be trained: give its slot back
                     self.control.incr("actor/rejected")
+                    self.control.incr("actor/admitted", -1)
                     log.error("replay refused a group: %s", status)
             if not until_empty or not self.replay.unacked() or time.monotonic() > deadline:
                 return

@@ -92,13 +92,13 @@ class Supervisor:
         return self.roles[name].proc.poll()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for run in self.roles.values():
+        """Stop roles in reverse start order, so producers (actors) flush to their consumers
+        (replay) before those go away."""
+        for name, run in reversed(list(self.roles.items())):
             if run.proc.poll() is None:
                 run.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for name, run in self.roles.items():
             try:
-                run.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                run.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0fs; killing it", name, grace_s)
                 run.proc.kill()

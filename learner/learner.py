@@ -4,7 +4,7 @@
     while updates < max_updates and within budget:
         groups = draw batch_groups from replay      # oldest first, within the staleness bound
         batch = build_batch(groups)                 # masks, GRPO advantages
-        proximal = logprobs under current params    # decoupled PPO
+        proximal = logprobs under current params    # decoupled PPO (one step per batch)
         loss = policy_loss(...); optimizer step
         every k updates: publish weights, version += 1
         every m updates: checkpoint (+ ledger), then commit the ledger to replay
@@ -131,6 +131,8 @@ class Learner:
             except TransportTimeout:
                 log.warning("replay did not answer a batch request; retrying")
                 continue
+            if batch.stale_skipped:  # frees their admission slots (protocol/control.py)
+                self.control.incr("learner/stale_skipped", batch.stale_skipped)
             if not batch.groups:
                 time.sleep(0.05)  # nothing fresh yet: actors are still rolling out
             for g in batch.groups:
@@ -143,11 +145,13 @@ class Learner:
 
     def update(self, groups, waited_s: float) -> None:
         t0 = time.monotonic()
+        lags = [self.version - g.policy_versions()[0] for g in groups]  # versions behind, at use
         batch, stats = build_batch(groups, self.pad_id)
         batch = batch.to(self.device)
-        with torch.no_grad():
-            proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
         logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+        # One optimizer step per batch: the proximal policy is the current one before the step,
+        # so its log-probs are these, detached (no second forward pass).
+        proximal = logprobs.detach()
         loss, m = policy_loss(
             logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.action_mask,
             clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
@@ -166,10 +170,9 @@ class Learner:
             self.publisher.publish(self.model.state_dict(), self.version)
         if self.updates % self.cfg.checkpoint_every == 0:
             self.checkpoint()
-        self._log(groups, stats, m, float(grad_norm), waited_s, time.monotonic() - t0)
+        self._log(groups, lags, stats, m, float(grad_norm), waited_s, time.monotonic() - t0)
 
-    def _log(self, groups, stats, m, grad_norm, waited_s, step_s):
-        lags = [self.version - g.policy_versions()[0] for g in groups]
+    def _log(self, groups, lags, stats, m, grad_norm, waited_s, step_s):
         rewards = [t.reward for g in groups for t in g.trajectories]
         tokens = stats["tokens"]
         self.metrics.log({

@@ -199,10 +199,10 @@ class LearnerConfig:
     checkpoint_every: int = 25
     """``m``: checkpoint every m updates (and at exit)."""
 
-    max_updates: int = 60
+    max_updates: int = 200
     """Stop after this many RL updates."""
 
-    max_minutes: float = 12.0
+    max_minutes: float = 10.0
     """Stop RL after this much wall time."""
 
     torch_threads: int = 1
@@ -247,8 +247,8 @@ class WarmstartConfig:
 
 @dataclass
 class EvalConfig:
-    num_tasks: int = 100
-    """Held-out tasks evaluated before and after RL (0 = skip)."""
+    num_tasks: int = 200
+    """Held-out tasks evaluated before and after RL (at most all of them; 0 = skip)."""
 
     k: int = 4
     """Sampled episodes per task: success is reported as avg@k and best@k."""

@@ -8,7 +8,13 @@ Layout (``P`` is the prefix, ``autodidact:<run name>`` by default)::
     P:hb:<role>:<id>        string heartbeat JSON, expires after the heartbeat TTL
     P:counters              hash   named integer counters (``actor/groups``, ...)
     P:acks:<version>        set    actor ids that loaded weights ``version``
+    P:claims                hash   groups each actor has been admitted for and not finished
     P:state                 hash   run state (phase, started_at, ...)
+
+Admission (the staleness bound) is one atomic script over ``P:counters``: an actor may start
+``n`` more groups while ``admitted - stale + n <= (max_staleness + version + 1) * batch``, where
+``admitted`` counts every group ever admitted (finished or running) and ``stale`` every group the
+learner had to skip as too old, so skipped groups free their slots instead of wedging the run.
 
 Redis holds coordination state only; anything that must survive a loss of Redis also lives in
 a durable store (LMDB, checkpoints) from which it can be restored.
@@ -34,6 +40,7 @@ class Keys:
         self.version = f"{prefix}:version"
         self.weights = f"{prefix}:weights"
         self.counters = f"{prefix}:counters"
+        self.claims = f"{prefix}:claims"
         self.state = f"{prefix}:state"
 
     def heartbeat(self, role: str, member: str) -> str:
@@ -50,6 +57,21 @@ def default_prefix(run_name: str) -> str:
     return f"autodidact:{run_name}"
 
 
+# KEYS: counters, version, claims. ARGV: wanted, max_staleness, batch_groups, member.
+# Grants min(wanted, free slots); returns the number granted.
+_ADMIT = """
+local admitted = tonumber(redis.call('HGET', KEYS[1], 'actor/admitted') or '0')
+local stale = tonumber(redis.call('HGET', KEYS[1], 'learner/stale_skipped') or '0')
+local version = tonumber(redis.call('GET', KEYS[2]) or '0')
+local bound = (tonumber(ARGV[2]) + version + 1) * tonumber(ARGV[3])
+local granted = math.min(tonumber(ARGV[1]), bound - (admitted - stale))
+if granted <= 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], 'actor/admitted', granted)
+redis.call('HINCRBY', KEYS[3], ARGV[4], granted)
+return granted
+"""
+
+
 class ControlPlane:
     """Typed helpers over the key layout; every role talks to Redis through this."""
 
@@ -57,6 +79,7 @@ class ControlPlane:
         self.r = client
         self.keys = Keys(prefix)
         self.heartbeat_ttl_s = heartbeat_ttl_s
+        self._admit = client.register_script(_ADMIT)
 
     @classmethod
     def connect(cls, url: str, prefix: str, heartbeat_ttl_s: float = 10.0) -> "ControlPlane":
@@ -98,6 +121,29 @@ class ControlPlane:
 
     def version_acks(self, version: int) -> set[str]:
         return {m.decode() for m in self.r.smembers(self.keys.acks(version))}
+
+    # --- admission: the staleness bound ---
+
+    def admit(self, member: str, wanted: int, max_staleness: int, batch_groups: int) -> int:
+        """Atomically reserve up to ``wanted`` group slots for ``member``; returns how many."""
+        keys = [self.keys.counters, self.keys.version, self.keys.claims]
+        return int(self._admit(keys=keys, args=[wanted, max_staleness, batch_groups, member]))
+
+    def finish(self, member: str, n: int) -> None:
+        """``n`` admitted groups of ``member`` are done (pushed to replay)."""
+        self.r.hincrby(self.keys.claims, member, -n)
+
+    def release(self, member: str, n: int | None = None) -> int:
+        """Give back ``n`` slots that will never become groups (all of ``member``'s open claims
+        when ``n`` is None: an actor restarting after a crash). Returns how many."""
+        if n is None:
+            n = int(self.r.hget(self.keys.claims, member) or 0)
+        if n > 0:
+            pipe = self.r.pipeline()
+            pipe.hincrby(self.keys.counters, "actor/admitted", -n)
+            pipe.hincrby(self.keys.claims, member, -n)
+            pipe.execute()
+        return max(n, 0)
 
     # --- heartbeats ---
 

@@ -73,3 +73,42 @@ def test_embedded_redis_stops(tmp_path):
         raise AssertionError("server still answers after stop")
     except redis.ConnectionError:
         pass
+
+
+def test_admission_is_bounded_atomic_and_frees_stale_slots(control):
+    # bound = (max_staleness + version + 1) * batch = (1 + 0 + 1) * 4 = 8 slots
+    assert control.admit("a0", 3, 1, 4) == 3
+    assert control.admit("a1", 3, 1, 4) == 3
+    assert control.admit("a0", 3, 1, 4) == 2  # only what is left is granted
+    assert control.admit("a1", 1, 1, 4) == 0
+    control.finish("a0", 5)
+    control.incr("learner/stale_skipped", 2)  # the learner skipped two stale groups
+    assert control.admit("a1", 5, 1, 4) == 2
+    control.set_version(1)  # one more batch of slots
+    assert control.admit("a1", 5, 1, 4) == 4
+
+
+def test_release_after_a_crash_returns_open_claims(control):
+    assert control.admit("a0", 4, 0, 4) == 4
+    control.finish("a0", 1)
+    assert control.release("a0") == 3  # the restarted actor gives back what it never finished
+    assert control.counters()["actor/admitted"] == 1
+    assert control.admit("a1", 4, 0, 4) == 3
+
+
+def test_concurrent_admission_never_overshoots(redis_url, control):
+    import threading
+
+    granted = []
+
+    def grab(member):
+        c = ControlPlane(redis.Redis.from_url(redis_url), control.keys.prefix)
+        for _ in range(20):
+            granted.append(c.admit(member, 2, 0, 16))
+
+    threads = [threading.Thread(target=grab, args=(f"a{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(granted) == 16

@@ -27,16 +27,12 @@ from replay.store import Store, read_stats
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = [
-    "name=itest", "warmstart.steps=60", "eval.num_tasks=40", "learner.max_minutes=4",
-    "learner.checkpoint_every=10", "learner.batch_groups=8", "actor.groups_in_flight=2",
-]
+QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
 
 
 def run_cli(run_dir: Path, *extra: str, timeout: int = 420) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir)]
-    for s in SETTINGS:
-        args += ["--set", s]
+    args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
+            "-c", str(QUICK), "--set", "name=itest"]
     proc = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
