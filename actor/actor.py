@@ -153,7 +153,9 @@ class Actor:
             "success_rate": float(np.mean([r >= 1.0 for r in rewards])),
             "reward": float(np.mean(rewards)), "turns": float(np.mean(turns)),
             "tokens_per_s": self.tokens.rate(), "groups": self.groups_done,
-            "rollout_s": rollout_s, "idle_s": self._idle_s, "version": self.backend.version,
+            "rollout_s": rollout_s, "idle_s": self._idle_s,
+            "idle_fraction": self._idle_s / max(self._idle_s + rollout_s, 1e-9),
+            "version": self.backend.version,
             "mixed_version_groups": sum(lo != hi for lo, hi in versions),
             "unacked": len(self.replay.unacked()),
         }, step=self.groups_done)

@@ -23,12 +23,12 @@ import yaml
 from rich.console import Console
 
 from autodidact.embedded_redis import EmbeddedRedis
-from autodidact.metrics import MetricsTail, read_metrics
+from autodidact.metrics import MetricsTail, MetricsWriter, read_metrics
 from autodidact.supervisor import RoleSpec, Supervisor
 from autodidact.tracking import WandbMirror
 from protocol.config import RunConfig, to_dict
 from protocol.control import ControlPlane, default_prefix
-from protocol.errors import TransportTimeout
+from protocol.errors import RemoteError, TransportTimeout
 from protocol.messages import Stats, StatsRequest
 from protocol.transport import ZmqChannel, local_address
 
@@ -215,6 +215,7 @@ def supervise(cfg, run_dir, control, roles, feeder, mirror) -> int:
     """Restart dead actors, keep tasks flowing, show progress until the learner exits."""
     t0, last_print = time.monotonic(), 0.0
     progress = Progress(run_dir)
+    replay_stats = ReplayMonitor(run_dir, cfg.replay.address)
     try:
         while True:
             feeder.top_up()
@@ -229,11 +230,40 @@ def supervise(cfg, run_dir, control, roles, feeder, mirror) -> int:
                 return 1
             if time.monotonic() - last_print > 10:
                 last_print = time.monotonic()
+                replay_stats.log()
                 mirror.sync(progress.update())
                 progress.show(control, roles, time.monotonic() - t0)
             time.sleep(0.5)
     finally:
+        replay_stats.close()
         mirror.sync(progress.update())
+
+
+class ReplayMonitor:
+    """Logs the replay server's stats (sizes, rejections) and ingest rate as ``replay/...``."""
+
+    def __init__(self, run_dir: Path, address: str):
+        from replay.client import ReplayClient
+
+        self.client = ReplayClient(address, timeout_s=5.0)
+        self.metrics = MetricsWriter(run_dir, "replay")
+        self._last: tuple[float, int] | None = None
+
+    def log(self) -> None:
+        try:
+            stats = self.client.stats()
+        except (TransportTimeout, RemoteError) as exc:
+            log.warning("replay stats unavailable: %s", exc)
+            return
+        now, groups = time.monotonic(), int(stats.get("groups", 0))
+        if self._last is not None:
+            stats["groups_per_s"] = (groups - self._last[1]) / max(now - self._last[0], 1e-9)
+        self._last = (now, groups)
+        self.metrics.log({k: v for k, v in stats.items() if isinstance(v, (int, float))})
+
+    def close(self) -> None:
+        self.client.close()
+        self.metrics.close()
 
 
 class Progress:

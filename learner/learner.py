@@ -53,6 +53,14 @@ class Learner:
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.99), weight_decay=0.0)
+        warmup = max(self.cfg.warmup_updates, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        # A frozen copy of the initial policy, only when a KL penalty to it is asked for.
+        self.reference = None
+        if self.cfg.kl_coef > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
+            self.reference.eval().requires_grad_(False)
         self.publisher = WeightPublisher(self.run_dir, control)
         self.metrics = MetricsWriter(self.run_dir, "learner", learner_id)
         self.updates = 0
@@ -71,6 +79,7 @@ class Learner:
         state = torch.load(path, map_location=self.device, weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
         self.updates, self.version = state["updates"], state["version"]
         self.consumed = list(state["consumed"])
         torch.set_rng_state(state["torch_rng"])
@@ -85,6 +94,7 @@ class Learner:
         path = self.run_dir / CHECKPOINT
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(),
                  "updates": self.updates, "version": self.version, "consumed": self.consumed,
                  "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
                  "python_rng": random.getstate()}
@@ -152,15 +162,21 @@ class Learner:
         # One optimizer step per batch: the proximal policy is the current one before the step,
         # so its log-probs are these, detached (no second forward pass).
         proximal = logprobs.detach()
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = token_logprobs(self.reference, batch.input_ids, batch.attention_mask)
         loss, m = policy_loss(
             logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.action_mask,
             clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
             dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
-            aggregation=self.cfg.loss_aggregation)
+            aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
+            ref_logprobs=reference)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
+        self.scheduler.step()
         self.updates += 1
         ids = [g.group_id for g in groups]
         self.consumed += ids
@@ -182,7 +198,8 @@ class Learner:
             "lag_mean": float(np.mean(lags)),
             "lag_max": max(lags), "tokens_per_s": tokens / max(step_s, 1e-9),
             "updates_per_s": 1.0 / max(step_s + waited_s, 1e-9), "step_s": step_s,
-            "idle_s": waited_s, "publish_s": self.publisher.last_publish_s,
+            "idle_s": waited_s, "idle_fraction": waited_s / max(waited_s + step_s, 1e-9),
+            "lr": self.scheduler.get_last_lr()[0], "publish_s": self.publisher.last_publish_s,
         }, step=self.updates)
         self.control.set_state(learner_updates=self.updates, version=self.version)
 

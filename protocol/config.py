@@ -193,6 +193,9 @@ class LearnerConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
 
+    warmup_updates: int = 10
+    """Linear learning-rate warm-up over the first updates (then constant)."""
+
     publish_every: int = 1
     """``k``: publish weights every k updates."""
 
@@ -219,6 +222,8 @@ class LearnerConfig:
             raise ConfigError("loss_aggregation must be token-mean or seq-mean-token-mean, "
                               f"got {self.loss_aggregation!r}")
         in_range(self, "clip_high", 0.0, 10.0)
+        if self.warmup_updates < 0:
+            raise ConfigError(f"warmup_updates must be >= 0, got {self.warmup_updates}")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
 

@@ -84,6 +84,8 @@ def test_learner_metrics_finite_and_learning(finished_run):
     for r in rows:
         for key in ("learner/loss", "learner/grad_norm", "learner/iw_mean", "learner/tokens_per_s"):
             assert r[key] is not None and math.isfinite(r[key]), (key, r)
+    replay_rows = read_metrics(run_dir, "replay")
+    assert replay_rows and replay_rows[-1]["replay/groups"] > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["success_rl"]["avg"] > summary["success_base"]["avg"]
     first = sum(r["learner/reward"] for r in rows[:5]) / 5
