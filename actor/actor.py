@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,8 @@ class Actor:
         self.groups_done = 0
         self._stop = False
         self._idle_s = 0.0
-        self._seed = cfg.seed * 1000 + hash(actor_id) % 1000
+        # crc32, not hash(): str hashes differ between processes, seeds must not
+        self._seed = cfg.seed * 1000 + zlib.crc32(actor_id.encode()) % 1000
 
     def request_stop(self, *_):
         self._stop = True

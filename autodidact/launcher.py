@@ -29,8 +29,7 @@ from autodidact.tracking import WandbMirror
 from protocol.config import RunConfig, to_dict
 from protocol.control import ControlPlane, default_prefix
 from protocol.errors import RemoteError, TransportTimeout
-from protocol.messages import Stats, StatsRequest
-from protocol.transport import ZmqChannel, local_address
+from protocol.transport import local_address
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True, soft_wrap=True)
@@ -49,13 +48,13 @@ def role_argv(role: str, run_dir: Path, config_path: Path, *extra: str) -> list[
 
 
 def wait_for_replay(address: str, timeout_s: float) -> dict:
-    channel = ZmqChannel(address, retry_after_s=0.5)
+    from replay.client import ReplayClient
+
+    client = ReplayClient(address, retry_after_s=0.5, timeout_s=timeout_s)
     try:
-        reply = channel.request(StatsRequest(), timeout_s=timeout_s)
+        return client.stats()
     finally:
-        channel.close()
-    assert isinstance(reply, Stats)
-    return reply.values
+        client.close()
 
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
@@ -200,7 +199,7 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     finally:
         roles.stop()
         mirror.close()
-    final = _latest_weights(run_dir)
+    final = _latest_weights(run_dir, cfg.model.path)
     if code == 0 and final is not None:
         summary["success_rl"] = held_out_success(cfg, final, "after RL")
     learner_rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
@@ -296,15 +295,14 @@ class Progress:
             highlight=False)
 
 
-def _latest_weights(run_dir: Path) -> str | None:
-    """Save the newest published weights as a loadable model directory."""
+def _latest_weights(run_dir: Path, init: str) -> str | None:
+    """Save the newest published weights over the model ``init`` as a loadable directory."""
     files = sorted((run_dir / "weights").glob("v*.safetensors"))
     if not files:
         return None
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    init = run_dir / "policy_init" if (run_dir / "policy_init").exists() else run_dir / "model"
     model = AutoModelForCausalLM.from_pretrained(init)
     model.load_state_dict(load_file(files[-1]))
     out = run_dir / "policy_final"

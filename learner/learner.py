@@ -66,6 +66,7 @@ class Learner:
         self.updates = 0
         self.version = 0
         self.consumed: list[str] = []  # the ledger: every group id trained on, in order
+        self._consumed_ids: set[str] = set()  # the same ids, for the duplicate check
         self._uncommitted: list[str] = []
         self._stop = False
 
@@ -82,6 +83,7 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
         self.updates, self.version = state["updates"], state["version"]
         self.consumed = list(state["consumed"])
+        self._consumed_ids = set(self.consumed)
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
@@ -129,8 +131,7 @@ class Learner:
 
     def draw(self, deadline: float):
         """Block until ``batch_groups`` groups arrived; (None, _) when stopping."""
-        groups, t0 = [], time.monotonic()
-        seen = set(self.consumed[-100_000:])
+        groups, drawn, t0 = [], set(), time.monotonic()
         while len(groups) < self.cfg.batch_groups:
             if self._stop or time.monotonic() > deadline:
                 return None, 0.0
@@ -146,10 +147,11 @@ class Learner:
             if not batch.groups:
                 time.sleep(0.05)  # nothing fresh yet: actors are still rolling out
             for g in batch.groups:
-                if g.group_id in seen:  # defence in depth: replay already guarantees this
+                if g.group_id in self._consumed_ids or g.group_id in drawn:
+                    # defence in depth: replay already guarantees once-only delivery
                     log.error("replay delivered %s twice; dropped", g.group_id)
                     continue
-                seen.add(g.group_id)
+                drawn.add(g.group_id)
                 groups.append(g)
         return groups, time.monotonic() - t0
 
@@ -180,6 +182,7 @@ class Learner:
         self.updates += 1
         ids = [g.group_id for g in groups]
         self.consumed += ids
+        self._consumed_ids.update(ids)
         self._uncommitted += ids
         if self.updates % self.cfg.publish_every == 0:
             self.version += 1
