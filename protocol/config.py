@@ -272,6 +272,163 @@ class EvalConfig:
 
 
 @dataclass
+class LLMConfig:
+    url: str = ""
+    """An OpenAI-compatible chat endpoint (``http://host:8000/v1``, e.g. ``vllm serve``) used as
+    task proposer, explorer and grader. Empty: none (hindsight synthesis, schema sampling)."""
+
+    model: str = ""
+    """Model name sent to the endpoint."""
+
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the API key (sent only when set; never logged)."""
+
+    timeout_s: float = 60.0
+    """Per-request timeout."""
+
+    max_retries: int = 2
+    """Retries on timeouts, connection errors, 429 and 5xx."""
+
+    temperature: float = 0.7
+    """Sampling temperature of proposer requests."""
+
+    def check(self):
+        _positive(self, "timeout_s")
+        if self.max_retries < 0:
+            raise ConfigError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.url and not self.model:
+            raise ConfigError("model must be set when url is")
+
+
+@dataclass
+class ExploreConfig:
+    stage: str = "auto"
+    """When ``autodidact run`` explores: ``auto`` (before training, when synthetic tasks are
+    used and the task store holds fewer than ``min_tasks``), ``before`` (always before
+    training), ``alongside`` (before, and an explore role keeps adding tasks during training),
+    ``off``."""
+
+    proposer: str = "auto"
+    """Who proposes exploration actions: ``auto`` (``llm`` when ``llm.url`` is set, else the
+    ``policy``), ``llm``, ``policy`` (the model being trained, through its inference backend) or
+    ``schema`` (valid calls sampled from the tool schemas). A model that cannot yet write valid
+    calls is replaced by schema sampling, and the log says so."""
+
+    seeds: int = 0
+    """Seeds (initial states) to explore; 0 = every seed of the env's training tasks."""
+
+    explorations_per_seed: int = 2
+    """Explorations per seed and round."""
+
+    rounds: int = 1
+    """Rounds over the seeds for ``autodidact explore`` (0 = until stopped; the ``alongside``
+    role always runs until stopped)."""
+
+    breadth_steps: int = 30
+    """``Nb``: steps of the breadth phase (untried tools and entities first)."""
+
+    depth_steps: int = 20
+    """``Nd``: steps of the depth phase (chaining on what the last observations showed)."""
+
+    breadth_temperature: float = 1.2
+    """Sampling temperature of the breadth phase."""
+
+    depth_temperature: float = 0.8
+    """Sampling temperature of the depth phase."""
+
+    context_observations: int = 3
+    """``k``: observations the depth phase conditions on."""
+
+    probe_calls: int = 8
+    """Proposals after which an LLM/policy explorer is judged; below ``min_valid_fraction``
+    valid calls it is replaced by schema sampling."""
+
+    min_valid_fraction: float = 0.5
+    """Valid-call fraction an LLM/policy explorer needs to keep proposing."""
+
+    candidates_per_exploration: int = 40
+    """Hindsight goals tried per exploration (each costs a few replays)."""
+
+    max_parts: int = 2
+    """Most changes combined into one hindsight task."""
+
+    min_steps: int = 1
+    """Preference: fewest reference steps."""
+
+    max_steps: int = 0
+    """Preference: most reference steps; 0 = the env's turn limit (``env.max_turns``)."""
+
+    max_entities: int = 0
+    """Preference: most entities a task involves; 0 = any."""
+
+    difficulty: str = ""
+    """Preference passed to an LLM proposer in words, e.g. ``easy``, ``multi-step``."""
+
+    style: str = ""
+    """Preference passed to an LLM proposer: how queries should read."""
+
+    dedup_jaccard: float = 0.8
+    """Queries of one seed with word-set Jaccard similarity at least this are duplicates."""
+
+    llm_verify: bool = False
+    """With an LLM: also ask it to solve each task with the reference as a hint, and keep only
+    tasks it solves."""
+
+    max_tasks: int = 0
+    """Stop once the task store holds this many tasks; 0 = no limit."""
+
+    min_tasks: int = 200
+    """``stage=auto`` explores before training while the store holds fewer tasks than this."""
+
+    def check(self):
+        if self.stage not in ("auto", "before", "alongside", "off"):
+            raise ConfigError(f"stage must be auto, before, alongside or off, got {self.stage!r}")
+        if self.proposer not in ("auto", "llm", "policy", "schema"):
+            raise ConfigError(f"proposer must be auto, llm, policy or schema, got "
+                              f"{self.proposer!r}")
+        for name in ("explorations_per_seed", "probe_calls", "candidates_per_exploration",
+                     "max_parts", "min_steps", "context_observations"):
+            _positive(self, name)
+        for name in ("seeds", "rounds", "breadth_steps", "depth_steps", "max_steps",
+                     "max_entities", "max_tasks", "min_tasks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        _positive(self, "breadth_temperature")
+        _positive(self, "depth_temperature")
+        in_range(self, "min_valid_fraction", 0.0, 1.0)
+        in_range(self, "dedup_jaccard", 0.0, 1.0)
+        if self.max_steps and self.max_steps < self.min_steps:
+            raise ConfigError(f"max_steps ({self.max_steps}) < min_steps ({self.min_steps})")
+
+
+@dataclass
+class TasksConfig:
+    synthetic_share: float = -1.0
+    """Share of synthetic (self-questioned) tasks in training, the rest being the env's own
+    training tasks: 0 = original only, 1 = synthetic only, -1 = auto (original only when the env
+    has training tasks, else synthetic only). Warm-start references follow the same mixture."""
+
+    reward: str = "auto"
+    """Outcome reward: ``state`` (the env's check of the goal), ``llm`` (the LLM grader compares
+    the trajectory with the reference) or ``auto`` (the state check; the grader only for tasks
+    whose goal is described in words alone, when ``llm.url`` is set)."""
+
+    grader_max_repeats: int = 3
+    """LLM grader: an action repeated more than this caps the score (repetition cap)."""
+
+    grader_repetition_cap: float = 0.3
+    """LLM grader: the cap applied then."""
+
+    def check(self):
+        if self.synthetic_share != -1.0:
+            in_range(self, "synthetic_share", 0.0, 1.0)
+        if self.reward not in ("auto", "state", "llm"):
+            raise ConfigError(f"reward must be auto, state or llm, got {self.reward!r}")
+        _positive(self, "grader_max_repeats")
+        in_range(self, "grader_repetition_cap", 0.0, 1.0)
+
+
+@dataclass
 class TrackingConfig:
     wandb: str = "offline"
     """``offline`` (into the run directory; ``wandb sync`` later), ``online`` (after
@@ -302,6 +459,9 @@ class RunConfig:
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
 
     def check(self):
         for f in dataclasses.fields(self):

@@ -7,9 +7,11 @@ its module is imported (``make_env("my.module:name")`` imports it by name from c
 
 from actor.envs.base import (
     MAX_ACTION_CHARS,
+    VERIFY_REASONS,
     ActionError,
     ArgSpec,
     Environment,
+    GoalPart,
     ToolCall,
     ToolError,
     ToolSpec,
@@ -20,15 +22,18 @@ from actor.envs.base import (
     parse_action,
     register_env,
     verify_reference,
+    verify_task,
 )
 from actor.envs.files import FilesEnv  # noqa: F401  (registers "files")
 
 __all__ = [
     "MAX_ACTION_CHARS",
+    "VERIFY_REASONS",
     "ActionError",
     "ArgSpec",
     "Environment",
     "FilesEnv",
+    "GoalPart",
     "ToolCall",
     "ToolError",
     "ToolSpec",
@@ -39,4 +44,5 @@ __all__ = [
     "parse_action",
     "register_env",
     "verify_reference",
+    "verify_task",
 ]

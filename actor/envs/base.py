@@ -96,6 +96,19 @@ class ToolCall:
         return " ".join([self.tool] + [str(a) for a in self.args])
 
 
+@dataclass(frozen=True)
+class GoalPart:
+    """One change an exploration made, as goal conditions plus the environment's words for it.
+
+    Task synthesis combines a few parts into one task: their conditions become the goal (via
+    :meth:`Environment.goal_of`) and their texts the query (via :meth:`Environment.query_of`).
+    """
+
+    conditions: tuple  # env-specific, JSON-able goal conditions that pin this change
+    text: str | None = None  # the change in the env's own words; None: it cannot say it
+    entities: tuple[str, ...] = ()  # names of the entities involved (preference filters)
+
+
 class ActionError(Exception):
     """An action that did not parse; ``observation`` is the text the agent sees."""
 
@@ -180,10 +193,14 @@ class Environment(ABC):
 
     def __init__(self):
         self.task: Task | None = None
+        # Observations of successful calls this episode; goals may ask for a response (a task
+        # answered by reading, not by changing state). ``reset`` must start a new list.
+        self.responses: list[str] = []
 
     @abstractmethod
     def reset(self, task: Task) -> str:
-        """Build the task's initial state (from ``task.seed``) and return the first observation."""
+        """Build the task's initial state (from ``task.seed``), clear ``self.responses`` and
+        return the first observation."""
 
     @abstractmethod
     def execute(self, call: ToolCall) -> str:
@@ -218,6 +235,35 @@ class Environment(ABC):
         """A goal that holds exactly where ``after`` differs from ``before`` (hindsight tasks)."""
         raise NotImplementedError(f"{type(self).__name__} cannot derive goals from states")
 
+    # -- hooks for self-questioning; the defaults work for any env with goal_from_states --
+
+    def describe_changes(self, before: dict, after: dict) -> list[GoalPart]:
+        """Split the change from ``before`` to ``after`` into parts a task can ask for.
+
+        The default is one part without words (the whole state difference); environments that
+        can name their changes ("move x into f") return one part per change."""
+        conditions = self.goal_from_states(before, after).get("all", [])
+        return [GoalPart(tuple(conditions))] if conditions else []
+
+    def describe_response(self, action: str, observation: str, before: dict) -> GoalPart | None:
+        """A part asking for what a read-only call answered (``before``: state at the call)."""
+        return None
+
+    def goal_of(self, conditions: Sequence) -> dict:
+        """The goal (``Task.goal``) that holds when every condition does."""
+        return {"all": list(conditions)}
+
+    def query_of(self, texts: Sequence[str]) -> str:
+        """One query asking for several parts."""
+        return " and ".join(texts)
+
+    def entities(self, state: dict) -> list[dict]:
+        """Entities in ``state`` as ``{"type", "name", "attributes"}`` (for the profile).
+
+        The default knows none; the profile then names entities by the tool arguments that
+        took them."""
+        return []
+
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         """Parse and run one action: (observation, done, info with valid / tool / error)."""
         if self.task is None:
@@ -227,24 +273,42 @@ class Environment(ABC):
         except ActionError as err:
             return err.observation, False, {"valid": False, "tool": err.tool, "error": err.kind}
         try:
-            obs, error = self.execute(call), None
+            obs, error = clip_words(self.execute(call)), None
+            self.responses.append(obs)
         except ToolError as err:
-            obs, error = err.observation, err.kind
+            obs, error = clip_words(err.observation), err.kind
         done = self.evaluate(self.task) >= 1.0
-        return clip_words(obs), done, {"valid": True, "tool": call.tool, "error": error}
+        return obs, done, {"valid": True, "tool": call.tool, "error": error}
 
 
-def verify_reference(env_cls: type[Environment], task: Task, **env_kwargs) -> bool:
-    """Replay ``task.reference`` in a fresh env: every step valid and error-free, goal reached."""
+VERIFY_REASONS = ("ok", "no_reference", "satisfied_at_start", "invalid_step", "goal_not_reached")
+
+
+def verify_task(env_cls: type[Environment], task: Task, **env_kwargs) -> tuple[bool, str]:
+    """Replay ``task.reference`` in a fresh env from the task's seed: (ok, reason).
+
+    A task passes when its goal does not hold at the start (else there is nothing to do), every
+    reference step is valid and error-free, and the goal holds afterwards. ``reason`` is one of
+    :data:`VERIFY_REASONS`.
+    """
+    if not task.reference:
+        return False, "no_reference"
     env = env_cls(**env_kwargs)
     env.reset(task)
-    if not task.reference:
-        return False
+    if env.evaluate(task) >= 1.0:
+        return False, "satisfied_at_start"
     for action in task.reference:
         _, _, info = env.step(action)
         if not info["valid"] or info["error"] is not None:
-            return False
-    return env.evaluate(task) >= 1.0
+            return False, "invalid_step"
+    if env.evaluate(task) < 1.0:
+        return False, "goal_not_reached"
+    return True, "ok"
+
+
+def verify_reference(env_cls: type[Environment], task: Task, **env_kwargs) -> bool:
+    """Whether ``task`` passes :func:`verify_task`."""
+    return verify_task(env_cls, task, **env_kwargs)[0]
 
 
 # --- registry ---------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ vocabulary stays small and multi-folder tasks need real multi-step plans.
 State (``state()``): ``{"cwd": [folder, ...], "tree": {name: subtree-dict | content-str}}``.
 Goal (``Task.goal``): ``{"all": [condition, ...]}`` with conditions
 ``{"file": path, "content": str?}``, ``{"folder": path}``, ``{"absent": path}``,
-``{"cwd": path}``, paths being lists of names from the root.
+``{"cwd": path}``, paths being lists of names from the root, and ``{"response": text}`` (a
+successful call this episode answered exactly ``text``: tasks answered by reading).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import functools
 import random
 import zlib
 
+from actor.envs import files_language as language
 from actor.envs.base import (
     ArgSpec,
     Environment,
+    GoalPart,
     ToolCall,
     ToolError,
     ToolSpec,
@@ -152,17 +155,21 @@ def _folders(folder: dict) -> list[str]:
 # --- goals ------------------------------------------------------------------------------------
 
 
-def goal_holds(state: dict, goal: dict) -> bool:
-    """Whether every condition of ``goal`` holds in ``state``; a malformed goal never holds."""
+def goal_holds(state: dict, goal: dict, responses=()) -> bool:
+    """Whether every condition of ``goal`` holds in ``state`` (and ``responses``, the answers of
+    this episode's successful calls); a malformed goal never holds."""
     conds = goal.get("all") if isinstance(goal, dict) else None
     if not isinstance(conds, list) or not conds:
         return False
-    return all(_condition_holds(state, c) for c in conds)
+    return all(_condition_holds(state, c, responses) for c in conds)
 
 
-def _condition_holds(state: dict, cond) -> bool:
+def _condition_holds(state: dict, cond, responses=()) -> bool:
     if not isinstance(cond, dict) or len(cond) not in (1, 2):
         return False
+    if "response" in cond:
+        text = cond["response"]
+        return len(cond) == 1 and isinstance(text, str) and text in responses
     # Goals may come from synthesized tasks: a path that is not a list of names never matches.
     if not all(isinstance(p, (list, tuple)) for k, p in cond.items() if k != "content"):
         return False
@@ -231,6 +238,7 @@ class FilesEnv(Environment):
         self.task = task
         self.tree = make_world(task.seed)
         self.cwd = []
+        self.responses = []
         return f"path : {self._path_words()} contents : {self._listing(self.tree)}"
 
     def execute(self, call: ToolCall) -> str:
@@ -243,13 +251,22 @@ class FilesEnv(Environment):
         return {"cwd": list(self.cwd), "tree": copy.deepcopy(self.tree)}
 
     def evaluate(self, task: Task) -> float:
-        return 1.0 if goal_holds(self.state(), task.goal) else 0.0
+        return 1.0 if goal_holds(self.state(), task.goal, self.responses) else 0.0
 
     def goal_from_states(self, before: dict, after: dict) -> dict:
         conds = _diff_conditions(before.get("tree", {}), after.get("tree", {}), [])
         if not conds and before.get("cwd") != after.get("cwd"):
             conds = [{"cwd": list(after.get("cwd", []))}]
         return {"all": conds}
+
+    def describe_changes(self, before: dict, after: dict) -> list[GoalPart]:
+        return language.describe_changes(before, after)
+
+    def describe_response(self, action: str, observation: str, before: dict) -> GoalPart | None:
+        return language.describe_response(action, observation, before, self.tools())
+
+    def entities(self, state: dict) -> list[dict]:
+        return language.entities(state)
 
     def tasks(self, split: str) -> list[Task]:
         if split not in ("train", "test"):

@@ -1,0 +1,180 @@
+"""``autodidact tasks ...``: inspect, export and re-verify the synthesized tasks of a run.
+
+Every command opens ``<run-dir>/tasks.lmdb`` read-only, so it is safe while the explorer is
+still writing to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from protocol.messages import Task
+from replay.tasks import TaskStore
+
+# Same texts as autodidact.cli's; not imported from there because cli.py imports this module
+# (and runs as __main__ under the launcher), which would make the import circular.
+CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
+SET_HELP = "Override one config value, e.g. --set env.options.num_worlds=8 (repeatable)."
+SHOW_FAILED = 5  # failing task ids listed per reason by `verify`
+
+COLUMNS = ("task_id", "seed", "method", "steps", "difficulty", "query")
+
+
+def run_dir_option(f):
+    return click.option("--run-dir", type=click.Path(exists=True, file_okay=False),
+                        required=True, help="Run directory holding tasks.lmdb.")(f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def tasks():
+    """Inspect the run's synthesized tasks (<run-dir>/tasks.lmdb)."""
+
+
+def _read_all(run_dir) -> list[Task]:
+    try:
+        with TaskStore(Path(run_dir), readonly=True) as store:
+            return store.all()
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _as_dict(task: Task) -> dict:
+    return dataclasses.asdict(task)
+
+
+def _json(obj, indent: int | None = None) -> str:
+    # Free-form meta may hold bytes (the codec allows them); JSON has no such type.
+    return json.dumps(obj, indent=indent, ensure_ascii=False,
+                      default=lambda o: o.hex() if isinstance(o, bytes) else str(o))
+
+
+# --- list --------------------------------------------------------------------------------------
+
+
+def _row(task: Task) -> list[str]:
+    return [task.task_id, str(task.seed), str(task.meta.get("method", "")),
+            str(len(task.reference)), f"{task.difficulty:g}", task.query]
+
+
+def _table(rows: list[list[str]]) -> str:
+    # The query goes last and unpadded: it is the long column, so it may run past the width.
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
+    lines = []
+    for row in rows:
+        cells = [c.ljust(w) for c, w in zip(row, widths)]
+        lines.append("  ".join(cells + [row[-1]]))
+    return "\n".join(lines)
+
+
+@tasks.command("list")
+@run_dir_option
+@click.option("--method", default=None, help="Only tasks made this way (meta.method).")
+@click.option("--seed", type=int, default=None, help="Only tasks in this world seed.")
+@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Show at most this many (0 = all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line instead.")
+def list_tasks(run_dir, method, seed, limit, as_json):
+    """A table of the stored tasks, oldest first."""
+    found = [t for t in _read_all(run_dir)
+             if (method is None or t.meta.get("method") == method)
+             and (seed is None or t.seed == seed)]
+    shown = found[:limit] if limit else found
+    if as_json:
+        for task in shown:
+            click.echo(_json(_as_dict(task)))
+        return
+    if shown:
+        click.echo(_table([list(map(str.upper, COLUMNS))] + [_row(t) for t in shown]))
+    click.echo(f"{len(found)} tasks ({len(shown)} shown)")
+
+
+# --- show and export ---------------------------------------------------------------------------
+
+
+@tasks.command("show")
+@click.argument("task_id")
+@run_dir_option
+def show(task_id, run_dir):
+    """One task, whole, as indented JSON."""
+    try:
+        with TaskStore(Path(run_dir), readonly=True) as store:
+            task = store.get(task_id)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    if task is None:
+        raise click.ClickException(f"no task {task_id!r} in {Path(run_dir) / 'tasks.lmdb'}")
+    click.echo(_json(_as_dict(task), indent=2))
+
+
+@tasks.command("export")
+@run_dir_option
+@click.option("--out", type=click.File("w", encoding="utf-8"), default="-",
+              help="File to write (default: stdout).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "json"]), default="jsonl",
+              show_default=True, help="One object per line, or one JSON array.")
+def export(run_dir, out, fmt):
+    """Every stored task, oldest first."""
+    found = [_as_dict(t) for t in _read_all(run_dir)]
+    if fmt == "json":
+        out.write(_json(found, indent=2) + "\n")
+    else:
+        out.writelines(_json(d) + "\n" for d in found)
+    click.echo(f"wrote {len(found)} tasks to {out.name}", err=True)
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+def _verifier():
+    import actor.envs.base as base
+
+    if not hasattr(base, "verify_task"):
+        raise click.ClickException("this build has no actor.envs.base.verify_task")
+    return base.env_class, base.verify_task
+
+
+def _verify_one(task: Task, cfg, env_class, verify_task) -> str:
+    try:
+        cls = env_class(task.env)
+    except KeyError:
+        return "unknown_env"
+    # The config's options are for the env it names; another env gets its defaults.
+    options = dict(cfg.env.options) if task.env == cfg.env.name else {}
+    try:
+        ok, reason = verify_task(cls, task, **options)
+    except Exception as exc:  # one broken task must not hide the verdict on the others
+        return f"error:{type(exc).__name__}"
+    return "ok" if ok else reason
+
+
+@tasks.command("verify")
+@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@run_dir_option
+def verify(config, sets, run_dir):
+    """Replay each task's reference in a fresh env: the goal must hold after it, not before.
+
+    Exits 1 when any task fails.
+    """
+    from autodidact.cli import _load
+
+    cfg = _load(config, sets)
+    stored = _read_all(run_dir)
+    env_class, verify_task = _verifier()
+    failed: dict[str, list[str]] = {}
+    for task in stored:
+        reason = _verify_one(task, cfg, env_class, verify_task)
+        if reason != "ok":
+            failed.setdefault(reason, []).append(task.task_id)
+    bad = sum(map(len, failed.values()))
+    click.echo(f"verified {len(stored) - bad}/{len(stored)} tasks")
+    for reason, ids in sorted(failed.items(), key=lambda kv: -len(kv[1])):
+        more = ", ..." if len(ids) > SHOW_FAILED else ""
+        click.echo(f"  {reason}: {len(ids)} ({', '.join(ids[:SHOW_FAILED])}{more})")
+    if failed:
+        sys.exit(1)

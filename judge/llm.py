@@ -1,0 +1,171 @@
+"""LLM chat clients for the task proposer and the judges, plus JSON extraction from replies.
+
+Only the standard library is used, so any OpenAI-compatible endpoint (``vllm serve``, a hosted
+API) works without an SDK. Model output is only ever parsed as JSON, never evaluated.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from abc import ABC, abstractmethod
+
+log = logging.getLogger(__name__)
+
+ERROR_KINDS = ("timeout", "connection", "http", "bad_response")
+
+
+class LLMError(Exception):
+    """A chat request that failed; ``kind`` is one of ERROR_KINDS, ``status`` the HTTP code."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None):
+        if kind not in ERROR_KINDS:
+            raise ValueError(f"unknown LLMError kind {kind!r}")
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.status = status
+
+
+class ChatModel(ABC):
+    """A chat model: OpenAI-style messages in, the assistant's text out."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    @abstractmethod
+    def complete(
+        self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512
+    ) -> str:
+        """Return the assistant's reply to ``messages``; raise LLMError on failure."""
+
+
+class OpenAIChat(ChatModel):
+    """Client for an OpenAI-compatible ``/chat/completions`` endpoint, with bounded retries."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        api_key_env: str = "OPENAI_API_KEY",
+        timeout_s: float = 60.0,
+        max_retries: int = 2,
+        backoff_s: float = 0.5,
+    ):
+        super().__init__()
+        self.endpoint = _endpoint(url)
+        self.model = model
+        self.api_key_env = api_key_env
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+
+    def complete(
+        self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512
+    ) -> str:
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+        }
+        data = json.dumps(body).encode()
+        for attempt in range(self.max_retries + 1):
+            self._count("requests")
+            try:
+                return _parse_reply(self._post(data))
+            except LLMError as err:
+                self._count(f"errors_{err.kind}")
+                log.warning(
+                    "chat request to %s failed (attempt %d/%d): %s",
+                    self.endpoint, attempt + 1, self.max_retries + 1, err,
+                )
+                if not _retryable(err) or attempt == self.max_retries:
+                    raise
+            self._count("retries")
+            time.sleep(self.backoff_s * (2**attempt))
+        raise AssertionError("unreachable")
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        # Read at call time so a key rotated in the environment is picked up without a restart.
+        key = os.environ.get(self.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def _post(self, data: bytes) -> bytes:
+        req = urllib.request.Request(self.endpoint, data=data, headers=self._headers())
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            detail = _snippet(e.read())
+            raise LLMError("http", f"HTTP {e.code}: {detail}", status=e.code) from e
+        except urllib.error.URLError as e:
+            # urlopen wraps connect-phase failures, timeouts included, in URLError.
+            if isinstance(e.reason, (socket.timeout, TimeoutError)):
+                raise LLMError("timeout", f"no reply within {self.timeout_s}s") from e
+            raise LLMError("connection", str(e.reason)) from e
+        except (socket.timeout, TimeoutError) as e:
+            raise LLMError("timeout", f"no reply within {self.timeout_s}s") from e
+        except (OSError, http.client.HTTPException) as e:
+            raise LLMError("connection", repr(e)) from e
+
+
+def _endpoint(url: str) -> str:
+    url = url.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    return f"{url}/chat/completions"
+
+
+def _retryable(err: LLMError) -> bool:
+    if err.kind in ("timeout", "connection"):
+        return True
+    # Overload and server faults are transient; other 4xx mean the request itself is wrong.
+    status = err.status or 0
+    return err.kind == "http" and (status == 429 or status >= 500)
+
+
+def _parse_reply(raw: bytes) -> str:
+    try:
+        payload = json.loads(raw)
+        content = payload["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise LLMError("bad_response", f"no choices[0].message.content in {_snippet(raw)}") from e
+    if not isinstance(content, str):
+        raise LLMError("bad_response", f"content is {type(content).__name__}, not str")
+    return content
+
+
+def _snippet(raw: bytes, limit: int = 200) -> str:
+    text = raw.decode("utf-8", errors="replace")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def extract_json(text: str):
+    """Return the first JSON object or array in ``text``, ignoring code fences and prose.
+
+    Each '{' or '[' is tried in turn as a start, so stray brackets in prose before the real
+    payload do not hide it. Raises ValueError when no candidate parses.
+    """
+    decoder = json.JSONDecoder()
+    starts = [i for i, ch in enumerate(text) if ch in "{["]
+    if not starts:
+        raise ValueError("no '{' or '[' in reply")
+    for i in starts:
+        try:
+            value, _ = decoder.raw_decode(text, i)
+        except ValueError:
+            continue
+        return value
+    raise ValueError(f"none of {len(starts)} JSON candidates parsed")
