@@ -22,6 +22,7 @@ import torch
 
 from actor.backends.base import InferenceBackend, SamplingParams
 from actor.envs.base import env_maker
+from actor.reward import outcome_reward
 from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, to_groups
 from autodidact.metrics import MetricsWriter, RateMeter
 from protocol.config import RunConfig
@@ -58,6 +59,7 @@ class Actor:
         self.codec = PromptCodec(backend.tokenizer)
         self.settings = rollout_settings(cfg)
         self.make_env = env_maker(cfg.env)
+        self.reward = outcome_reward(cfg)
         self.weights = WeightSubscriber(control, actor_id)
         self.metrics = MetricsWriter(run_dir, "actor", actor_id)
         self.tokens = RateMeter()
@@ -128,7 +130,7 @@ class Actor:
                                 stop_token_ids=(self.codec.eoa_id,), seed=self._seed,
                                 logprobs_mode="raw")
         rollout(self.backend, episodes, self.codec, params, self.settings,
-                between_turns=self.maybe_load_weights)
+                between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
         return to_groups(episodes, self.cfg.actor.group_size, self.actor_id, time.time())
 

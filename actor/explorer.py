@@ -100,9 +100,14 @@ class SchemaSampler:
         self.names: Counter = Counter()  # name -> times seen
         self.worked: Counter = Counter()  # name -> successful calls that used it
         self.failed: Counter = Counter()  # name -> refused calls that used it
-        self.coverage: Counter = Counter()  # (tool, first arg) -> calls tried
+        self.coverage: Counter = Counter()  # (tool, first arg) -> calls that succeeded
+        self.tool_ok: Counter = Counter()  # tool -> calls that succeeded
         self.here: Counter = Counter()  # names seen in the current exploration
         self.last_calls: deque[str] = deque(maxlen=4)
+        # (tool, arg position, word shape) -> [ok, refused]: learns, say, that a slot takes
+        # dotted names, without knowing what a file is.
+        self.slot_fit: dict[tuple, list[int]] = {}
+        self.effects: dict[str, list[int]] = {}  # tool -> [calls that changed state, calls]
 
     def start(self, first_observation: str) -> None:
         """A new exploration: forget which names belong to the current state."""
@@ -115,13 +120,20 @@ class SchemaSampler:
         self.names.update(found)
         self.here.update(found)
 
-    def record(self, action: str, ok: bool) -> None:
+    def record(self, action: str, ok: bool, changed: bool = False) -> None:
         words = action.split()
         if not words:
             return
-        self.coverage[(words[0], words[1] if len(words) > 1 else "")] += 1
-        for word in words[1:]:
+        if ok:
+            self.coverage[(words[0], words[1] if len(words) > 1 else "")] += 1
+            self.tool_ok[words[0]] += 1
+        for slot, word in enumerate(words[1:]):
             (self.worked if ok else self.failed)[word] += 1
+            fit = self.slot_fit.setdefault((words[0], slot, _shape(word)), [0, 0])
+            fit[0 if ok else 1] += 1
+        effect = self.effects.setdefault(words[0], [0, 0])
+        effect[0] += changed
+        effect[1] += 1
         self.last_calls.append(action)
 
     def propose(self, phase: str, temperature: float, recent: Sequence[str]) -> str:
@@ -134,33 +146,47 @@ class SchemaSampler:
             pool = list(self.names)
         else:
             pool = list(self.here)
-        # Names that worked before are drawn more often than ones that keep being refused.
-        weights = [(1 + self.worked[n]) / (1 + self.failed[n]) for n in pool]
-        calls = [self._sample_call(pool, weights) for _ in range(self.candidates)]
+        latest = set(names_in(recent[-1])) if recent else set()
+        calls = [self._sample_call(pool, latest) for _ in range(self.candidates)]
         scores = [self._score(c, phase) for c in calls]
         return calls[_softmax_choice(scores, temperature, self.rng)]
 
-    def _sample_call(self, pool: list[str], weights: list[float]) -> str:
+    def _sample_call(self, pool: list[str], latest: set[str]) -> str:
         tool = self.rng.choice(self.tools)
         words = [tool.name]
-        for arg in tool.args:
+        for slot, arg in enumerate(tool.args):
             if not arg.required and self.rng.random() < 0.5:
                 break
             if arg.type == "int":
                 words.append(str(self.rng.choice(SMALL_INTS)))
             elif pool:
-                words.append(self.rng.choices(pool, weights)[0])
+                words.append(self.rng.choices(pool, self._weights(tool.name, slot, pool,
+                                                                  latest))[0])
             else:
                 break
         return " ".join(words)
 
+    def _weights(self, tool: str, slot: int, pool: list[str], latest: set[str]) -> list[float]:
+        """Names that worked, of a shape this slot accepted, just seen: drawn more often."""
+        out = []
+        for name in pool:
+            ok, bad = self.slot_fit.get((tool, slot, _shape(name)), [0, 0])
+            w = (1 + self.worked[name]) / (1 + self.failed[name]) * (1 + ok) / (1 + bad)
+            out.append(w * (3.0 if name in latest else 1.0))
+        return out
+
     def _score(self, call: str, phase: str) -> float:
+        """Which candidate to pick: untried tool x entity pairs and tools first. (How likely
+        the arguments are to work already shaped the candidates, in :meth:`_weights`.)"""
         words = call.split()
         novelty = 1.0 / (1 + self.coverage[(words[0], words[1] if len(words) > 1 else "")])
-        trust = [math.log((1 + self.worked[w]) / (1 + self.failed[w])) for w in words[1:]]
-        trust_mean = max(-2.0, min(2.0, sum(trust) / len(trust))) if trust else 0.0
-        repeat = 1.0 if call in self.last_calls else 0.0
-        return (2.0 if phase == "breadth" else 0.5) * novelty + trust_mean - 2.0 * repeat
+        novelty += 1.0 / (1 + self.tool_ok[words[0]]) ** 0.5
+        repeat = 2.0 if call in self.last_calls else 0.0
+        if phase == "breadth":
+            return 2.0 * novelty - repeat
+        # Depth chains on what it found: calls that change the state are worth more there.
+        changed, calls = self.effects.get(words[0], [0, 0])
+        return 0.5 * novelty + 2.0 * (changed + 1) / (calls + 2) - repeat
 
 
 class LLMProposer:
@@ -236,6 +262,10 @@ def names_in(text: str) -> list[str]:
     return [w for w in words if _NAME.fullmatch(w) and not w.isdigit()]
 
 
+def _shape(word: str) -> tuple[bool, bool]:
+    return "." in word, any(c.isdigit() for c in word)
+
+
 def _softmax_choice(scores: list[float], temperature: float, rng: random.Random) -> int:
     top = max(scores)
     weights = [math.exp((s - top) / max(temperature, 1e-6)) for s in scores]
@@ -277,14 +307,16 @@ class Explorer:
         phases += [("depth", s.depth_temperature)] * s.depth_steps
         for phase, temperature in phases:
             action, proposer = self._propose(phase, temperature, list(recent))
+            before = env.state()
             obs, _, info = env.step(action)
             ok = info["valid"] and info["error"] is None
+            after = env.state()
             self.sampler.observe(obs)
-            self.sampler.record(action, ok)
+            self.sampler.record(action, ok, after != before)
             self.counts["steps"] += 1
             self.counts["errors" if not ok else "ok"] += 1
             exp.steps.append(ExploreStep(action, obs, bool(info["valid"]), info.get("tool"),
-                                         info.get("error"), phase, proposer, env.state()))
+                                         info.get("error"), phase, proposer, after))
             recent.append(obs)
         exp.seconds = time.monotonic() - t0
         self.counts["explorations"] += 1

@@ -141,8 +141,10 @@ def apply_action(ep: Episode, codec: PromptCodec, action_ids: list[int], logprob
 
 def rollout(backend: InferenceBackend, episodes: list[Episode], codec: PromptCodec,
             params: SamplingParams, settings: RolloutSettings,
-            between_turns: Callable[[], None] | None = None) -> list[Episode]:
-    """Advance every episode to its end, one batched generation per turn."""
+            between_turns: Callable[[], None] | None = None,
+            reward: Callable[[Episode], float] | None = None) -> list[Episode]:
+    """Advance every episode to its end, one batched generation per turn; ``reward`` scores a
+    finished episode (default: the env's check of the task's goal)."""
     while True:
         active = [ep for ep in episodes if not ep.done]
         if not active:
@@ -156,7 +158,7 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: PromptCod
         if between_turns is not None:
             between_turns()
     for ep in episodes:
-        ep.reward = float(ep.env.evaluate(ep.task))
+        ep.reward = float(reward(ep) if reward is not None else ep.env.evaluate(ep.task))
     return episodes
 
 

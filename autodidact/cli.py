@@ -188,7 +188,85 @@ def _not_yet(role: str, issue: int):
 
 
 main.command("judge")(_not_yet("judge", 6))
-main.command("explore")(_not_yet("explore", 4))
+
+
+# --- self-questioning -----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="Run directory (default runs/<name>): explorations, profile, tasks.lmdb.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--redis-url", default=None,
+              help="Also add tasks to this run's synthetic pool in Redis (redis.url).")
+@click.option("--rounds", type=int, default=None,
+              help="Rounds over the seeds (default explore.rounds; 0 = until stopped).")
+@click.option("--proposer-url", default=None,
+              help="OpenAI-compatible endpoint for proposing actions and tasks (llm.url); the "
+                   "API key is read from $OPENAI_API_KEY (llm.api_key_env).")
+@click.option("--proposer-model", default=None, help="Model name at that endpoint (llm.model).")
+@click.option("--profile-only", is_flag=True,
+              help="Print the environment profile (exploring first if nothing is stored).")
+@click.option("--json", "as_json", is_flag=True, help="With --profile-only: print JSON.")
+def explore(config, run_dir, sets, redis_url, rounds, proposer_url, proposer_model,
+            profile_only, as_json):
+    """Explore the environment and write verified synthetic tasks (self-questioning).
+
+    \b
+    autodidact explore --run-dir runs/x                 explore, synthesize, verify, store
+    autodidact explore --run-dir runs/x --profile-only  print the environment profile
+    autodidact tasks list --run-dir runs/x              read the tasks it made
+    """
+    import signal
+
+    from actor import task_factory
+
+    cfg = _load(config, sets)
+    if redis_url:
+        cfg.redis.url = redis_url
+    if proposer_url:
+        cfg.llm.url, cfg.llm.model = proposer_url, proposer_model or cfg.llm.model
+        if not cfg.llm.model:
+            raise click.UsageError("--proposer-url needs --proposer-model (or llm.model)")
+    if cfg.redis.url and not cfg.redis.prefix:
+        from protocol.control import default_prefix
+
+        cfg.redis.prefix = default_prefix(cfg.name)
+    path = resolve_run_dir(cfg, run_dir)
+    if profile_only:
+        from actor.profile import render_toc
+
+        profile = task_factory.profile_only(cfg, path)
+        click.echo(json.dumps(profile, indent=1) if as_json else render_toc(profile))
+        return
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    policy = cfg.model.path or _explore_policy(cfg, path)
+    try:
+        task_factory.run_explore(cfg, path, rounds, policy_path=policy,
+                                 say=lambda m: click.echo(m, err=True),
+                                 stop=lambda: bool(stopping))
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
+    """The policy an ``auto``/``policy`` proposer uses: the run's model, made if missing."""
+    if cfg.explore.proposer not in ("auto", "policy") or cfg.llm.url:
+        return None
+    from autodidact.launcher import prepare_model
+
+    return prepare_model(cfg, run_dir)
+
+
+def _register_tasks():
+    from autodidact.tasks_cli import tasks
+
+    main.add_command(tasks)
+
+
+_register_tasks()
 
 
 if __name__ == "__main__":

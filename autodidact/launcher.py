@@ -3,8 +3,10 @@
     model = tiny local model (made once) or cfg.model.path
     with private Redis (unless redis.url), Supervisor() as roles:
         start replay; wait until it answers
-        warm-start on verified references; evaluate held-out success   (skipped on --resume)
-        start the learner and the actors
+        explore and synthesize tasks when the task mixture needs them  (explore.stage)
+        warm-start on verified references of the mixture; evaluate held-out success
+                                                                         (skipped on --resume)
+        start the learner, the actors (and an explorer with explore.stage=alongside)
         until the learner finishes: keep the task queue full, restart dead actors, show progress
         evaluate held-out success with the final weights; print the summary
     everything is stopped on exit, Ctrl-C and error
@@ -25,6 +27,7 @@ from rich.console import Console
 from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.metrics import MetricsTail, MetricsWriter, read_metrics
 from autodidact.supervisor import RoleSpec, Supervisor
+from autodidact.task_mix import TaskFeeder, synthetic_share, warmstart_tasks
 from autodidact.tracking import WandbMirror
 from protocol.config import RunConfig, to_dict
 from protocol.control import ControlPlane, default_prefix
@@ -100,7 +103,8 @@ def held_out_success(cfg: RunConfig, model_path: str, label: str) -> dict | None
     return result
 
 
-def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str) -> str:
+def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,
+                     tasks: list | None = None) -> str:
     from actor.actor import rollout_settings
     from learner.warmstart import warm_start
 
@@ -115,28 +119,35 @@ def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str) -> str:
         console.print(f"  warm-start step {step}/{cfg.warmstart.steps}  loss {loss:.3f}",
                       highlight=False)
 
-    info = warm_start(cfg, base_path, out, rollout_settings(cfg), progress)
+    info = warm_start(cfg, base_path, out, rollout_settings(cfg), progress, tasks)
     console.print(f"  warm-start: {info['examples']} verified references, "
                   f"{info['steps']} steps in {info['seconds']:.0f}s")
     return str(out)
 
 
-class TaskFeeder:
-    """Keeps the Redis task queue topped up with shuffled training tasks, epoch after epoch."""
+def explore_stage(cfg: RunConfig, run_dir: Path, control: ControlPlane, policy_path: str,
+                  share: float) -> dict | None:
+    """Explore before training when the config asks for it; the pool in Redis mirrors the
+    durable task store either way (a fresh Redis gets the stored tasks back)."""
+    from actor.task_factory import run_explore
+    from replay.tasks import TaskStore, exists
 
-    def __init__(self, cfg: RunConfig, control: ControlPlane):
-        from actor.envs.base import env_maker
-
-        self.tasks = env_maker(cfg.env)().tasks("train")
-        self.rng = random.Random(cfg.seed)
-        self.control = control
-        self.low_water = 4 * cfg.actor.num_actors * cfg.actor.groups_in_flight
-
-    def top_up(self) -> None:
-        if self.control.task_queue_len() < self.low_water:
-            batch = self.tasks[:]
-            self.rng.shuffle(batch)
-            self.control.push_tasks(batch[:4 * self.low_water])
+    stored = 0
+    if exists(run_dir):
+        with TaskStore(run_dir, readonly=True) as store:
+            tasks = store.all()
+        stored = len(tasks)
+        if control.synthetic_len() < stored:
+            control.add_synthetic(tasks[control.synthetic_len():])
+    stage = cfg.explore.stage
+    wanted = stage in ("before", "alongside") or (
+        stage == "auto" and share > 0 and stored < cfg.explore.min_tasks)
+    if not wanted:
+        return None
+    console.print(f"  explore: {stored} synthetic tasks stored; exploring "
+                  f"({cfg.explore.rounds or 1} round(s))")
+    return run_explore(cfg, run_dir, cfg.explore.rounds or 1, policy_path=policy_path,
+                       say=lambda m: console.print(f"  {m}", highlight=False))
 
 
 def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
@@ -174,10 +185,22 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
 def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
+    from actor.envs.base import env_maker
+
     base = prepare_model(cfg, run_dir)
+    original = env_maker(cfg.env)().tasks("train")
+    share = synthetic_share(cfg, original)
     if not resume or "success_warm" not in summary:
+        summary["synthetic_share"] = share
+        summary["explore"] = explore_stage(cfg, run_dir, control, base, share)
+        synthetic = control.synthetic_since(0)
+        if share > 0 and not synthetic:
+            console.print("[red]tasks.synthetic_share > 0 but there are no synthetic tasks: "
+                          "run `autodidact explore` or set explore.stage[/]")
+            return 1
         summary["success_base"] = held_out_success(cfg, base, "before warm-start")
-        cfg.model.path = warm_start_stage(cfg, run_dir, base)
+        cfg.model.path = warm_start_stage(cfg, run_dir, base,
+                                          warmstart_tasks(cfg, original, synthetic, share))
         summary["success_warm"] = held_out_success(cfg, cfg.model.path, "after warm-start")
         summary_path.write_text(json.dumps(summary, indent=2))
     else:
@@ -191,8 +214,11 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
         roles.start(RoleSpec(f"actor-{i}", role_argv("actor", run_dir, config_path,
                                                      "--actor-id", f"actor-{i}"),
                              log_path=logs / f"actor-{i}.log"))
+    if cfg.explore.stage == "alongside":
+        roles.start(RoleSpec("explore", role_argv("explore", run_dir, config_path, "--rounds",
+                                                  "0"), log_path=logs / "explore.log"))
     control.set_state(phase="rl")
-    feeder = TaskFeeder(cfg, control)
+    feeder = TaskFeeder(cfg, control, original, share)
     mirror = WandbMirror(run_dir, cfg.tracking.wandb, to_dict(cfg), cfg.name, cfg.tracking.group)
     try:
         code = supervise(cfg, run_dir, control, roles, feeder, mirror)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -22,15 +22,17 @@ from actor.rollout import PromptCodec, RolloutSettings, scripted_episode, to_gro
 from learner.batching import build_batch
 from learner.logprobs import token_logprobs
 from protocol.config import RunConfig
-from protocol.messages import Group
+from protocol.messages import Group, Task
 
 log = logging.getLogger(__name__)
 
 
-def reference_groups(cfg: RunConfig, codec: PromptCodec, settings: RolloutSettings) -> list[Group]:
-    """One single-trajectory group per training task with a reference that solves it."""
+def reference_groups(cfg: RunConfig, codec: PromptCodec, settings: RolloutSettings,
+                     tasks: Sequence[Task] | None = None) -> list[Group]:
+    """One single-trajectory group per task (default: the env's training tasks) whose reference
+    solves it."""
     env = env_maker(cfg.env)()
-    tasks = [t for t in env.tasks("train") if t.reference]
+    tasks = [t for t in (env.tasks("train") if tasks is None else tasks) if t.reference]
     random.Random(cfg.seed).shuffle(tasks)
     groups = []
     for task in tasks[:cfg.warmstart.max_examples]:
@@ -41,15 +43,18 @@ def reference_groups(cfg: RunConfig, codec: PromptCodec, settings: RolloutSettin
 
 
 def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: RolloutSettings,
-               progress: Callable[[int, float], None] | None = None) -> dict:
-    """Fine-tune ``model_path`` on reference solutions and save it to ``out_path``."""
+               progress: Callable[[int, float], None] | None = None,
+               tasks: Sequence[Task] | None = None) -> dict:
+    """Fine-tune ``model_path`` on reference solutions of ``tasks`` (default: the env's
+    training tasks) and save it to ``out_path``."""
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.learner.device)
     codec = PromptCodec(tokenizer)
-    groups = reference_groups(cfg, codec, settings)
+    groups = reference_groups(cfg, codec, settings, tasks)
     if not groups:
-        raise RuntimeError(f"environment {cfg.env.name!r} has no verified reference solutions")
+        raise RuntimeError(f"no verified reference solutions to warm-start on (env "
+                           f"{cfg.env.name!r}); explore first or set warmstart.steps=0")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warmstart.lr)
     rng = random.Random(cfg.seed)
     t0, loss_value = time.monotonic(), float("nan")

@@ -317,7 +317,7 @@ class ExploreConfig:
     seeds: int = 0
     """Seeds (initial states) to explore; 0 = every seed of the env's training tasks."""
 
-    explorations_per_seed: int = 2
+    explorations_per_seed: int = 4
     """Explorations per seed and round."""
 
     rounds: int = 1

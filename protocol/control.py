@@ -37,6 +37,7 @@ class Keys:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.tasks = f"{prefix}:tasks"
+        self.synthetic = f"{prefix}:synthetic"
         self.version = f"{prefix}:version"
         self.weights = f"{prefix}:weights"
         self.counters = f"{prefix}:counters"
@@ -105,6 +106,23 @@ class ControlPlane:
 
     def task_queue_len(self) -> int:
         return self.r.llen(self.keys.tasks)
+
+    # --- synthetic task pool: every verified task the explorers made, in order ---
+    # The queue above is consumed; the pool is read by index so a feeder on any machine can
+    # mix synthetic tasks into its epochs (the durable copy is the explorer's tasks.lmdb).
+
+    def add_synthetic(self, tasks: list[Task]) -> int:
+        if not tasks:
+            return self.synthetic_len()
+        return self.r.rpush(self.keys.synthetic, *[codec.encode_body(t) for t in tasks])
+
+    def synthetic_len(self) -> int:
+        return self.r.llen(self.keys.synthetic)
+
+    def synthetic_since(self, start: int) -> list[Task]:
+        """Pool entries from index ``start`` on (what a reader has not seen yet)."""
+        return [codec.decode_body(Task.TYPE, b) for b in self.r.lrange(self.keys.synthetic,
+                                                                       start, -1)]
 
     # --- policy version ---
 
