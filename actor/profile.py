@@ -66,7 +66,7 @@ class ProfileBuilder:
         spec_args = self.tools[step.tool].args
         for arg_spec, value in zip(spec_args, args):
             # Without an entity hook, the argument's name stands in for the entity type.
-            types = by_name.get(value.rstrip("/")) or ([] if self.types else [arg_spec.name])
+            types = by_name.get(value.rstrip("/")) or ([] if by_name else [arg_spec.name])
             for kind in dict.fromkeys(types):
                 info = self.types.setdefault(kind, {"names": {}, "attributes": {},
                                                     "operations": {}, "errors": {}})

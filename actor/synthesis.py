@@ -109,13 +109,15 @@ class Replayer:
         seq = list(actions)
         if self.run(task, seq) != "reached":
             return None
-        i = 0
-        while i < len(seq):
-            trial = seq[:i] + seq[i + 1:]
-            if trial and self.run(task, trial) == "reached":
-                seq = trial
-            else:
-                i += 1
+        shorter = True
+        while shorter:  # removing a step can free an earlier one that only it needed
+            shorter, i = False, 0
+            while i < len(seq):
+                trial = seq[:i] + seq[i + 1:]
+                if trial and self.run(task, trial) == "reached":
+                    seq, shorter = trial, True
+                else:
+                    i += 1
         dependent = sum(self.run(task, seq[:i] + seq[i + 1:]) == "invalid"
                         for i in range(len(seq)))
         return seq, dependent
@@ -155,8 +157,7 @@ class HindsightSynthesizer:
             if not step.valid or step.error is not None:
                 continue
             if step.state != states[t]:
-                parts = self._worded_first(self.env.describe_changes(exp.initial_state,
-                                                                     step.state))
+                parts = self._worded(self.env.describe_changes(exp.initial_state, step.state))
                 combos = [c for r in range(1, self.prefs.max_parts + 1)
                           for c in itertools.combinations(parts, r)]
             else:
@@ -168,10 +169,11 @@ class HindsightSynthesizer:
         self.rng.shuffle(goals)
         return goals[:self.max_candidates]
 
-    @staticmethod
-    def _worded_first(parts: list[GoalPart]) -> list[GoalPart]:
-        """Parts the env can put in words; the wordless ones only when there are no others."""
-        return [p for p in parts if p.text is not None] or parts
+    def _worded(self, parts: list[GoalPart]) -> list[GoalPart]:
+        """An env that names its changes names every change a task may ask for: a wordless
+        part there would need a query outside its language. Other envs keep every part."""
+        names_changes = type(self.env).describe_changes is not Environment.describe_changes
+        return [p for p in parts if p.text is not None] if names_changes else parts
 
     def _answer_goal(self, start: dict, now: dict, step) -> list[tuple[GoalPart, ...]]:
         """A read-only call's answer as a goal, with every change made before it: the answer

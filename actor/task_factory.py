@@ -219,8 +219,11 @@ class TaskFactory:
     def _append(self, exp: Exploration) -> None:
         path = explorations_path(self.run_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(exp.to_dict()) + "\n")
+        with path.open("ab+") as f:
+            # A line a crash cut short must not swallow the next record.
+            f.seek(0, 2)
+            cut = f.tell() > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n"
+            f.write((b"\n" if cut else b"") + json.dumps(exp.to_dict()).encode() + b"\n")
 
     def summary(self, seconds: float) -> dict:
         stats = {**self.counts, **self.explorer.counts}

@@ -10,13 +10,12 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from test_run_integration import QUICK, stored_groups
 
 from actor.envs import FilesEnv
 from replay.tasks import TaskStore
-from test_run_integration import QUICK, stored_groups
 
 pytestmark = pytest.mark.slow
 

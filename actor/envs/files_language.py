@@ -123,6 +123,7 @@ class _Diff:
         self.removed_dirs, self.added_dirs = bd - ad, ad - bd
         self.removed = {p for p in self.bf if p not in self.af}
         self.added = {p for p in self.af if p not in self.bf}
+        self.relocated: dict[tuple, tuple] = {}  # removed path -> where its folder moved
 
     def _subtree(self, tree: dict, path: tuple):
         node = tree
@@ -159,6 +160,8 @@ class _Diff:
                     conds.append({"file": list(moved), "content": self.bf[p]})
                     self.removed.discard(p)
                     self.added.discard(moved)
+                elif p in self.removed:  # gone from the moved folder: deleted at its new place
+                    self.relocated[p] = moved
             for d in sorted(d for d in self.removed_dirs if _under(d, r)):
                 if q + d[len(r):] in self.added_dirs:
                     self.removed_dirs.discard(d)
@@ -212,7 +215,7 @@ class _Diff:
         for p in sorted(p for p in self.bf if p in self.af and self.af[p] != self.bf[p]):
             # Rewritten in place (removed and made again): no words say that plainly.
             parts.append(GoalPart(({"file": list(p), "content": self.af[p]},), None, (p[-1],)))
-        for r in sorted(self.removed):
+        for r in sorted(self.relocated.get(p, p) for p in self.removed):
             text = f"delete {r[-1]}" + (f" from {r[-2]}" if len(r) > 1 else "")
             parts.append(GoalPart(({"absent": list(r)},), text, (r[-1], _where(r[:-1]))))
         return parts
