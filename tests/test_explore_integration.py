@@ -102,3 +102,31 @@ def test_run_on_synthetic_tasks_only_learns_the_original_held_out_tasks(tmp_path
     # Held-out tasks are the env's own: training on self-made tasks must transfer to them.
     base, final = summary["success_base"], summary["success_rl"]
     assert final["avg"] > base["avg"] + 0.03, (base, final)
+
+
+def test_explore_role_runs_until_stopped_and_feeds_the_redis_pool(tmp_path, redis_url):
+    """The role `autodidact run` starts with explore.stage=alongside: rounds 0, SIGTERM stops
+    it after the current exploration, tasks reach both the store and the run's Redis pool."""
+    import signal
+    import time
+
+    from protocol.control import ControlPlane
+
+    prefix = f"itest-explore-{tmp_path.name}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autodidact.cli", "explore", "--run-dir", str(tmp_path),
+         "--redis-url", redis_url, "--rounds", "0", "--set", f"redis.prefix={prefix}",
+         "--set", "explore.proposer=schema"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    control = ControlPlane.connect(redis_url, prefix)
+    deadline = time.monotonic() + 120
+    while control.synthetic_len() < 300 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    pooled = control.synthetic_len()
+    with TaskStore(tmp_path, readonly=True) as store:
+        stored = store.count()
+    assert pooled >= 300 and stored == pooled
+    assert (tmp_path / "explore" / "profile.json").exists()
