@@ -305,9 +305,9 @@ class Explorer:
         recent: deque[str] = deque([first], maxlen=s.context_observations)
         phases = [("breadth", s.breadth_temperature)] * s.breadth_steps
         phases += [("depth", s.depth_temperature)] * s.depth_steps
+        before = exp.initial_state
         for phase, temperature in phases:
             action, proposer = self._propose(phase, temperature, list(recent))
-            before = env.state()
             obs, _, info = env.step(action)
             ok = info["valid"] and info["error"] is None
             after = env.state()
@@ -318,6 +318,7 @@ class Explorer:
             exp.steps.append(ExploreStep(action, obs, bool(info["valid"]), info.get("tool"),
                                          info.get("error"), phase, proposer, after))
             recent.append(obs)
+            before = after
         exp.seconds = time.monotonic() - t0
         self.counts["explorations"] += 1
         return exp

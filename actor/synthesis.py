@@ -84,24 +84,26 @@ class Replayer:
         self.env = make_env()
         self.replays = 0
 
-    def run(self, task: Task, actions: Sequence[str]) -> str:
-        """``"reached"``, ``"missed"`` (ran cleanly, goal false) or ``"invalid"`` (a refusal)."""
+    def _play(self, task: Task, actions: Sequence[str]) -> bool:
+        """Reset to ``task`` and act; False at the first refused call."""
         self.replays += 1
         self.env.reset(task)
         for action in actions:
             _, _, info = self.env.step(action)
             if not info["valid"] or info["error"] is not None:
-                return "invalid"
+                return False
+        return True
+
+    def run(self, task: Task, actions: Sequence[str]) -> str:
+        """``"reached"``, ``"missed"`` (ran cleanly, goal false) or ``"invalid"`` (a refusal)."""
+        if not self._play(task, actions):
+            return "invalid"
         return "reached" if self.env.evaluate(task) >= 1.0 else "missed"
 
     def end_state(self, task: Task, actions: Sequence[str]) -> tuple[str, dict, list[str]]:
-        """(outcome as in :meth:`run` but ``"ran"`` for a clean run, final state, answers)."""
-        self.env.reset(task)
-        for action in actions:
-            _, _, info = self.env.step(action)
-            if not info["valid"] or info["error"] is not None:
-                return "invalid", self.env.state(), list(self.env.responses)
-        return "ran", self.env.state(), list(self.env.responses)
+        """(``"ran"`` for a clean run or ``"invalid"``, final state, answers)."""
+        outcome = "ran" if self._play(task, actions) else "invalid"
+        return outcome, self.env.state(), list(self.env.responses)
 
     def prune(self, task: Task, actions: Sequence[str]) -> tuple[list[str], int] | None:
         """The actions with every removable one removed, and how many of the rest others

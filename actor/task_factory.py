@@ -18,7 +18,7 @@ from pathlib import Path
 
 from actor.envs.base import env_class, env_maker, verify_task
 from actor.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
-from actor.profile import ProfileBuilder, render_toc, save_profile
+from actor.profile import ProfileBuilder, build_profile, render_toc, save_profile
 from actor.synthesis import (
     HindsightSynthesizer,
     LLMSynthesizer,
@@ -40,6 +40,16 @@ def explorations_path(run_dir: Path) -> Path:
 
 def profile_path(run_dir: Path) -> Path:
     return Path(run_dir) / EXPLORE_DIR / "profile.json"
+
+
+def append_exploration(run_dir: Path, exp: Exploration) -> None:
+    path = explorations_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab+") as f:
+        # A line a crash cut short must not swallow the next record.
+        f.seek(0, 2)
+        cut = f.tell() > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n"
+        f.write((b"\n" if cut else b"") + json.dumps(exp.to_dict()).encode() + b"\n")
 
 
 def read_explorations(run_dir: Path) -> list[Exploration]:
@@ -172,7 +182,7 @@ class TaskFactory:
         index = self.next_index[seed.seed]
         self.next_index[seed.seed] += 1
         exp = self.explorer.explore(seed, index)
-        self._append(exp)
+        append_exploration(self.run_dir, exp)
         self.profile.add(exp)
         candidates = self.hindsight.propose(exp)
         if self.llm_synth is not None and self._llm_useful():
@@ -209,21 +219,13 @@ class TaskFactory:
                     llm_solves(self.chat, self.make_env, task, self.toc(), self.cfg.env.max_turns):
                 self.counts["rejected_llm_unsolved"] += 1
                 continue
-            if self.store.get(task.task_id) is not None or not self.dedup.add(task):
+            # The deduper holds every stored task (same id = same seed, goal and query).
+            if not self.dedup.add(task):
                 self.counts["rejected_duplicate"] += 1
                 continue
             self.by_seed.setdefault(task.seed, []).append(task)
             kept.append(task)
         return kept
-
-    def _append(self, exp: Exploration) -> None:
-        path = explorations_path(self.run_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("ab+") as f:
-            # A line a crash cut short must not swallow the next record.
-            f.seek(0, 2)
-            cut = f.tell() > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n"
-            f.write((b"\n" if cut else b"") + json.dumps(exp.to_dict()).encode() + b"\n")
 
     def summary(self, seconds: float) -> dict:
         stats = {**self.counts, **self.explorer.counts}
@@ -280,17 +282,11 @@ def profile_only(cfg: RunConfig, run_dir: Path) -> dict:
     env = env_maker(cfg.env)()
     if not explorations:
         explorer = Explorer(env_maker(cfg.env), explore_settings(cfg), seed=cfg.seed)
-        path = explorations_path(run_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            for seed in seed_tasks(env, cfg.explore.seeds):
-                for index in range(cfg.explore.explorations_per_seed):
-                    exp = explorer.explore(seed, index)
-                    explorations.append(exp)
-                    f.write(json.dumps(exp.to_dict()) + "\n")
-    builder = ProfileBuilder(env)
-    for exp in explorations:
-        builder.add(exp)
-    profile = builder.to_dict()
+        for seed in seed_tasks(env, cfg.explore.seeds):
+            for index in range(cfg.explore.explorations_per_seed):
+                exp = explorer.explore(seed, index)
+                explorations.append(exp)
+                append_exploration(run_dir, exp)
+    profile = build_profile(env, explorations)
     save_profile(profile, profile_path(run_dir))
     return profile

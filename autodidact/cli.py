@@ -130,11 +130,16 @@ def _role_config(config, sets, redis_url, replay_addr) -> RunConfig:
     if not cfg.redis.url or not cfg.replay.address:
         raise click.UsageError("a role started alone needs --redis-url and --replay-addr "
                                "(or redis.url / replay.address in its config)")
+    _default_prefix(cfg)
+    return cfg
+
+
+def _default_prefix(cfg: RunConfig) -> None:
+    """Keys under ``autodidact:<run name>`` unless the config names a prefix."""
     if not cfg.redis.prefix:
         from protocol.control import default_prefix
 
         cfg.redis.prefix = default_prefix(cfg.name)
-    return cfg
 
 
 def role_options(f):
@@ -229,10 +234,8 @@ def explore(config, run_dir, sets, redis_url, rounds, proposer_url, proposer_mod
         cfg.llm.url, cfg.llm.model = proposer_url, proposer_model or cfg.llm.model
         if not cfg.llm.model:
             raise click.UsageError("--proposer-url needs --proposer-model (or llm.model)")
-    if cfg.redis.url and not cfg.redis.prefix:
-        from protocol.control import default_prefix
-
-        cfg.redis.prefix = default_prefix(cfg.name)
+    if cfg.redis.url:
+        _default_prefix(cfg)
     path = resolve_run_dir(cfg, run_dir)
     if profile_only:
         from actor.profile import render_toc

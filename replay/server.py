@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -46,6 +45,7 @@ from protocol.messages import (
     StepLabels,
 )
 from protocol.transport import Incoming, RouterServer, local_address
+from replay.lock import single_writer_lock
 from replay.store import (
     EVICTED,
     EVICTED_STALE,
@@ -82,7 +82,10 @@ class ReplayServer:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         with contextlib.ExitStack() as undo:  # a failed start releases what it took
-            self._lock = _single_writer_lock(store_path(run_dir))
+            # Two servers would each trust their own in-memory index of the same store.
+            path = store_path(run_dir)
+            self._lock = single_writer_lock(path, "server.lock",
+                                            f"another replay server is serving {path}")
             undo.callback(os.close, self._lock)
             self.store = Store(run_dir, map_size=cfg.map_size)
             undo.callback(self.store.close)
@@ -491,19 +494,6 @@ class ReplayServer:
             self.store.close()
             os.close(self._lock)  # only now may another server open the store
             self._lock = None
-
-
-def _single_writer_lock(path: Path) -> int:
-    """Refuse to start a second server on the same store: two writers would each trust their
-    own in-memory index. The kernel drops the lock when the process dies, even by SIGKILL."""
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / "server.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"another replay server is serving {path}") from None
-    return fd
 
 
 def serve(run_dir, cfg: ReplayConfig, address: str | None = None) -> None:

@@ -15,7 +15,6 @@ provenance lives in ``Task.meta`` (``method``, ``seed``, ``exploration``, ``conf
 
 from __future__ import annotations
 
-import fcntl
 import os
 import struct
 from collections.abc import Iterable, Iterator
@@ -25,6 +24,7 @@ import lmdb
 
 from protocol.codec import decode_body, encode_body
 from protocol.messages import Task
+from replay.lock import single_writer_lock
 
 STORE_DIR = "tasks.lmdb"
 LOCK_FILE = "writer.lock"
@@ -57,7 +57,11 @@ class TaskStore:
                 raise FileNotFoundError(
                     f"no task store at {self.path} (run `autodidact explore` first)")
         else:
-            self._lock = _single_writer_lock(self.path)
+            # Two explorers on one run is a launch mistake that would interleave their tasks.
+            lock = self.path / LOCK_FILE
+            self._lock = single_writer_lock(self.path, LOCK_FILE,
+                                            f"another writer holds the task store {self.path} "
+                                            f"(lock {lock}); open it with readonly=True to read")
         try:
             self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=MAX_DBS, subdir=True,
                                  readonly=readonly, create=not readonly)
@@ -166,18 +170,3 @@ def _encode(task: Task) -> tuple[bytes, bytes]:
     if not 0 < len(key) <= MAX_KEY:
         raise ValueError(f"task_id must be 1..{MAX_KEY} bytes of utf-8, got {len(key)}")
     return key, body
-
-
-def _single_writer_lock(path: Path) -> int:
-    """Refuse a second writer: two explorers on one run is a launch mistake that would quietly
-    interleave their tasks. The kernel drops the lock when the process dies, even by SIGKILL."""
-    path.mkdir(parents=True, exist_ok=True)
-    lock = path / LOCK_FILE
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"another writer holds the task store {path} (lock {lock}); "
-                           "open it with readonly=True to read") from None
-    return fd
