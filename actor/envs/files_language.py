@@ -95,6 +95,12 @@ def _under(path: tuple, root: tuple) -> bool:
     return path[:len(root)] == root
 
 
+def _shallow_first(path: tuple) -> tuple:
+    """Parents before children, then by name: sets of paths iterate in a per-process hash
+    order, and ties broken by it made the parts (and the tasks) differ from run to run."""
+    return len(path), path
+
+
 def _where(path) -> str:
     return path[-1] if path else ROOT_WORD
 
@@ -143,11 +149,11 @@ class _Diff:
         """A removed folder and an added one with the same name (or the same parent and the same
         contents: a rename) are one move; what moved along unchanged is part of it."""
         parts = []
-        for r in sorted(self.removed_dirs, key=len):
+        for r in sorted(self.removed_dirs, key=_shallow_first):
             if r not in self.removed_dirs:
                 continue
             node = self._subtree(self.before_tree, r)
-            match = [q for q in sorted(self.added_dirs, key=len)
+            match = [q for q in sorted(self.added_dirs, key=_shallow_first)
                      if q[-1] == r[-1] or (q[:-1] == r[:-1]
                                            and self._subtree(self.after_tree, q) == node)]
             if not match:
@@ -172,7 +178,7 @@ class _Diff:
 
     def folder_removals(self) -> list[GoalPart]:
         parts = []
-        for r in sorted(self.removed_dirs, key=len):
+        for r in sorted(self.removed_dirs, key=_shallow_first):
             if r not in self.removed_dirs:
                 continue
             had = any(_under(p, r) and p != r for p in list(self.bf))
@@ -184,7 +190,7 @@ class _Diff:
 
     def folder_creations(self) -> list[GoalPart]:
         parts = []
-        for q in sorted(self.added_dirs, key=len):
+        for q in sorted(self.added_dirs, key=_shallow_first):
             text = f"create folder {q[-1]} in {_where(q[:-1])}"
             parts.append(GoalPart(({"folder": list(q)},), text, (q[-1], _where(q[:-1]))))
         self.added_dirs = set()
