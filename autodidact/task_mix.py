@@ -8,7 +8,6 @@ Redis, which explorers keep growing; the feeder picks up new ones at every epoch
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
@@ -35,22 +34,12 @@ def warmstart_tasks(cfg: RunConfig, original: list[Task], synthetic: list[Task],
     return picked
 
 
-class _Epochs:
-    """Endless shuffled passes over a pool that may grow between passes."""
-
-    def __init__(self, pool: Callable[[], list[Task]], rng: random.Random):
-        self.pool, self.rng = pool, rng
-        self.order: list[Task] = []
-
-    def next(self) -> Task:
-        if not self.order:
-            self.order = list(self.pool())
-            self.rng.shuffle(self.order)
-        return self.order.pop()
-
-
 class TaskFeeder:
-    """Keeps the Redis task queue topped up with the training mixture, epoch after epoch."""
+    """Keeps the Redis task queue topped up with the training mixture.
+
+    Each top-up is a fresh random sample (a task may come back in a later top-up, as a
+    training set is revisited); a pool smaller than the top-up is cycled through.
+    """
 
     def __init__(self, cfg: RunConfig, control: ControlPlane, original: list[Task],
                  share: float):
@@ -58,8 +47,6 @@ class TaskFeeder:
         self.original, self.synthetic = original, []
         self.rng = random.Random(cfg.seed)
         self.low_water = 4 * cfg.actor.num_actors * cfg.actor.groups_in_flight
-        self._original = _Epochs(lambda: self.original, self.rng)
-        self._synthetic = _Epochs(lambda: self.synthetic, self.rng)
 
     def refresh(self) -> int:
         """Take in tasks the explorers added since the last call; returns the pool size."""
@@ -70,12 +57,19 @@ class TaskFeeder:
         if self.control.task_queue_len() >= self.low_water:
             return
         self.refresh()
-        batch = [t for t in (self._draw() for _ in range(4 * self.low_water)) if t is not None]
+        n = 4 * self.low_water
+        n_synthetic = sum(self._draws_synthetic() for _ in range(n))
+        originals = self.original if self.share < 1.0 else []
+        batch = self._take(self.synthetic, n_synthetic) + self._take(originals, n - n_synthetic)
+        self.rng.shuffle(batch)
         if batch:
             self.control.push_tasks(batch)
 
-    def _draw(self) -> Task | None:
-        synthetic = bool(self.synthetic) and (not self.original or self.rng.random() < self.share)
-        if synthetic:
-            return self._synthetic.next()
-        return self._original.next() if self.original and self.share < 1.0 else None
+    def _draws_synthetic(self) -> bool:
+        return bool(self.synthetic) and (not self.original or self.rng.random() < self.share)
+
+    def _take(self, pool: list[Task], k: int) -> list[Task]:
+        out: list[Task] = []
+        while pool and len(out) < k:
+            out += self.rng.sample(pool, min(len(pool), k - len(out)))
+        return out
