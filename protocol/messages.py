@@ -55,7 +55,9 @@ class Trajectory:
     steps: list[Step] = field(default_factory=list)  # one per action, in order
     reward: float = 0.0  # outcome reward from env.evaluate
     success: bool = False  # the task's goal holds at the end
-    experience_span: list[int] = field(default_factory=list)  # [start, end) of injected text, or []
+    # [start, end) of the injected experience, markers included, or [] when none was injected;
+    # removing exactly these tokens gives the prompt the policy would have seen without it
+    experience_span: list[int] = field(default_factory=list)
     experience_ids: list[str] = field(default_factory=list)  # ids of the injected experiences
     info: dict = field(default_factory=dict)  # turns, truncation, timing...
 
@@ -70,8 +72,14 @@ class Trajectory:
         for i, s in enumerate(self.steps):
             if not 0 <= s.start <= s.end <= n:
                 raise SchemaError("invalid", "step span outside the token range", f"steps[{i}]")
-        if self.experience_span and len(self.experience_span) != 2:
-            raise SchemaError("invalid", "experience_span is [start, end] or []")
+        if self.experience_span:
+            if len(self.experience_span) != 2:
+                raise SchemaError("invalid", "experience_span is [start, end] or []",
+                                  "experience_span")
+            start, end = self.experience_span
+            if not 0 <= start <= end <= self.prompt_len:
+                raise SchemaError("invalid", "experience_span must lie inside the prompt",
+                                  "experience_span")
 
     def policy_versions(self) -> tuple[int, int]:
         """(min, max) version over generated tokens; (-1, -1) when nothing was generated."""
@@ -97,6 +105,31 @@ class Group:
         if not spans:
             return (-1, -1)
         return (min(s[0] for s in spans), max(s[1] for s in spans))
+
+
+# --- experiences (self-navigating) ------------------------------------------------------------
+
+
+@message("experience")
+class Experience:
+    exp_id: str  # stable id: a hash of when_to_use and content, so re-extraction is idempotent
+    when_to_use: str  # the situation it applies to; its embedding is the retrieval key
+    content: str  # the advice itself, the text injected into prompts
+    kind: str = "success"  # what made it: success | failure | contrast | exploration | llm
+    tags: list[str] = field(default_factory=list)  # free labels (task family, error kind...)
+    tools: list[str] = field(default_factory=list)  # tools the advice is about
+    confidence: float = 0.5  # the extractor's confidence, in [0, 1]
+    source_traj_ids: list[str] = field(default_factory=list)  # trajectories it was drawn from
+    created_version: int = -1  # learner version when it was made; -1 = before training
+    created_at: float = 0.0  # unix time it was stored
+    uses: int = 0  # rollouts it was injected into (kept as a Redis counter; filled on read)
+    successes: int = 0  # of those, how many succeeded (utility = successes / uses)
+
+    def validate(self):
+        if not self.exp_id:
+            raise SchemaError("invalid", "empty exp_id", "exp_id")
+        if not 0.0 <= self.confidence <= 1.0:
+            raise SchemaError("invalid", "confidence outside [0, 1]", "confidence")
 
 
 # --- judging -----------------------------------------------------------------------------------
