@@ -4,6 +4,7 @@
         load newer weights if announced            # also between turns, mid-trajectory
         admit: reserve group slots while admitted - stale <= (max_staleness + version + 1) * B
         tasks = pop groups_in_flight tasks from the Redis queue
+        guidance = retrieve experience per task    # injected into a share of each group
         groups = rollout(tasks, n per task)        # one batched generate per turn
         push groups to replay (retried until acknowledged), keep rolling meanwhile
         heartbeat, metrics
@@ -22,6 +23,7 @@ import torch
 
 from actor.backends.base import InferenceBackend, SamplingParams
 from actor.envs.base import env_maker
+from actor.navigator import make_navigator
 from actor.reward import outcome_reward
 from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, to_groups
 from autodidact.metrics import MetricsWriter, RateMeter
@@ -60,14 +62,16 @@ class Actor:
         self.settings = rollout_settings(cfg)
         self.make_env = env_maker(cfg.env)
         self.reward = outcome_reward(cfg)
+        # crc32, not hash(): str hashes differ between processes, seeds must not
+        self._seed = cfg.seed * 1000 + zlib.crc32(actor_id.encode()) % 1000
+        self.navigator = make_navigator(cfg, self._seed)
+        self._navigation: dict[str, float] = {}
         self.weights = WeightSubscriber(control, actor_id)
         self.metrics = MetricsWriter(run_dir, "actor", actor_id)
         self.tokens = RateMeter()
         self.groups_done = 0
         self._stop = False
         self._idle_s = 0.0
-        # crc32, not hash(): str hashes differ between processes, seeds must not
-        self._seed = cfg.seed * 1000 + zlib.crc32(actor_id.encode()) % 1000
 
     def request_stop(self, *_):
         self._stop = True
@@ -122,7 +126,9 @@ class Actor:
         return []
 
     def roll(self, tasks):
-        episodes = start_episodes(tasks, self.cfg.actor.group_size, self.make_env, self.codec)
+        n = self.cfg.actor.group_size
+        guidance = self.navigator.guide(tasks, n) if self.navigator else None
+        episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance)
         self._seed += 1
         params = SamplingParams(temperature=self.cfg.actor.temperature,
                                 top_p=self.cfg.actor.top_p,
@@ -132,7 +138,10 @@ class Actor:
         rollout(self.backend, episodes, self.codec, params, self.settings,
                 between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
-        return to_groups(episodes, self.cfg.actor.group_size, self.actor_id, time.time())
+        if self.navigator:
+            self.navigator.record(episodes)
+            self._navigation = self.navigator.metrics(episodes, n)
+        return to_groups(episodes, n, self.actor_id, time.time())
 
     def drain_acks(self, timeout_s: float, until_empty: bool = False) -> None:
         deadline = time.monotonic() + timeout_s
@@ -161,7 +170,7 @@ class Actor:
             "idle_fraction": self._idle_s / max(self._idle_s + rollout_s, 1e-9),
             "version": self.backend.version,
             "mixed_version_groups": sum(lo != hi for lo, hi in versions),
-            "unacked": len(self.replay.unacked()),
+            "unacked": len(self.replay.unacked()), **self._navigation,
         }, step=self.groups_done)
         self._idle_s = 0.0
         self.control.heartbeat("actor", self.actor_id, groups=self.groups_done,

@@ -44,9 +44,8 @@ def outcome_reward(cfg: RunConfig) -> OutcomeReward:
         from judge.grader import LLMGrader
         from judge.llm import OpenAIChat
 
-        chat = OpenAIChat(cfg.llm.url, cfg.llm.model, cfg.llm.api_key_env, cfg.llm.timeout_s,
-                          cfg.llm.max_retries)
-        grader = LLMGrader(chat, cfg.tasks.grader_max_repeats, cfg.tasks.grader_repetition_cap)
+        grader = LLMGrader(OpenAIChat.from_config(cfg.llm), cfg.tasks.grader_max_repeats,
+                           cfg.tasks.grader_repetition_cap)
     elif cfg.tasks.reward == "llm":
         raise ValueError("tasks.reward=llm needs llm.url (an OpenAI-compatible endpoint)")
     return OutcomeReward(cfg.tasks.reward, grader)

@@ -88,8 +88,7 @@ def make_chat(cfg: RunConfig, policy_path: str | None):
             raise ValueError("explore.proposer=llm needs llm.url (an OpenAI-compatible endpoint)")
         from judge.llm import OpenAIChat
 
-        chat = OpenAIChat(cfg.llm.url, cfg.llm.model, cfg.llm.api_key_env, cfg.llm.timeout_s,
-                          cfg.llm.max_retries)
+        chat = OpenAIChat.from_config(cfg.llm)
         chat.name = f"llm:{cfg.llm.model}"
         return chat
     if choice == "policy":

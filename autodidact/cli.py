@@ -178,6 +178,18 @@ def learner(config, run_dir, sets, redis_url, replay_addr, max_updates, resume):
     learner_main(cfg, resolve_run_dir(cfg, run_dir), max_updates, resume)
 
 
+@main.command()
+@role_options
+def experience(config, run_dir, sets, redis_url, replay_addr):
+    """Start the experience extractor: every experience.update_every learner updates, turn the
+    groups stored since its last pass (read from <run-dir>/replay.lmdb) into experiences and add
+    them to the run's shared pool in Redis."""
+    from judge.experience_worker import main as experience_main
+
+    cfg = _role_config(config, sets, redis_url, replay_addr)
+    experience_main(cfg, resolve_run_dir(cfg, run_dir))
+
+
 # --- roles that later issues build ---------------------------------------------------------------
 
 

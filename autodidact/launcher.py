@@ -65,13 +65,18 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
     if cfg.model.path:
         return cfg.model.path
     from actor.envs import env_class
-    from actor.rollout import MARKERS
+    from actor.navigator import SEPARATOR
+    from actor.rollout import EXPERIENCE_MARKERS, MARKERS
     from actor.tiny_model import make_tiny_model
+    from judge.experience_extraction import ADVICE_WORDS
 
     m = cfg.model
-    path = make_tiny_model(run_dir / "model", env_class(cfg.env.name).vocabulary(),
-                           special_words=MARKERS, hidden=m.hidden, layers=m.layers,
-                           heads=m.heads, kv_heads=m.kv_heads, intermediate=m.intermediate,
+    # The advice words let the word-level model read rule-made experiences.
+    words = [*env_class(cfg.env.name).vocabulary(), *ADVICE_WORDS, SEPARATOR]
+    path = make_tiny_model(run_dir / "model", words,
+                           special_words=(*MARKERS, *EXPERIENCE_MARKERS), hidden=m.hidden,
+                           layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                           intermediate=m.intermediate,
                            max_positions=m.max_positions, seed=cfg.seed)
     return str(path)
 
@@ -123,6 +128,20 @@ def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,
     console.print(f"  warm-start: {info['examples']} verified references, "
                   f"{info['steps']} steps in {info['seconds']:.0f}s")
     return str(out)
+
+
+def experience_stage(cfg: RunConfig, run_dir: Path) -> dict | None:
+    """Seed the experience pool from the explore stage's trajectories (when there are)."""
+    if not (cfg.experience.enabled and cfg.experience.init_from_explorations):
+        return None
+    from judge.experience_worker import make_extractor, seed_from_explorations
+    from replay.experiences import open_pool
+
+    pool = open_pool(cfg)
+    counts = seed_from_explorations(pool, run_dir, make_extractor(cfg))
+    console.print(f"  experience pool: {pool.size()} experiences "
+                  f"({counts.get('added', 0)} from explorations)")
+    return {"pool_size": pool.size(), **counts}
 
 
 def explore_stage(cfg: RunConfig, run_dir: Path, control: ControlPlane, policy_path: str,
@@ -198,6 +217,7 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
             console.print("[red]tasks.synthetic_share > 0 but there are no synthetic tasks: "
                           "run `autodidact explore` or set explore.stage[/]")
             return 1
+        summary["experience_init"] = experience_stage(cfg, run_dir)
         summary["success_base"] = held_out_success(cfg, base, "before warm-start")
         cfg.model.path = warm_start_stage(cfg, run_dir, base,
                                           warmstart_tasks(cfg, original, synthetic, share))
@@ -214,6 +234,9 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
         roles.start(RoleSpec(f"actor-{i}", role_argv("actor", run_dir, config_path,
                                                      "--actor-id", f"actor-{i}"),
                              log_path=logs / f"actor-{i}.log"))
+    if cfg.experience.enabled and cfg.experience.update_every:
+        roles.start(RoleSpec("experience", role_argv("experience", run_dir, config_path),
+                             log_path=logs / "experience.log"))
     if cfg.explore.stage == "alongside":
         roles.start(RoleSpec("explore", role_argv("explore", run_dir, config_path, "--rounds",
                                                   "0"), log_path=logs / "explore.log"))

@@ -68,6 +68,11 @@ class OpenAIChat(ChatModel):
         self.max_retries = max_retries
         self.backoff_s = backoff_s
 
+    @classmethod
+    def from_config(cls, llm) -> "OpenAIChat":
+        """The client for a run's ``llm`` section (protocol.config.LLMConfig)."""
+        return cls(llm.url, llm.model, llm.api_key_env, llm.timeout_s, llm.max_retries)
+
     def complete(
         self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512
     ) -> str:

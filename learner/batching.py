@@ -3,18 +3,24 @@
 Token arrays of a :class:`protocol.messages.Trajectory` index one sequence: prompt, then
 alternating actions (generated, ``action_mask == 1``) and observations. Only generated tokens are
 trained, so every per-token quantity below is zero (or -1 for versions) elsewhere.
+
+A trajectory guided by retrieved experience (self-navigating) carries the injected block's span
+inside its prompt; :func:`strip_experience` removes it, which is how ``build_batch`` trains such
+rows on the context the policy will see at test time (``experience="discard"``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
 from learner.advantages import composite_step_advantages, grpo_advantages, is_degenerate
 from protocol.messages import Group, StepLabels, Trajectory
+
+EXPERIENCE_MODES = ("discard", "keep")
 
 
 @dataclass
@@ -30,6 +36,10 @@ class TrainBatch:
     * ``num_tokens`` — number of trained tokens (``action_mask.sum()``), the token-mean
       denominator when a batch is split into micro-batches.
     * ``group_index`` long ``[B]`` — which input group each row came from.
+    * ``guided`` float ``[B]`` — 1 where the trajectory's prompt had experience injected
+      (non-empty ``experience_ids`` or ``experience_span``), whether or not it was stripped.
+    * ``stripped`` float ``[B]`` — 1 where that experience was removed from the row before
+      batching, so the row's tokens are not the context its behaviour log-probs were taken in.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +50,14 @@ class TrainBatch:
     versions: torch.Tensor
     num_tokens: int
     group_index: torch.Tensor
+    guided: torch.Tensor
+    stripped: torch.Tensor
+
+    def rows(self, index: torch.Tensor) -> TrainBatch:
+        """The sub-batch of rows ``index`` (a minibatch); ``num_tokens`` is recounted."""
+        picked = {f.name: getattr(self, f.name)[index] for f in fields(self)
+                  if isinstance(getattr(self, f.name), torch.Tensor)}
+        return TrainBatch(**picked, num_tokens=int(picked["action_mask"].sum()))
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """A copy with every tensor on ``device``."""
@@ -57,6 +75,7 @@ def build_batch(
     labels: Mapping[str, StepLabels] | Iterable[StepLabels] | None = None,
     alpha: float = 0.1,
     max_len: int | None = None,
+    experience: str = "discard",
 ) -> tuple[TrainBatch, dict]:
     """Stack the trajectories of ``groups`` (in order) into a :class:`TrainBatch`.
 
@@ -72,19 +91,28 @@ def build_batch(
     * ``advantages`` — precomputed, per group per trajectory: a scalar (broadcast over the
       generated tokens) or a length-``T`` per-token array (masked by ``action_mask``).
 
-    ``max_len`` cuts longer rows to their first ``max_len`` tokens (counted in ``truncated``).
+    Advantages are computed on the trajectories as sent (a per-token array indexes their tokens,
+    experience included); with ``experience="discard"`` each row's injected experience is then
+    cut out of its tokens and its advantages alike (:func:`strip_experience`), so the policy is
+    trained to act without the advice. ``"keep"`` trains with the experience in context.
+
+    ``max_len`` cuts longer rows to their first ``max_len`` tokens (counted in ``truncated``);
+    it applies after stripping.
 
     Returns the batch and ``stats``: ``groups``, ``trajectories``, ``degenerate_groups`` (all
     rewards equal, so zero outcome advantage), ``tokens`` (non-padding), ``action_tokens``,
-    ``truncated``, and with ``labels`` also ``unlabelled_groups``.
+    ``truncated``, ``guided_trajectories``, ``stripped_trajectories``, and with ``labels`` also
+    ``unlabelled_groups``.
     """
+    if experience not in EXPERIENCE_MODES:
+        raise ValueError(f"experience must be one of {EXPERIENCE_MODES}, not {experience!r}")
     if advantages is not None and labels is not None:
         raise ValueError("pass either precomputed advantages or step labels, not both")
     if advantages is not None and len(advantages) != len(groups):
         raise ValueError(f"{len(advantages)} advantage lists for {len(groups)} groups")
     label_map = _label_map(labels) if labels is not None else None
 
-    rows: list[tuple[int, Trajectory, np.ndarray]] = []
+    rows: list[tuple[int, Trajectory, np.ndarray, bool]] = []
     stats = {"groups": len(groups), "degenerate_groups": 0}
     if label_map is not None:
         stats["unlabelled_groups"] = 0
@@ -99,12 +127,83 @@ def build_batch(
             if label_map is not None:
                 stats["unlabelled_groups"] += 1
             per_traj = _grpo_token_advantages(group)
-        rows.extend((gi, t, a) for t, a in zip(group.trajectories, per_traj))
+        rows.extend((gi, *_row(t, a, experience)) for t, a in zip(group.trajectories, per_traj))
     if not rows:
         raise ValueError("no trajectories to batch")
     batch, pad_stats = _pad(rows, pad_id, max_len)
     stats.update(trajectories=len(rows), **pad_stats)
     return batch, stats
+
+
+def strip_experience(traj: Trajectory) -> Trajectory:
+    """A copy of ``traj`` without its injected experience tokens ``tokens[start:end]``.
+
+    Token arrays are cut at ``experience_span``; step spans after it and ``prompt_len`` move left
+    by its length; ``experience_span`` becomes ``[]``. ``experience_ids`` are kept: the row was
+    still generated under guidance. Prompts are built piecewise from token lists, so the result
+    is exactly the trajectory the same actions would make from the unguided prompt. A copy
+    (nothing shared with ``traj``) even when there is no span.
+
+    Raises ``ValueError`` when the span is not inside the prompt, covers a generated token or
+    cuts into a step's action span.
+    """
+    if not traj.experience_span:
+        return _copy(traj, 0, 0)
+    start, end = _checked_span(traj)
+    return _copy(traj, start, end)
+
+
+def _checked_span(traj: Trajectory) -> tuple[int, int]:
+    span = traj.experience_span
+    if len(span) != 2 or not 0 <= span[0] <= span[1] <= traj.prompt_len:
+        raise ValueError(f"{traj.traj_id}: experience_span {span} is not [start, end] inside "
+                         f"the prompt (prompt_len {traj.prompt_len})")
+    start, end = int(span[0]), int(span[1])
+    if traj.action_mask[start:end].any():
+        raise ValueError(f"{traj.traj_id}: experience_span {span} covers generated tokens")
+    for i, s in enumerate(traj.steps):
+        if s.start < end and start < s.end:
+            raise ValueError(f"{traj.traj_id}: experience_span {span} overlaps step {i} "
+                             f"[{s.start}, {s.end})")
+    return start, end
+
+
+def _cut(arr: np.ndarray, start: int, end: int) -> np.ndarray:
+    """``arr`` without ``arr[start:end]``, always a new array."""
+    return np.concatenate([arr[:start], arr[end:]])
+
+
+def _copy(traj: Trajectory, start: int, end: int) -> Trajectory:
+    """A deep-enough copy of ``traj`` with tokens ``[start, end)`` removed and no span left."""
+    n = end - start
+
+    def shift(pos: int) -> int:
+        # Steps never overlap the span (checked), so each boundary lies before it or after it.
+        return pos - n if pos >= end else pos
+
+    steps = [replace(s, start=shift(s.start), end=shift(s.end), info=dict(s.info))
+             for s in traj.steps]
+    return replace(
+        traj, tokens=_cut(traj.tokens, start, end), logprobs=_cut(traj.logprobs, start, end),
+        versions=_cut(traj.versions, start, end),
+        action_mask=_cut(traj.action_mask, start, end), prompt_len=traj.prompt_len - n,
+        steps=steps, experience_span=[], experience_ids=list(traj.experience_ids),
+        info=dict(traj.info))
+
+
+def _row(traj: Trajectory, adv: np.ndarray, experience: str
+         ) -> tuple[Trajectory, np.ndarray, bool]:
+    """The trajectory, its per-token advantages and whether its experience was stripped."""
+    span = traj.experience_span
+    if experience == "keep" or not span:
+        return traj, adv, False
+    start, end = _checked_span(traj)
+    # Advantages were computed on the unstripped layout: cut the same tokens out of them.
+    return strip_experience(traj), _cut(adv, start, end), end > start
+
+
+def _is_guided(traj: Trajectory) -> bool:
+    return bool(traj.experience_ids) or bool(traj.experience_span)
 
 
 def _label_map(labels) -> dict[str, StepLabels]:
@@ -162,7 +261,7 @@ def _given_advantages(group: Group, given: list[np.ndarray]) -> list[np.ndarray]
 
 
 def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
-    lengths = [len(t.tokens) for _, t, _ in rows]
+    lengths = [len(t.tokens) for _, t, _, _ in rows]
     truncated = sum(n > max_len for n in lengths) if max_len is not None else 0
     if max_len is not None:
         lengths = [min(n, max_len) for n in lengths]
@@ -173,7 +272,7 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
     blp = np.zeros((b, seq), dtype=np.float32)
     adv = np.zeros((b, seq), dtype=np.float32)
     ver = np.full((b, seq), -1, dtype=np.int64)
-    for i, ((_, t, a), n) in enumerate(zip(rows, lengths)):
+    for i, ((_, t, a, _), n) in enumerate(zip(rows, lengths)):
         gen = t.action_mask[:n].astype(bool)
         ids[i, :n] = t.tokens[:n]
         attn[i, :n] = 1
@@ -189,7 +288,13 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
         advantages=torch.from_numpy(adv),
         versions=torch.from_numpy(ver),
         num_tokens=int(act.sum()),
-        group_index=torch.tensor([gi for gi, _, _ in rows], dtype=torch.long),
+        group_index=torch.tensor([gi for gi, _, _, _ in rows], dtype=torch.long),
+        # A stripped row has lost its span but keeps its experience_ids; count it as guided
+        # either way.
+        guided=torch.tensor([float(_is_guided(t) or s) for _, t, _, s in rows]),
+        stripped=torch.tensor([float(s) for _, _, _, s in rows]),
     )
-    stats = {"tokens": int(attn.sum()), "action_tokens": batch.num_tokens, "truncated": truncated}
+    stats = {"tokens": int(attn.sum()), "action_tokens": batch.num_tokens, "truncated": truncated,
+             "guided_trajectories": int(batch.guided.sum()),
+             "stripped_trajectories": int(batch.stripped.sum())}
     return batch, stats

@@ -4,8 +4,10 @@
     while updates < max_updates and within budget:
         groups = draw batch_groups from replay      # oldest first, within the staleness bound
         batch = build_batch(groups)                 # masks, GRPO advantages
-        proximal = logprobs under current params    # decoupled PPO (one step per batch)
-        loss = policy_loss(...); optimizer step
+        strip injected experience (experience.train_context=discard)
+        proximal = logprobs under current params    # decoupled PPO
+        per minibatch: loss = policy_loss(...)      # boosted clip on experience-guided rows
+                       optimizer step
         every k updates: publish weights, version += 1
         every m updates: checkpoint (+ ledger), then commit the ledger to replay
 """
@@ -26,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from autodidact.metrics import MetricsWriter
 from learner.batching import build_batch
 from learner.logprobs import token_logprobs
-from learner.losses import policy_loss
+from learner.losses import navigation_terms, policy_loss
 from protocol.config import LearnerConfig, RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
@@ -42,6 +44,7 @@ class Learner:
     def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane,
                  replay: ReplayClient, learner_id: str = "learner"):
         self.cfg: LearnerConfig = cfg.learner
+        self.experience = cfg.experience
         self.run_dir = Path(run_dir)
         self.control = control
         self.replay = replay
@@ -158,25 +161,27 @@ class Learner:
     def update(self, groups, waited_s: float) -> None:
         t0 = time.monotonic()
         lags = [self.version - g.policy_versions()[0] for g in groups]  # versions behind, at use
-        batch, stats = build_batch(groups, self.pad_id)
+        batch, stats = build_batch(groups, self.pad_id,
+                                   experience=self.experience.train_context)
         batch = batch.to(self.device)
-        logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
-        # One optimizer step per batch: the proximal policy is the current one before the step,
-        # so its log-probs are these, detached (no second forward pass).
-        proximal = logprobs.detach()
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = token_logprobs(self.reference, batch.input_ids, batch.attention_mask)
-        loss, m = self._loss(batch, logprobs, proximal, reference)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        proximal, reference = self._fixed_logprobs(batch)
+        m: dict[str, float] = {}
+        for rows in torch.arange(len(batch.input_ids)).chunk(self.cfg.minibatches):
+            mb = batch.rows(rows)
+            logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
+            # One step per batch: the proximal policy is this very forward pass, detached.
+            prox = logprobs.detach() if proximal is None else proximal[rows]
+            ref = None if reference is None else reference[rows]
+            loss, m = self._loss(mb, logprobs, prox, ref)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.cfg.grad_clip)
+            self.optimizer.step()
         self.scheduler.step()
+        if self.cfg.probe_every and (self.updates + 1) % self.cfg.probe_every == 0:
+            m.update(self._probe(mb, float(loss), prox, ref))
         self.updates += 1
-        if self.cfg.probe_every and self.updates % self.cfg.probe_every == 0:
-            m.update(self._probe(batch, float(loss), proximal, reference))
         ids = [g.group_id for g in groups]
         self.consumed += ids
         self._consumed_ids.update(ids)
@@ -188,17 +193,31 @@ class Learner:
             self.checkpoint()
         self._log(groups, lags, stats, m, float(grad_norm), waited_s, time.monotonic() - t0)
 
+    @torch.no_grad()
+    def _fixed_logprobs(self, batch):
+        """Proximal log-probs (only needed ahead with several minibatches) and the reference's."""
+        proximal = None
+        if self.cfg.minibatches > 1:
+            proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+        reference = None
+        if self.reference is not None:
+            reference = token_logprobs(self.reference, batch.input_ids, batch.attention_mask)
+        return proximal, reference
+
     def _loss(self, batch, logprobs, proximal, reference):
-        return policy_loss(
-            logprobs, proximal, batch.behaviour_logprobs, batch.advantages, batch.action_mask,
-            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
+        behaviour, clip_high, nav = navigation_terms(batch, proximal, self.cfg.clip_high,
+                                                     self.experience.clip_high)
+        loss, m = policy_loss(
+            logprobs, proximal, behaviour, batch.advantages, batch.action_mask,
+            clip_low=self.cfg.clip_low, clip_high=clip_high,
             dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
             aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
             ref_logprobs=reference)
+        return loss, {**m, **nav}
 
     @torch.no_grad()
     def _probe(self, batch, loss_before: float, proximal, reference) -> dict[str, float]:
-        """Did the step do what it was for? Re-score the same batch with the new weights.
+        """Did the (last) step do what it was for? Re-score its minibatch with the new weights.
 
         A training-reward curve answers this too, but over a few dozen small batches it is
         mostly sampling noise; the loss on the batch the step was taken on is not.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from learner.batching import TrainBatch
+
 # Log-ratios are clamped to ±this before exp: a stale token with a huge ratio would otherwise
 # overflow to inf, and inf·0 in the backward pass of an unselected branch is NaN.
 _MAX_LOG_RATIO = 20.0
@@ -16,7 +18,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_low: float = 0.2,
-    clip_high: float = 0.28,
+    clip_high: float | torch.Tensor = 0.28,
     dual_clip: float | None = 3.0,
     iw_cap: float | None = 5.0,
     kl_coef: float = 0.0,
@@ -41,6 +43,13 @@ def policy_loss(
 
         loss   = Σ keep·ℓ / Σ keep          (or / num_tokens when given)        token-mean
         loss   = mean_i [Σ_t keep·ℓ / Σ_t keep]  over rows i with kept tokens   seq-mean-token-mean
+
+    ``clip_high`` may be a per-token tensor (``[B, L]`` or broadcastable to it; detached), e.g.
+    a wider bound on the tokens of experience-guided rows (:func:`navigation_terms`);
+    ``clip_low`` is always one number. The upper clip binds only where ``A > 0``: for ``A < 0``
+    and ``r > 1 + clip_high`` the unclipped ``r·A`` is the smaller term, so the min picks it (the
+    dual clip caps it instead). Widening it therefore lets positive-advantage tokens move further
+    and changes nothing for the others.
 
     ``aggregation="seq-mean-token-mean"`` weights every trajectory equally whatever its length
     (the original GRPO form). Under token-mean, long failed episodes outweigh short successes,
@@ -70,7 +79,7 @@ def policy_loss(
 
     ratio = _exp_log_ratio(logp - proximal)
     unclipped = -ratio * adv
-    clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    clipped = -_clip_ratio(ratio, clip_low, clip_high) * adv
     surrogate = torch.maximum(unclipped, clipped)  # -min(rA, clip(r)A)
     if dual_clip is not None:
         cap = -dual_clip * adv
@@ -109,6 +118,52 @@ def policy_loss(
         kl_ref=kl_ref,
     )
     return loss, metrics
+
+
+def navigation_terms(
+    batch: TrainBatch, proximal: torch.Tensor, clip_high: float, experience_clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """What self-navigating changes in :func:`policy_loss`: its behaviour log-probs and clip.
+
+    Returns ``(behaviour_logprobs, clip_high, metrics)`` to pass on to ``policy_loss``:
+
+    * behaviour log-probs — ``batch.behaviour_logprobs``, except on rows whose experience was
+      stripped (``batch.stripped``), where they are ``proximal``'s (detached), i.e. ``w = 1``.
+      The behaviour policy sampled those tokens with the experience in its context and the
+      learner scores them without it, so ``exp(log π_prox - log π_b)`` would measure how much
+      the advice changed the token's probability, not how stale the policy is; it would mostly
+      down-weight (or, over ``iw_cap``, drop) exactly the tokens the advice made likely;
+    * ``[B, L]`` upper clip — ``experience_clip_high`` on the generated tokens of guided rows
+      (``batch.guided``), ``clip_high`` everywhere else (selective boosting; it binds only where
+      the advantage is positive, see :func:`policy_loss`);
+    * metrics — ``boosted_token_fraction`` (generated tokens of guided rows / all generated
+      tokens), ``guided_fraction`` and ``stripped_fraction`` (of the rows).
+    """
+    act = batch.action_mask > 0
+    stripped = (batch.stripped > 0)[:, None] & act
+    boosted = (batch.guided > 0)[:, None] & act
+    # The importance weight would compare contexts, not policies on stripped rows: drop it there.
+    behaviour = torch.where(stripped, proximal.detach().to(batch.behaviour_logprobs.dtype),
+                            batch.behaviour_logprobs)
+    clip = torch.full(act.shape, float(clip_high), device=act.device)
+    clip = clip.masked_fill(boosted, float(experience_clip_high))
+    values = torch.stack([
+        boosted.sum() / act.sum().clamp(min=1),
+        batch.guided.float().mean(),
+        batch.stripped.float().mean(),
+    ]).tolist()  # one device→host transfer
+    metrics = dict(zip(("boosted_token_fraction", "guided_fraction", "stripped_fraction"), values))
+    return behaviour, clip, metrics
+
+
+def _clip_ratio(ratio: torch.Tensor, clip_low: float, clip_high: float | torch.Tensor
+                ) -> torch.Tensor:
+    """``clip(ratio, 1 - clip_low, 1 + clip_high)`` for a number or a per-token ``clip_high``."""
+    if not isinstance(clip_high, torch.Tensor):
+        return ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    # torch.clamp takes both bounds as numbers or both as tensors, never one of each.
+    upper = 1.0 + clip_high.detach().to(device=ratio.device, dtype=ratio.dtype)
+    return torch.minimum(ratio.clamp(min=1.0 - float(clip_low)), upper)
 
 
 def _exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:

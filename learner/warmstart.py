@@ -42,6 +42,40 @@ def reference_groups(cfg: RunConfig, codec: PromptCodec, settings: RolloutSettin
     return groups
 
 
+def with_experience(cfg: RunConfig, groups: list[Group], codec: PromptCodec,
+                    settings: RolloutSettings) -> list[Group]:
+    """Re-script a share (``experience.warmstart_share``) of the examples with experiences in
+    their prompt, retrieved from the references' own "what worked" lessons, so the policy has
+    learned to read the experience block before RL shows it one.
+
+    The lessons live under a scratch prefix in the run's Redis, never in the run's pool: the
+    actors' pool holds only what the agent found out by itself.
+    """
+    xc = cfg.experience
+    if not (xc.enabled and xc.warmstart_share > 0 and groups and cfg.redis.url):
+        return groups
+    from actor.navigator import Navigator
+    from judge.experience_extraction import from_success
+    from replay.experiences import open_pool
+
+    pool = open_pool(cfg, prefix=f"{cfg.redis.prefix}:warmstart")
+    pool.add([e for g in groups for e in from_success(g.task, g.trajectories[0], -1)])
+    navigator = Navigator(pool, xc, cfg.seed)
+    rng = random.Random(cfg.seed + 1)
+    env = env_maker(cfg.env)()
+    out = []
+    for g in groups:
+        guidance = navigator.retrieve(g.task) if rng.random() < xc.warmstart_share else None
+        if guidance is None:
+            out.append(g)
+            continue
+        ep = scripted_episode(g.task, env, codec, settings, guidance)
+        out += to_groups([ep], 1, "warmstart", 0.0) if ep.reward >= 1.0 else [g]
+    log.info("warm-start: %d of %d examples carry experience (pool %d)",
+             sum(bool(g.trajectories[0].experience_ids) for g in out), len(out), pool.size())
+    return out
+
+
 def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: RolloutSettings,
                progress: Callable[[int, float], None] | None = None,
                tasks: Sequence[Task] | None = None) -> dict:
@@ -51,7 +85,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.learner.device)
     codec = PromptCodec(tokenizer)
-    groups = reference_groups(cfg, codec, settings, tasks)
+    groups = with_experience(cfg, reference_groups(cfg, codec, settings, tasks), codec, settings)
     if not groups:
         raise RuntimeError(f"no verified reference solutions to warm-start on (env "
                            f"{cfg.env.name!r}); explore first or set warmstart.steps=0")
@@ -61,7 +95,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
     model.train()
     for step in range(cfg.warmstart.steps):
         batch, _ = build_batch(rng.sample(groups, min(len(groups), cfg.warmstart.batch_size)),
-                               tokenizer.pad_token_id or 0)
+                               tokenizer.pad_token_id or 0, experience="keep")
         batch = batch.to(cfg.learner.device)
         logp = token_logprobs(model, batch.input_ids, batch.attention_mask)
         loss = -(logp * batch.action_mask).sum() / batch.action_mask.sum().clamp(min=1)
@@ -74,5 +108,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
             progress(step + 1, loss_value)
     model.save_pretrained(out_path)
     tokenizer.save_pretrained(out_path)
-    return {"examples": len(groups), "steps": cfg.warmstart.steps, "loss": loss_value,
+    guided = sum(bool(g.trajectories[0].experience_ids) for g in groups)
+    return {"examples": len(groups), "with_experience": guided,
+            "steps": cfg.warmstart.steps, "loss": loss_value,
             "seconds": time.monotonic() - t0}

@@ -196,6 +196,12 @@ class LearnerConfig:
     warmup_updates: int = 10
     """Linear learning-rate warm-up over the first updates (then constant)."""
 
+    minibatches: int = 1
+    """Optimizer steps per batch, each on a slice of its rows, all against the proximal
+    log-probs taken before the first. With 1 the ratio to the proximal policy is exactly 1 at
+    the step, so no clip binds (selective boosting included); PPO's trust region acts from the
+    second minibatch on."""
+
     publish_every: int = 1
     """``k``: publish weights every k updates."""
 
@@ -217,8 +223,8 @@ class LearnerConfig:
     way the advantages asked) and ``learner/step_kl``. Costs one forward pass; 0 = off."""
 
     def check(self):
-        for name in ("lr", "batch_groups", "publish_every", "checkpoint_every", "max_updates",
-                     "max_minutes", "torch_threads", "iw_cap", "dual_clip"):
+        for name in ("lr", "batch_groups", "minibatches", "publish_every", "checkpoint_every",
+                     "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip"):
             _positive(self, name)
         if self.max_staleness < 0:
             raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")

@@ -43,6 +43,7 @@ class Keys:
         self.counters = f"{prefix}:counters"
         self.claims = f"{prefix}:claims"
         self.state = f"{prefix}:state"
+        self.experience_cursor = f"{prefix}:exp:cursor"  # next replay seq to extract from
 
     def heartbeat(self, role: str, member: str) -> str:
         return f"{self.prefix}:hb:{role}:{member}"
@@ -125,6 +126,12 @@ class ControlPlane:
                                                                        start, -1)]
 
     # --- policy version ---
+
+    def experience_cursor(self) -> int:
+        return int(self.r.get(self.keys.experience_cursor) or 0)
+
+    def set_experience_cursor(self, seq: int) -> None:
+        self.r.set(self.keys.experience_cursor, seq)
 
     def set_version(self, version: int) -> None:
         self.r.set(self.keys.version, int(version))

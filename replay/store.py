@@ -120,6 +120,16 @@ class Store:
             index[key.decode()] = GroupRecord.unpack(txn.get(key, db=groups_index))
         return index
 
+    def iter_since(self, txn, seq: int):
+        """(seq, group_id, body) of the groups ingested at ``seq`` or later, oldest first."""
+        cursor = txn.cursor(db=self.db["order"])
+        if not cursor.set_range(seq_key(seq)):
+            return
+        for key, group_id in cursor:
+            body = txn.get(group_id, db=self.db["groups"])
+            if body is not None:  # evicted meanwhile
+                yield _SEQ.unpack(key)[0], group_id.decode(), body
+
     def iter_bodies(self, txn):
         """(group_id, body) for every stored group, in key order."""
         for key, body in txn.cursor(db=self.db["groups"]):

