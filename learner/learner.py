@@ -180,7 +180,7 @@ class Learner:
             self.optimizer.step()
         self.scheduler.step()
         if self.cfg.probe_every and (self.updates + 1) % self.cfg.probe_every == 0:
-            m.update(self._probe(mb, float(loss), prox, ref))
+            m.update(self._probe(mb, loss.item(), prox, ref))
         self.updates += 1
         ids = [g.group_id for g in groups]
         self.consumed += ids
