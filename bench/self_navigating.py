@@ -26,14 +26,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import protocol.messages  # noqa: E402,F401  (registers the message types)
 from protocol import codec  # noqa: E402
 from replay.store import Store  # noqa: E402
 
 WINDOW = 10
 
 
-def run(out: Path, name: str, updates: int, sets: list[str]) -> Path:
+def run(out: Path, name: str, updates: int, sets: list[str], reuse: bool) -> Path:
     run_dir = out / name
+    if reuse and (run_dir / "summary.json").exists():
+        return run_dir
     args = [sys.executable, "-m", "autodidact.cli", "run", "-c", str(ROOT / "configs/quick.yaml"),
             "--run-dir", str(run_dir), "--max-updates", str(updates),
             "--set", f"name=bench-{name}", "--set", "learner.max_minutes=30",
@@ -88,9 +91,11 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=120)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-nav")
     parser.add_argument("--set", dest="sets", action="append", default=[])
+    parser.add_argument("--reuse", action="store_true",
+                        help="analyse finished runs in --out instead of running them again")
     args = parser.parse_args()
-    plain = run(args.out, "plain", args.updates, [*args.sets, "experience.enabled=false"])
-    nav = run(args.out, "nav", args.updates, [*args.sets, "experience.enabled=true"])
+    plain = run(args.out, "plain", args.updates, [*args.sets, "experience.enabled=false"], args.reuse)
+    nav = run(args.out, "nav", args.updates, [*args.sets, "experience.enabled=true"], args.reuse)
     curves = {name: unguided_curve(rollouts(d)) for name, d in (("plain", plain), ("nav", nav))}
     last = [s for v, s in curves["plain"].items() if v >= args.updates - 2 * WINDOW]
     level = float(np.mean(last))
