@@ -94,8 +94,10 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="analyse finished runs in --out instead of running them again")
     args = parser.parse_args()
-    plain = run(args.out, "plain", args.updates, [*args.sets, "experience.enabled=false"], args.reuse)
-    nav = run(args.out, "nav", args.updates, [*args.sets, "experience.enabled=true"], args.reuse)
+    plain = run(args.out, "plain", args.updates, [*args.sets, "experience.enabled=false"],
+                args.reuse)
+    nav = run(args.out, "nav", args.updates, [*args.sets, "experience.enabled=true"],
+              args.reuse)
     curves = {name: unguided_curve(rollouts(d)) for name, d in (("plain", plain), ("nav", nav))}
     last = [s for v, s in curves["plain"].items() if v >= args.updates - 2 * WINDOW]
     level = float(np.mean(last))
