@@ -65,16 +65,12 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
     if cfg.model.path:
         return cfg.model.path
     from actor.envs import env_class
-    from actor.navigator import SEPARATOR
-    from actor.rollout import EXPERIENCE_MARKERS, MARKERS
+    from actor.navigator import policy_vocabulary
     from actor.tiny_model import make_tiny_model
-    from judge.experience_extraction import ADVICE_WORDS
 
     m = cfg.model
-    # The advice words let the word-level model read rule-made experiences.
-    words = [*env_class(cfg.env.name).vocabulary(), *ADVICE_WORDS, SEPARATOR]
-    path = make_tiny_model(run_dir / "model", words,
-                           special_words=(*MARKERS, *EXPERIENCE_MARKERS), hidden=m.hidden,
+    words, special = policy_vocabulary(env_class(cfg.env.name))
+    path = make_tiny_model(run_dir / "model", words, special_words=special, hidden=m.hidden,
                            layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
                            intermediate=m.intermediate,
                            max_positions=m.max_positions, seed=cfg.seed)

@@ -37,3 +37,14 @@ def embedder():
     from actor.embedder import Embedder
 
     return Embedder()
+
+
+@pytest.fixture(scope="session")
+def files_policy_path(tmp_path_factory) -> str:
+    """A tiny policy for the files env with the run's vocabulary (advice words, markers)."""
+    from actor.envs.files import FilesEnv
+    from actor.navigator import policy_vocabulary
+    from actor.tiny_model import make_tiny_model
+
+    words, special = policy_vocabulary(FilesEnv)
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", words, special))

@@ -12,10 +12,7 @@ import torch
 from actor.backends.base import SamplingParams
 from actor.backends.hf import TransformersBackend
 from actor.envs.files import FilesEnv
-from actor.navigator import SEPARATOR
 from actor.rollout import (
-    EXPERIENCE_MARKERS,
-    MARKERS,
     Guidance,
     PromptCodec,
     RolloutSettings,
@@ -23,9 +20,7 @@ from actor.rollout import (
     start_episodes,
     to_groups,
 )
-from actor.tiny_model import make_tiny_model
 from autodidact.metrics import read_metrics
-from judge.experience_extraction import ADVICE_WORDS
 from learner.learner import Learner
 from protocol.config import RunConfig
 
@@ -35,10 +30,8 @@ LR = 0.003
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    words = [*FilesEnv.vocabulary(), *ADVICE_WORDS, SEPARATOR]
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", words,
-                               (*MARKERS, *EXPERIENCE_MARKERS)))
+def model_path(files_policy_path):
+    return files_policy_path
 
 
 @pytest.fixture(scope="module")

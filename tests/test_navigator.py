@@ -12,10 +12,8 @@ import redis
 from actor.backends.base import SamplingParams
 from actor.backends.hf import TransformersBackend
 from actor.envs.files import FilesEnv
-from actor.navigator import SEPARATOR, Navigator, guided_slots
+from actor.navigator import Navigator, guided_slots
 from actor.rollout import (
-    EXPERIENCE_MARKERS,
-    MARKERS,
     Guidance,
     PromptCodec,
     RolloutSettings,
@@ -23,8 +21,6 @@ from actor.rollout import (
     start_episodes,
     to_groups,
 )
-from actor.tiny_model import make_tiny_model
-from judge.experience_extraction import ADVICE_WORDS
 from learner.batching import strip_experience
 from protocol.config import ExperienceConfig
 from protocol.messages import Experience
@@ -32,11 +28,8 @@ from replay.experiences import ExperiencePool, experience_id
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    words = [*FilesEnv.vocabulary(), *ADVICE_WORDS, SEPARATOR]
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", words,
-                           (*MARKERS, *EXPERIENCE_MARKERS))
-    b = TransformersBackend(str(path), device="cpu")
+def backend(files_policy_path):
+    b = TransformersBackend(files_policy_path, device="cpu")
     yield b
     b.close()
 
