@@ -79,11 +79,8 @@ class Actor:
     # --- weights ---
 
     def maybe_load_weights(self) -> None:
-        got = self.weights.poll()
-        if got is not None:
-            version, state = got
-            self.backend.load_weights(state, version)
-            self.weights.loaded(version)
+        version = self.weights.follow(self.backend)
+        if version is not None:
             log.info("%s loaded weights v%d", self.actor_id, version)
 
     # --- the loop ---

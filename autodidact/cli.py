@@ -190,21 +190,16 @@ def experience(config, run_dir, sets, redis_url, replay_addr):
     experience_main(cfg, resolve_run_dir(cfg, run_dir))
 
 
-# --- roles that later issues build ---------------------------------------------------------------
+@main.command()
+@role_options
+@click.option("--judge-id", default="judge-0", help="Stable id (kept across restarts).")
+def judge(config, run_dir, sets, redis_url, replay_addr, judge_id):
+    """Start one judge: lease unjudged groups from replay, label every step GOOD or BAD
+    (judge.backend: reference, an LLM endpoint or the policy) and write the labels back."""
+    from judge.judge_worker import main as judge_main
 
-
-def _not_yet(role: str, issue: int):
-    @click.option("--run-dir", type=click.Path(file_okay=False))
-    @click.option("--redis-url", default=None)
-    def command(run_dir, redis_url):
-        click.echo(f"not yet implemented: the {role} role (see issue {issue})", err=True)
-        sys.exit(2)
-
-    command.__doc__ = f"Start the {role} role alone (not yet implemented: issue {issue})."
-    return command
-
-
-main.command("judge")(_not_yet("judge", 6))
+    cfg = _role_config(config, sets, redis_url, replay_addr)
+    judge_main(cfg, resolve_run_dir(cfg, run_dir), judge_id)
 
 
 # --- self-questioning -----------------------------------------------------------------------------

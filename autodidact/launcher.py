@@ -6,7 +6,8 @@
         explore and synthesize tasks when the task mixture needs them  (explore.stage)
         warm-start on verified references of the mixture; evaluate held-out success
                                                                          (skipped on --resume)
-        start the learner, the actors (and an explorer with explore.stage=alongside)
+        start the learner, the actors, the judges, the experience extractor
+        (and an explorer with explore.stage=alongside)
         until the learner finishes: keep the task queue full, restart dead actors, show progress
         evaluate held-out success with the final weights; print the summary
     everything is stopped on exit, Ctrl-C and error
@@ -230,6 +231,10 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
         roles.start(RoleSpec(f"actor-{i}", role_argv("actor", run_dir, config_path,
                                                      "--actor-id", f"actor-{i}"),
                              log_path=logs / f"actor-{i}.log"))
+    for i in range(cfg.judge.workers):
+        roles.start(RoleSpec(f"judge-{i}", role_argv("judge", run_dir, config_path,
+                                                     "--judge-id", f"judge-{i}"),
+                             log_path=logs / f"judge-{i}.log"))
     if cfg.experience.enabled and cfg.experience.update_every:
         roles.start(RoleSpec("experience", role_argv("experience", run_dir, config_path),
                              log_path=logs / "experience.log"))
@@ -330,12 +335,14 @@ class Progress:
     def show(self, control, roles, elapsed_s) -> None:
         rates = [a.get("actor/success_rate", 0) for a in self.actors]
         success = sum(rates) / max(len(rates), 1)
-        groups = control.counters().get("actor/accepted", 0)
+        counters = control.counters()
+        groups = counters.get("actor/accepted", 0)
+        judged = counters.get("judge/groups_labelled", 0)
         lr = self.learner
         console.print(
             f"  [{elapsed_s:5.0f}s] update {lr.get('learner/updates', 0):>4}  "
             f"version {lr.get('learner/version', 0):>4}  actor success {success:6.1%}  "
-            f"groups {groups:>6} ({groups / max(elapsed_s, 1e-9):.1f}/s)  "
+            f"groups {groups:>6} ({groups / max(elapsed_s, 1e-9):.1f}/s, judged {judged})  "
             f"lag {lr.get('learner/lag_mean', 0):.2f}  restarts {len(roles.restart_log)}",
             highlight=False)
 

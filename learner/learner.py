@@ -2,8 +2,9 @@
 
     hello(replay, ledger from checkpoint)           # a resume neither repeats nor skips
     while updates < max_updates and within budget:
-        groups = draw batch_groups from replay      # oldest first, within the staleness bound
-        batch = build_batch(groups)                 # masks, GRPO advantages
+        groups, labels = draw batch_groups          # oldest first, within the staleness bound;
+                                                    # judged ones, or past judge.deadline_s
+        batch = build_batch(groups, labels, α(u))   # masks, step advantages (or plain GRPO)
         strip injected experience (experience.train_context=discard)
         proximal = logprobs under current params    # decoupled PPO
         per minibatch: loss = policy_loss(...)      # boosted clip on experience-guided rows
@@ -45,6 +46,10 @@ class Learner:
                  replay: ReplayClient, learner_id: str = "learner"):
         self.cfg: LearnerConfig = cfg.learner
         self.experience = cfg.experience
+        self.judge_deadline_s = cfg.judge.deadline_s
+        # Labels are only worth waiting for when some judge will write them.
+        self.judge_workers = cfg.judge.workers
+        self.judged = cfg.learner.advantage == "composite" and cfg.judge.workers > 0
         self.run_dir = Path(run_dir)
         self.control = control
         self.replay = replay
@@ -72,6 +77,7 @@ class Learner:
         self._consumed_ids: set[str] = set()  # the same ids, for the duplicate check
         self._uncommitted: list[str] = []
         self._stop = False
+        self.judge_timeouts = 0  # groups of the current batch trained outcome-only: no labels
 
     # --- lifecycle ---
 
@@ -121,34 +127,49 @@ class Learner:
         max_updates = max_updates or self.cfg.max_updates
         self.replay.hello(self.learner_id, self.version, self.consumed)
         self.publisher.publish(self.model.state_dict(), self.version, wait=True)
+        if self.judged:
+            log.info("advantages: composite (judge labels + outcome), alpha %g", self.cfg.alpha)
+        else:
+            log.info("advantages: grpo (outcome only; learner.advantage=%s, judge.workers=%d)",
+                     self.cfg.advantage, self.judge_workers)
         deadline = time.monotonic() + 60 * self.cfg.max_minutes
         while self.updates < max_updates and time.monotonic() < deadline and not self._stop:
-            groups, waited = self.draw(deadline)
+            groups, labels, waited = self.draw(deadline)
             if groups is None:
                 break
-            self.update(groups, waited)
+            self.update(groups, waited, labels)
         self.publisher.wait()
         self.checkpoint()
         self.metrics.log({"done": 1, "updates": self.updates, "version": self.version},
                          step=self.updates)
 
+    def alpha(self) -> float:
+        """The process-reward weight now; 0 means outcome only."""
+        return self.cfg.alpha_at(self.updates) if self.judged else 0.0
+
     def draw(self, deadline: float):
-        """Block until ``batch_groups`` groups arrived; (None, _) when stopping."""
-        groups, drawn, t0 = [], set(), time.monotonic()
+        """Block until ``batch_groups`` groups arrived: (groups, labels by group id, seconds
+        waited); (None, None, _) when stopping."""
+        groups, labels, drawn, t0 = [], {}, set(), time.monotonic()
+        self.judge_timeouts = 0
+        want_labels = self.alpha() > 0
         while len(groups) < self.cfg.batch_groups:
             if self._stop or time.monotonic() > deadline:
-                return None, 0.0
+                return None, None, 0.0
             try:
                 batch = self.replay.request_batch(
                     self.learner_id, self.cfg.batch_groups - len(groups), self.version,
-                    self.cfg.max_staleness)
+                    self.cfg.max_staleness, require_labels=want_labels,
+                    label_deadline_s=self.judge_deadline_s)
             except TransportTimeout:
                 log.warning("replay did not answer a batch request; retrying")
                 continue
             if batch.stale_skipped:  # frees their admission slots (protocol/control.py)
                 self.control.incr("learner/stale_skipped", batch.stale_skipped)
             if not batch.groups:
-                time.sleep(0.05)  # nothing fresh yet: actors are still rolling out
+                time.sleep(0.05)  # nothing fresh (or judged) yet
+            self.judge_timeouts += batch.judge_timeouts
+            labels.update((lab.group_id, lab) for lab in batch.labels)
             for g in batch.groups:
                 if g.group_id in self._consumed_ids or g.group_id in drawn:
                     # defence in depth: replay already guarantees once-only delivery
@@ -156,13 +177,14 @@ class Learner:
                     continue
                 drawn.add(g.group_id)
                 groups.append(g)
-        return groups, time.monotonic() - t0
+        return groups, (labels if want_labels else None), time.monotonic() - t0
 
-    def update(self, groups, waited_s: float) -> None:
+    def update(self, groups, waited_s: float, labels=None) -> None:
         t0 = time.monotonic()
         lags = [self.version - g.policy_versions()[0] for g in groups]  # versions behind, at use
-        batch, stats = build_batch(groups, self.pad_id,
-                                   experience=self.experience.train_context)
+        alpha = self.alpha()
+        batch, stats = build_batch(groups, self.pad_id, labels=labels if alpha > 0 else None,
+                                   alpha=alpha, experience=self.experience.train_context)
         batch = batch.to(self.device)
         proximal, reference = self._fixed_logprobs(batch)
         m: dict[str, float] = {}
@@ -191,6 +213,8 @@ class Learner:
             self.publisher.publish(self.model.state_dict(), self.version)
         if self.updates % self.cfg.checkpoint_every == 0:
             self.checkpoint()
+        m.update(alpha=alpha, judge_timeouts=float(self.judge_timeouts),
+                 labelled_groups=float(len(groups) - stats.get("unlabelled_groups", len(groups))))
         self._log(groups, lags, stats, m, float(grad_norm), waited_s, time.monotonic() - t0)
 
     @torch.no_grad()

@@ -28,7 +28,7 @@ import numpy as np
 from protocol.errors import SchemaError
 
 MAGIC = "autodidact"
-SCHEMA_VERSION = 1  # bump on any incompatible change to a message in protocol/messages.py
+SCHEMA_VERSION = 2  # bump on any incompatible change to a message in protocol/messages.py
 MIN_SCHEMA_VERSION = 1  # oldest version this build still decodes
 ARRAY_EXT = 1
 

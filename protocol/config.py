@@ -8,6 +8,7 @@ types and impossible values are refused at start with a message naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,6 +223,23 @@ class LearnerConfig:
     (how much the step lowered its own loss on that batch: > 0 means the policy moved the
     way the advantages asked) and ``learner/step_kl``. Costs one forward pass; 0 = off."""
 
+    advantage: str = "composite"
+    """``composite``: step-level advantages from the judges' GOOD/BAD labels plus the outcome
+    (learner/advantages.py; groups whose labels miss ``judge.deadline_s`` fall back to the
+    outcome); ``grpo``: outcome only, the same advantage on every step."""
+
+    alpha: float = 0.1
+    """``α``: weight of the z-scored process reward against the z-scored outcome."""
+
+    alpha_min: float = 0.1
+    """``α`` decays (cosine) from ``alpha`` to this over ``alpha_decay_updates``."""
+
+    alpha_decay_updates: int = 0
+    """Updates over which ``α`` decays to ``alpha_min``; 0 = constant ``alpha``."""
+
+    alpha_cutoff_updates: int = 0
+    """From this update on, outcome only (labels are no longer waited for); 0 = never."""
+
     def check(self):
         for name in ("lr", "batch_groups", "minibatches", "publish_every", "checkpoint_every",
                      "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip"):
@@ -239,6 +257,20 @@ class LearnerConfig:
             raise ConfigError(f"warmup_updates must be >= 0, got {self.warmup_updates}")
         if self.kl_coef < 0:
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.advantage not in ("composite", "grpo"):
+            raise ConfigError(f"advantage must be composite or grpo, got {self.advantage!r}")
+        for name in ("alpha", "alpha_min", "alpha_decay_updates", "alpha_cutoff_updates"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def alpha_at(self, update: int) -> float:
+        """``α`` at learner update ``update``: cosine decay, then 0 past the cut-off."""
+        if self.alpha_cutoff_updates and update >= self.alpha_cutoff_updates:
+            return 0.0
+        if not self.alpha_decay_updates:
+            return self.alpha
+        frac = min(update / self.alpha_decay_updates, 1.0)
+        return self.alpha_min + (self.alpha - self.alpha_min) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
 @dataclass
@@ -513,6 +545,62 @@ class ExperienceConfig:
 
 
 @dataclass
+class JudgeConfig:
+    workers: int = 1
+    """Judge processes ``autodidact run`` starts; 0 = none, and the learner trains on outcomes
+    only (set it to the number you start by hand when judges run elsewhere)."""
+
+    backend: str = "auto"
+    """``reference`` (replay the trajectory: a step is GOOD when it moves the state toward the
+    goal or matches a reference step), ``endpoint`` (an LLM at ``llm.url``), ``policy`` (the
+    policy being trained, through its inference backend) or ``auto`` (endpoint when
+    ``llm.url`` is set, else reference)."""
+
+    cross_check: bool = True
+    """With an LLM backend, also run the reference judge and log ``judge/agreement``."""
+
+    max_groups: int = 4
+    """Groups leased per pull."""
+
+    lease_s: float = 30.0
+    """A leased group whose labels have not arrived after this long is served to another
+    judge (a judge that dies loses no work)."""
+
+    deadline_s: float = 20.0
+    """The learner trains a group outcome-only when its labels have not arrived this long
+    after it was stored (``learner/judge_timeouts``)."""
+
+    max_chars: int = 200
+    """Each action and observation is cut to this many characters in the LLM judge's prompt."""
+
+    max_attempts: int = 3
+    """LLM calls per trajectory before its steps are labelled by the outcome (counted)."""
+
+    concurrency: int = 4
+    """Concurrent LLM requests per judge process."""
+
+    temperature: float = 0.0
+    """Sampling temperature of the LLM judge."""
+
+    def check(self):
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}")
+        if self.backend not in ("auto", "reference", "endpoint", "policy"):
+            raise ConfigError("backend must be auto, reference, endpoint or policy, "
+                              f"got {self.backend!r}")
+        for name in ("max_groups", "lease_s", "deadline_s", "max_chars", "max_attempts",
+                     "concurrency"):
+            _positive(self, name)
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+
+    def resolved_backend(self, llm_url: str) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "endpoint" if llm_url else "reference"
+
+
+@dataclass
 class TrackingConfig:
     wandb: str = "offline"
     """``offline`` (into the run directory; ``wandb sync`` later), ``online`` (after
@@ -547,6 +635,7 @@ class RunConfig:
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
     experience: ExperienceConfig = field(default_factory=ExperienceConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     def check(self):
         for f in dataclasses.fields(self):
@@ -556,6 +645,9 @@ class RunConfig:
                     sub.check()
                 except ConfigError as exc:
                     raise ConfigError(f"{f.name}.{exc}") from None
+        if self.judge.backend == "endpoint" and not self.llm.url:
+            raise ConfigError("judge.backend=endpoint needs llm.url (an OpenAI-compatible "
+                              "endpoint)")
 
 
 # --- loading -----------------------------------------------------------------------------------

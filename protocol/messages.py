@@ -176,7 +176,9 @@ class BatchRequest:
     num_groups: int  # at most this many groups
     version: int  # the learner's current policy version
     max_staleness: int = 4  # serve only groups with min token version >= version - max_staleness
-    require_labels: bool = False  # serve only judged groups
+    require_labels: bool = False  # serve only judged groups...
+    # ...except those stored at least this long ago, served unjudged (0 = wait for labels)
+    label_deadline_s: float = 0.0
     timeout_s: float = 0.0  # the server may wait this long to fill the batch
 
 
@@ -185,6 +187,7 @@ class Batch:
     groups: list[Group]  # oldest first; each group is delivered to the learner once
     labels: list[StepLabels] = field(default_factory=list)  # labels of judged groups in `groups`
     stale_skipped: int = 0  # groups passed over as too stale since the last batch
+    judge_timeouts: int = 0  # groups in `groups` served unjudged past label_deadline_s
 
 
 @message("ledger_commit")

@@ -129,6 +129,17 @@ class WeightSubscriber:
             return None
         return ann.version, load_safetensors(data)
 
+    def follow(self, backend) -> int | None:
+        """Load a newer version into ``backend`` (anything with ``load_weights(state,
+        version)``) if one is announced; returns the version loaded, else None."""
+        got = self.poll()
+        if got is None:
+            return None
+        version, state = got
+        backend.load_weights(state, version)
+        self.loaded(version)
+        return version
+
     def loaded(self, version: int) -> None:
         """Record (locally and in Redis) that ``version`` is now the one generating."""
         self.version = version

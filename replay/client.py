@@ -75,9 +75,12 @@ class ReplayClient:
         return self._request(LearnerHello(learner_id, version, list(consumed))).info
 
     def request_batch(self, learner_id: str, num_groups: int, version: int,
-                      max_staleness: int = 4, require_labels: bool = False) -> Batch:
+                      max_staleness: int = 4, require_labels: bool = False,
+                      label_deadline_s: float = 0.0) -> Batch:
+        """Up to ``num_groups`` groups; with ``require_labels`` only judged ones, plus unjudged
+        ones stored more than ``label_deadline_s`` ago (when > 0)."""
         return self._request(BatchRequest(learner_id, num_groups, version, max_staleness,
-                                          require_labels))
+                                          require_labels, label_deadline_s))
 
     def commit_ledger(self, learner_id: str, group_ids: list[str], version: int = 0) -> dict:
         return self._request(LedgerCommit(learner_id, list(group_ids), version)).info

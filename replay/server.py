@@ -312,10 +312,10 @@ class ReplayServer:
         if last is not None and inc.msg_id and last[0] == inc.msg_id:
             # The learner retried because our reply was lost: the same groups again, so none
             # is marked delivered without having reached it.
-            ids, skipped = [g for g in last[1] if g in self.index], 0
+            ids, skipped, timeouts = [g for g in last[1] if g in self.index], 0, 0
             self.counters["batch_retries"] += 1
         else:
-            ids, skipped = self._pick_batch(req)
+            ids, skipped, timeouts = self._pick_batch(req)
             for gid in ids:
                 self.index[gid].delivered = True
                 self.store.put_record(txn, gid, self.index[gid])
@@ -325,12 +325,15 @@ class ReplayServer:
         groups = [codec.decode_body(Group.TYPE, self.store.body(txn, g)) for g in ids]
         raw_labels = [self.store.labels(txn, g) for g in ids]
         labels = [codec.decode_body(StepLabels.TYPE, raw) for raw in raw_labels if raw]
-        return Batch(groups=groups, labels=labels, stale_skipped=skipped)
+        return Batch(groups=groups, labels=labels, stale_skipped=skipped,
+                     judge_timeouts=timeouts)
 
-    def _pick_batch(self, req: BatchRequest) -> tuple[list[str], int]:
-        """Oldest deliverable groups within the staleness bound; counts each stale one once."""
+    def _pick_batch(self, req: BatchRequest) -> tuple[list[str], int, int]:
+        """Oldest deliverable groups within the staleness bound: (ids, stale skipped, served
+        unjudged past the label deadline). Counts each stale one once."""
         floor = req.version - req.max_staleness
-        ids, skipped = [], 0
+        overdue_before = time.time() - req.label_deadline_s if req.label_deadline_s > 0 else None
+        ids, skipped, timeouts = [], 0, 0
         for gid in self.deliverable:
             if len(ids) >= req.num_groups:
                 break
@@ -342,8 +345,14 @@ class ReplayServer:
                     skipped += 1
             elif rec.judged or not req.require_labels:
                 ids.append(gid)
+            elif overdue_before is not None and rec.created <= overdue_before:
+                # The judges are behind or gone: the learner trains it on the outcome alone
+                # rather than stall; a late label is still stored but no longer used.
+                ids.append(gid)
+                timeouts += 1
         self.counters["stale_skipped"] += skipped
-        return ids, skipped
+        self.counters["judge_timeouts"] += timeouts
+        return ids, skipped, timeouts
 
     def _on_ledger(self, txn, inc: Incoming):
         commit: LedgerCommit = inc.msg
@@ -446,8 +455,11 @@ class ReplayServer:
         for gid in self.unjudged:
             if len(picked) >= pull.max_groups:
                 break
-            # Stale groups will never be trained: no judge time for them.
-            if self.leases.get(gid, 0.0) <= now and not self._is_stale(self.index[gid], floor):
+            # Stale groups will never be trained, delivered ones were trained without labels
+            # (past the deadline): no judge time for either.
+            rec = self.index[gid]
+            if (self.leases.get(gid, 0.0) <= now and not rec.delivered
+                    and not self._is_stale(rec, floor)):
                 picked.append(gid)
         with self.store.env.begin() as txn:
             groups = [codec.decode_body(Group.TYPE, self.store.body(txn, g)) for g in picked]

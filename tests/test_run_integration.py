@@ -117,6 +117,23 @@ def test_self_navigating_pool_grew_and_guided_rollouts_were_trained(finished_run
                           for t in guided)
 
 
+def test_judges_kept_up_and_the_learner_trained_on_step_labels(finished_run):
+    run_dir, _ = finished_run
+    learner_rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
+    assert all(r["learner/alpha"] == 0.1 for r in learner_rows)  # composite, constant alpha
+    labelled = sum(r["learner/labelled_groups"] for r in learner_rows)
+    timeouts = sum(r["learner/judge_timeouts"] for r in learner_rows)
+    assert labelled + timeouts == sum(r["learner/groups"] for r in learner_rows)
+    assert labelled >= 0.9 * (labelled + timeouts), (labelled, timeouts)  # the judge kept up
+    judge_rows = [r for r in read_metrics(run_dir, "judge") if "judge/groups_per_s" in r]
+    assert judge_rows and all(r["judge/how_reference"] == 1.0 for r in judge_rows)
+    # Successful rollouts of a warm-started policy are mostly GOOD steps, failed ones not.
+    last = judge_rows[-1]
+    assert last["judge/good_frac_success"] > last.get("judge/good_frac_failure", 0.0)
+    stats = read_stats(run_dir)
+    assert stats["judged"] >= labelled
+
+
 def test_resume_continues_version_step_and_ledger(finished_run):
     run_dir, _ = finished_run
     before = torch.load(run_dir / "checkpoints/latest.pt", weights_only=False)

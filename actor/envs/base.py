@@ -218,6 +218,14 @@ class Environment(ABC):
     def evaluate(self, task: Task) -> float:
         """Outcome reward of the current state for ``task`` (1.0 success, 0.0 failure)."""
 
+    def goal_progress(self, task: Task) -> float:
+        """Fraction of the task's goal that holds now, in [0, 1].
+
+        Step judges compare it before and after each step to see which steps moved the state
+        toward the goal. The default knows only all-or-nothing: ``self.evaluate(task)``;
+        environments whose goals have parts override it."""
+        return self.evaluate(task)
+
     @abstractmethod
     def tasks(self, split: str) -> list[Task]:
         """The environment's own tasks for ``"train"`` or ``"test"`` (held out)."""

@@ -253,6 +253,15 @@ class FilesEnv(Environment):
     def evaluate(self, task: Task) -> float:
         return 1.0 if goal_holds(self.state(), task.goal, self.responses) else 0.0
 
+    def goal_progress(self, task: Task) -> float:
+        """The fraction of the goal's ``all`` conditions that hold; 0.0 for a malformed goal
+        (as :func:`goal_holds` never holds one)."""
+        conds = task.goal.get("all") if isinstance(task.goal, dict) else None
+        if not isinstance(conds, list) or not conds:
+            return 0.0
+        state = self.state()
+        return sum(_condition_holds(state, c, self.responses) for c in conds) / len(conds)
+
     def goal_from_states(self, before: dict, after: dict) -> dict:
         conds = _diff_conditions(before.get("tree", {}), after.get("tree", {}), [])
         if not conds and before.get("cwd") != after.get("cwd"):

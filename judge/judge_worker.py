@@ -1,0 +1,204 @@
+"""The judge role: label every step of every stored trajectory GOOD or BAD.
+
+    while not stopped:
+        groups = replay.pull_judge_work(judge_id, max_groups, lease_s)   # leased, not taken
+        for group in groups:
+            labels = judge every trajectory         # LLM calls: at most `concurrency` at once
+            cross-check with the reference judge    # LLM backends only: judge/agreement
+            replay.submit_labels(labels)            # first labels for a group win
+        every few seconds: metrics judge/*
+
+A judge killed mid-group has submitted nothing for it, so nothing is half-written: its lease
+runs out (``judge.lease_s``) and the replay server serves the group to the next judge that
+pulls. A group the learner had to take before its labels arrived (``judge.deadline_s``) is no
+longer served to judges.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from autodidact.metrics import MetricsWriter
+from judge.step_judges import Judgement, LLMJudge, ReferenceJudge, StepJudge, agreement
+from protocol.config import RunConfig
+from protocol.control import ControlPlane
+from protocol.errors import TransportTimeout
+from protocol.messages import Group, StepLabels
+from replay.client import ReplayClient
+
+log = logging.getLogger(__name__)
+
+
+class JudgeWorker:
+    def __init__(self, cfg: RunConfig, run_dir: Path, replay: ReplayClient, judge: StepJudge,
+                 cross_check: StepJudge | None = None, judge_id: str = "judge-0",
+                 control: ControlPlane | None = None, between_pulls=None):
+        self.cfg = cfg.judge
+        self.replay = replay
+        self.judge = judge
+        self.cross_check = cross_check
+        self.judge_id = judge_id
+        self.control = control
+        self.between_pulls = between_pulls  # e.g. the policy judge loading newer weights
+        self.pool = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix=judge_id)
+        self.metrics = MetricsWriter(run_dir, "judge", judge_id)
+        self.window = JudgeWindow()
+        self.totals = {"groups": 0, "steps": 0, "duplicates": 0}
+        self._stop = False
+
+    def request_stop(self, *_):
+        self._stop = True
+
+    def run(self, poll_s: float = 0.05, log_every_s: float = 5.0) -> None:
+        next_log = time.monotonic() + log_every_s
+        while not self._stop:
+            if self.between_pulls is not None:
+                self.between_pulls()
+            try:
+                groups = self.replay.pull_judge_work(self.judge_id, self.cfg.max_groups,
+                                                     self.cfg.lease_s)
+            except TransportTimeout:
+                log.warning("%s: replay did not answer a pull; retrying", self.judge_id)
+                continue
+            if not groups:
+                time.sleep(poll_s)
+            for group in groups:
+                if self._stop:  # the rest of the lease simply runs out
+                    break
+                self.submit(self.judge_group(group))
+            if time.monotonic() >= next_log:
+                self.log_metrics()
+                next_log = time.monotonic() + log_every_s
+        self.log_metrics()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def judge_group(self, group: Group) -> StepLabels:
+        t0 = time.monotonic()
+        judgements = list(self.pool.map(lambda t: self.judge.judge(group.task, t),
+                                        group.trajectories))
+        agree = None
+        if self.cross_check is not None:
+            ref = [self.cross_check.judge(group.task, t) for t in group.trajectories]
+            agree = [agreement(a.labels, b.labels) for a, b in zip(judgements, ref)
+                     if a.labels]
+        self.window.add(group, judgements, agree, time.monotonic() - t0)
+        info = {"how": [j.how for j in judgements], "attempts": [j.attempts for j in judgements]}
+        return StepLabels(group.group_id, [j.labels for j in judgements], self.judge.name, info)
+
+    def submit(self, labels: StepLabels) -> None:
+        status = self.replay.submit_labels(labels)
+        self.totals["groups"] += 1
+        self.totals["steps"] += sum(len(row) for row in labels.labels)
+        self.totals["duplicates"] += status == "duplicate"
+        if self.control is not None:
+            self.control.incr("judge/groups_labelled")
+
+    def log_metrics(self) -> None:
+        values = self.window.flush()
+        if not values:
+            return
+        stats = {f"{k}_total": float(v) for k, v in self.judge.stats.items()}
+        self.metrics.log({**values, **stats, **{f"{k}_total": float(v)
+                                                 for k, v in self.totals.items()}})
+
+
+class JudgeWindow:
+    """Throughput and label statistics since the last flush."""
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self):
+        self.t0 = time.monotonic()
+        self.groups = self.steps = 0
+        self.busy_s = 0.0
+        self.good = {True: 0, False: 0}  # by outcome success
+        self.labelled = {True: 0, False: 0}
+        self.how: dict[str, int] = {}
+        self.agreements: list[float] = []
+
+    def add(self, group: Group, judgements: list[Judgement], agree, seconds: float) -> None:
+        self.groups += 1
+        self.busy_s += seconds
+        for traj, j in zip(group.trajectories, judgements):
+            won = traj.reward > 0
+            self.steps += len(j.labels)
+            self.good[won] += sum(j.labels)
+            self.labelled[won] += len(j.labels)
+            self.how[j.how] = self.how.get(j.how, 0) + 1
+        if agree:
+            self.agreements += agree
+
+    def flush(self) -> dict[str, float]:
+        if not self.groups:
+            return {}
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        values = {
+            "groups_per_s": self.groups / wall, "labels_per_s": self.steps / wall,
+            "busy_fraction": min(self.busy_s / wall, 1.0),
+            # What the judge could do flat out: the number to compare with actor throughput.
+            "capacity_groups_per_s": self.groups / max(self.busy_s, 1e-9),
+            "groups": float(self.groups), "steps": float(self.steps),
+        }
+        for won, name in ((True, "good_frac_success"), (False, "good_frac_failure")):
+            if self.labelled[won]:
+                values[name] = self.good[won] / self.labelled[won]
+        trajectories = sum(self.how.values())
+        for how, n in self.how.items():
+            values[f"how_{how}"] = n / trajectories
+        if self.agreements:
+            values["agreement"] = sum(self.agreements) / len(self.agreements)
+        self._reset()
+        return values
+
+
+def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: str = "judge-0"):
+    """(judge, cross-check judge or None, hook to call between pulls or None).
+
+    The cross-check is the reference judge, for LLM judges with ``judge.cross_check``; the
+    hook makes the policy judge follow the learner's published weights."""
+    from actor.envs.base import env_maker
+
+    reference = ReferenceJudge(env_maker(cfg.env))
+    backend = cfg.judge.resolved_backend(cfg.llm.url)
+    if backend == "reference":
+        return reference, None, None
+    hook = None
+    if backend == "endpoint":
+        from judge.llm import OpenAIChat
+
+        chat = OpenAIChat.from_config(cfg.llm)
+    else:
+        from actor.actor import make_backend
+        from actor.policy_chat import PolicyChat
+
+        chat = PolicyChat(make_backend(cfg), max_context=cfg.env.max_context, seed=cfg.seed)
+        if control is not None:
+            from protocol.weights import WeightSubscriber
+
+            weights = WeightSubscriber(control, judge_id)
+            hook = lambda: weights.follow(chat.backend)  # noqa: E731
+    judge = LLMJudge(chat, max_chars=cfg.judge.max_chars, max_attempts=cfg.judge.max_attempts,
+                     temperature=cfg.judge.temperature)
+    return judge, (reference if cfg.judge.cross_check else None), hook
+
+
+def main(cfg: RunConfig, run_dir: Path, judge_id: str = "judge-0") -> None:
+    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
+    replay = ReplayClient(cfg.replay.address)
+    judge, cross_check, hook = make_judges(cfg, control, judge_id)
+    worker = JudgeWorker(cfg, run_dir, replay, judge, cross_check, judge_id, control, hook)
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+    log.info("%s: %s judge%s, %d groups per pull, lease %.0fs", judge_id, judge.name,
+             " + reference cross-check" if cross_check else "", cfg.judge.max_groups,
+             cfg.judge.lease_s)
+    try:
+        worker.run()
+    finally:
+        replay.close()
+        worker.metrics.close()
