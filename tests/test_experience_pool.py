@@ -108,6 +108,20 @@ def test_equal_similarity_goes_to_higher_utility_then_older(make_pool):
     assert [(e.exp_id, e.uses, e.successes) for e, _ in got] == [(second.exp_id, 1, 1)]
 
 
+def test_equal_similarity_goes_to_the_preferred_kind_before_utility(make_pool):
+    pool = make_pool()
+    contrast = exp("rename a file", "first do cd src ; not cd docs", kind="contrast",
+                   created_at=100.0)
+    worked = exp("rename a file", "worked : cd src ; mv a.txt b.txt", created_at=200.0)
+    assert pool.add([contrast, worked])["added"] == 2
+    pool.record_use([contrast.exp_id], success=True)  # the higher utility, yet ranked second
+    got = pool.retrieve("rename a file", top_k=2, min_similarity=0.9,
+                        kind_order=["success", "contrast"])
+    assert [e.exp_id for e, _ in got] == [worked.exp_id, contrast.exp_id]
+    got = pool.retrieve("rename a file", top_k=2, min_similarity=0.9)
+    assert [e.exp_id for e, _ in got] == [contrast.exp_id, worked.exp_id]  # no order: utility
+
+
 # --- writing ---
 
 

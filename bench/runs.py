@@ -1,0 +1,72 @@
+"""What the run-comparing benchmarks share: start a whole run, read back what its actors did.
+
+Each benchmark runs ``autodidact run`` as a user would (its own processes, its own run
+directory) and then reads the run's replay store, so what is compared is what was trained on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import protocol.messages  # noqa: E402,F401  (registers the message types)
+from protocol import codec  # noqa: E402
+from replay.store import Store  # noqa: E402
+
+WINDOW = 10  # policy versions per point of a success curve
+
+
+def run(out: Path, name: str, config: Path, updates: int, sets: list[str], reuse: bool) -> Path:
+    """``autodidact run`` into ``out/name`` (skipped with ``reuse`` when it finished before)."""
+    run_dir = out / name
+    if reuse and (run_dir / "summary.json").exists():
+        return run_dir
+    args = [sys.executable, "-m", "autodidact.cli", "run", "-c", str(config),
+            "--run-dir", str(run_dir), "--max-updates", str(updates),
+            "--set", f"name=bench-{name}", "--set", "learner.max_minutes=30",
+            "--set", "eval.num_tasks=100", *[a for s in sets for a in ("--set", s)]]
+    print(f"[bench] {name}: {' '.join(args[2:])}", flush=True)
+    subprocess.run(args, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return run_dir
+
+
+def rollouts(run_dir: Path) -> list[tuple[int, bool, bool, str]]:
+    """(policy version, guided, success, group id) per stored trajectory."""
+    store = Store(run_dir, readonly=True)
+    out = []
+    try:
+        with store.env.begin() as txn:
+            for _, body in store.iter_bodies(txn):
+                group = codec.decode_body("group", bytes(body))
+                version = group.policy_versions()[0]
+                out += [(version, bool(t.experience_ids), t.success, group.group_id)
+                        for t in group.trajectories]
+    finally:
+        store.close()
+    return out
+
+
+def success_curve(rows, unguided_only: bool = True) -> dict[int, float]:
+    """Training success per window of ``WINDOW`` policy versions (first version -> rate)."""
+    by_window: dict[int, list[bool]] = {}
+    for version, guided, success, _ in rows:
+        if not (guided and unguided_only):
+            by_window.setdefault(version // WINDOW, []).append(success)
+    return {w * WINDOW: float(np.mean(v)) for w, v in sorted(by_window.items())}
+
+
+def updates_to_reach(curve: dict[int, float], level: float) -> int | None:
+    """The first version whose window reaches ``level``; None if none does."""
+    return next((v for v, s in curve.items() if s >= level), None)
+
+
+def final_level(curve: dict[int, float], updates: int) -> float:
+    """Mean success over the last two windows of a run of ``updates`` updates."""
+    last = [s for v, s in curve.items() if v >= updates - 2 * WINDOW]
+    return float(np.mean(last)) if last else float("nan")
