@@ -54,6 +54,30 @@ def test_composite_all_labels_equal_leaves_only_outcome():
     np.testing.assert_allclose(out[1], [-1, -1, -1], rtol=1e-5)
 
 
+def test_composite_all_equal_outcomes_leaves_only_process_reward():
+    # outcomes [0, 0, 0] → Õ = 0; labels [[GOOD, GOOD, BAD], [BAD], [GOOD, BAD]]
+    # p = [[1, 1, -1], [-1], [1, -1]]; per-trajectory means 1/3, -1, 0 → μ = -2/9
+    # σ² = mean over trajectories of mean_t (p - μ)²:
+    #   traj0: (2·(11/9)² + (7/9)²)/3 = 291/243, traj1: (7/9)² = 49/81,
+    #   traj2: ((11/9)² + (7/9)²)/2 = 85/81
+    mu = -2 / 9
+    var = (291 / 243 + 49 / 81 + 85 / 81) / 3
+    alpha = 0.3
+    pt = [[(1 - mu), (1 - mu), (-1 - mu)], [(-1 - mu)], [(1 - mu), (-1 - mu)]]
+    want = [np.cumsum([alpha * x / math.sqrt(var) for x in row][::-1])[::-1] for row in pt]
+    out = composite_step_advantages([[1, 1, 0], [0], [1, 0]], [0.0, 0.0, 0.0], alpha=alpha)
+    for got, expected in zip(out, want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+    # a GOOD step of a failed rollout is still pushed up, a BAD one down
+    assert out[2][1] < 0 < out[2][0]
+
+
+def test_composite_one_step_trajectories_get_outcome_plus_their_step():
+    # labels [[GOOD], [BAD]] → p̃ = [+1, -1] (μ 0, σ 1); outcomes [1, 0] → Õ = [+1, -1]
+    out = composite_step_advantages([[1], [0]], [1.0, 0.0], alpha=0.1)
+    np.testing.assert_allclose([out[0][0], out[1][0]], [1.1, -1.1], rtol=1e-5)
+
+
 # --- batching -----------------------------------------------------------------------------------
 
 
