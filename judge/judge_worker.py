@@ -191,6 +191,9 @@ def main(cfg: RunConfig, run_dir: Path, judge_id: str = "judge-0") -> None:
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     replay = ReplayClient(cfg.replay.address)
     judge, cross_check, hook = make_judges(cfg, control, judge_id)
+    if cfg.judge.resolved_backend(cfg.llm.url) == "policy":
+        # One local model serves every request: concurrent calls would only contend for it.
+        cfg.judge.concurrency = 1
     worker = JudgeWorker(cfg, run_dir, replay, judge, cross_check, judge_id, control, hook)
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)

@@ -154,3 +154,18 @@ def test_make_judges_follows_the_backend_setting():
     assert judge.name == "llm:m" and cross.name == "reference"
     cfg.judge.cross_check = False
     assert make_judges(cfg)[1] is None
+
+
+def test_the_policy_as_judge_falls_back_to_the_outcome_on_nonsense(codec, files_policy_path):
+    cfg = RunConfig()
+    cfg.judge.backend, cfg.model.path, cfg.judge.max_attempts = "policy", files_policy_path, 2
+    judge, cross, _ = make_judges(cfg)
+    assert judge.name == "policy" and cross.name == "reference"
+    (group,) = make_groups(codec, 1)
+    traj = group.trajectories[0]
+    got = judge.judge(group.task, traj)
+    # The tiny policy's word-level vocabulary has no GOOD or BAD, so its replies never parse:
+    # every attempt is counted and the steps get the outcome's labels (the reference solved it).
+    assert got.how == "outcome" and got.attempts == 2
+    assert got.labels == [1] * len(traj.steps)
+    assert judge.stats["requests"] == 2 and judge.stats["outcome_fallbacks"] == 1
