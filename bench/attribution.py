@@ -23,8 +23,9 @@ import argparse
 import json
 from pathlib import Path
 
+from run_compare import ROOT, WINDOW, final_level, rollouts, run, success_curve, updates_to_reach
+
 from autodidact.metrics import read_metrics
-from runs import ROOT, WINDOW, final_level, rollouts, run, success_curve, updates_to_reach
 
 ARMS = {
     "outcome": ["learner.advantage=grpo", "judge.workers=0"],

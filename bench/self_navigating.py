@@ -21,8 +21,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from runs import ROOT, WINDOW, final_level, rollouts, run, success_curve, updates_to_reach
+from run_compare import ROOT, WINDOW, final_level, rollouts, run, success_curve, updates_to_reach
 
 
 def same_group_split(rows, lo: int, hi: int) -> tuple[float, float, int]:
