@@ -31,8 +31,12 @@ QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
 
 
 def run_cli(run_dir: Path, *extra: str, timeout: int = 420) -> subprocess.CompletedProcess:
+    # Guidance sooner and from similar tasks too: with the defaults (first extraction after 10
+    # updates, same-task lessons only) 30 updates may end before a guided group is trained,
+    # and this run is here to exercise that path.
     args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
-            "-c", str(QUICK), "--set", "name=itest"]
+            "-c", str(QUICK), "--set", "name=itest", "--set", "experience.update_every=3",
+            "--set", "experience.min_similarity=0.5"]
     proc = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
