@@ -19,11 +19,18 @@ Everything else (warm-start, experience settings, task mixture) is the config's;
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from run_compare import ROOT, WINDOW, final_level, rollouts, run, success_curve, updates_to_reach
+from run_compare import (
+    WINDOW,
+    arguments,
+    final_level,
+    rollouts,
+    run,
+    success_curve,
+    updates_to_reach,
+)
 
 from autodidact.metrics import read_metrics
 
@@ -62,14 +69,8 @@ def compare(out: Path, seed: int, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--updates", type=int, default=200)
+    parser = arguments(__doc__, 200, "default.yaml", "bench-attr")
     parser.add_argument("--seeds", default="0", help="comma-separated, one pair of runs each")
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-attr")
-    parser.add_argument("--set", dest="sets", action="append", default=[])
-    parser.add_argument("--reuse", action="store_true",
-                        help="analyse finished runs in --out instead of running them again")
     args = parser.parse_args()
     reaches = [compare(args.out, int(s), args) for s in args.seeds.split(",")]
     both = [(r["outcome"], r["attribution"]) for r in reaches

@@ -6,6 +6,7 @@ directory) and then reads the run's replay store, so what is compared is what wa
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,18 @@ from protocol import codec  # noqa: E402
 from replay.store import Store  # noqa: E402
 
 WINDOW = 10  # policy versions per point of a success curve
+
+
+def arguments(doc: str, updates: int, config: str, out: str) -> argparse.ArgumentParser:
+    """The options every run-comparing benchmark takes, with its own defaults."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--updates", type=int, default=updates)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / config)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / out)
+    parser.add_argument("--set", dest="sets", action="append", default=[])
+    parser.add_argument("--reuse", action="store_true",
+                        help="analyse finished runs in --out instead of running them again")
+    return parser
 
 
 def run(out: Path, name: str, config: Path, updates: int, sets: list[str], reuse: bool) -> Path:

@@ -16,12 +16,18 @@ and prints, from each run's replay store and summary:
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import numpy as np
-from run_compare import ROOT, WINDOW, final_level, rollouts, run, success_curve, updates_to_reach
+from run_compare import (
+    WINDOW,
+    arguments,
+    final_level,
+    rollouts,
+    run,
+    success_curve,
+    updates_to_reach,
+)
 
 
 def same_group_split(rows, lo: int, hi: int) -> tuple[float, float, int]:
@@ -37,13 +43,7 @@ def same_group_split(rows, lo: int, hi: int) -> tuple[float, float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--updates", type=int, default=120)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-nav")
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "quick.yaml")
-    parser.add_argument("--set", dest="sets", action="append", default=[])
-    parser.add_argument("--reuse", action="store_true",
-                        help="analyse finished runs in --out instead of running them again")
+    parser = arguments(__doc__, 120, "quick.yaml", "bench-nav")
     args = parser.parse_args()
     plain = run(args.out, "plain", args.config, args.updates,
                 [*args.sets, "experience.enabled=false"], args.reuse)

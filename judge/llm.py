@@ -153,7 +153,12 @@ def _parse_reply(raw: bytes) -> str:
 
 
 def _snippet(raw: bytes, limit: int = 200) -> str:
-    text = raw.decode("utf-8", errors="replace")
+    return clip_text(raw.decode("utf-8", errors="replace"), limit)
+
+
+def clip_text(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with ``...`` marking a cut."""
+    text = str(text)
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from actor.envs.base import Environment, described_only
-from judge.llm import ChatModel, LLMError
+from judge.llm import ChatModel, LLMError, clip_text
 from protocol.messages import Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -209,8 +209,8 @@ def build_judge_messages(task: Task, traj: Trajectory, max_chars: int = 200) -> 
     else:
         outcome = "failure"
     steps = [
-        f"Step {i}\n  action: {_clip(s.action, max_chars)}\n"
-        f"  observation: {_clip(s.observation, max_chars)}"
+        f"Step {i}\n  action: {clip_text(s.action, max_chars)}\n"
+        f"  observation: {clip_text(s.observation, max_chars)}"
         for i, s in enumerate(traj.steps, 1)
     ]
     user = (
@@ -220,11 +220,6 @@ def build_judge_messages(task: Task, traj: Trajectory, max_chars: int = 200) -> 
         "'Step <i>: BAD'."
     )
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
-
-
-def _clip(text: str, limit: int) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def parse_judgement(reply: str, num_steps: int) -> tuple[list[int] | None, str]:

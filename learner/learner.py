@@ -183,8 +183,8 @@ class Learner:
         t0 = time.monotonic()
         lags = [self.version - g.policy_versions()[0] for g in groups]  # versions behind, at use
         alpha = self.alpha()
-        batch, stats = build_batch(groups, self.pad_id, labels=labels if alpha > 0 else None,
-                                   alpha=alpha, experience=self.experience.train_context)
+        batch, stats = build_batch(groups, self.pad_id, labels=labels, alpha=alpha,
+                                   experience=self.experience.train_context)
         batch = batch.to(self.device)
         proximal, reference = self._fixed_logprobs(batch)
         m: dict[str, float] = {}
