@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9_.~+-]{1,64}")
 SMALL_INTS = (0, 1, 2, 3)
+SMALL_FLOATS = ("0.5", "1.0", "2.5", "10.0")
+_SHELL_TYPES = ("str", "int", "float", "bool")  # what one shell word can carry
 
 
 @dataclass
@@ -94,7 +96,12 @@ class SchemaSampler:
     name = "schema"
 
     def __init__(self, tools: Sequence[ToolSpec], rng: random.Random, candidates: int = 16):
-        self.tools = list(tools)
+        # A required list or dict argument cannot be written as one word: such tools are left
+        # to an LLM proposer.
+        self.tools = [t for t in tools
+                      if all(a.type in _SHELL_TYPES for a in t.args if a.required)]
+        if not self.tools:
+            raise ValueError("no tool can be called with shell-word arguments")
         self.rng = rng
         self.candidates = candidates
         self.names: Counter = Counter()  # name -> times seen
@@ -155,10 +162,14 @@ class SchemaSampler:
         tool = self.rng.choice(self.tools)
         words = [tool.name]
         for slot, arg in enumerate(tool.args):
-            if not arg.required and self.rng.random() < 0.5:
+            if arg.type not in _SHELL_TYPES or not arg.required and self.rng.random() < 0.5:
                 break
             if arg.type == "int":
                 words.append(str(self.rng.choice(SMALL_INTS)))
+            elif arg.type == "float":
+                words.append(self.rng.choice(SMALL_FLOATS))
+            elif arg.type == "bool":
+                words.append(self.rng.choice(("true", "false")))
             elif pool:
                 words.append(self.rng.choices(pool, self._weights(tool.name, slot, pool,
                                                                   latest))[0])
@@ -315,8 +326,9 @@ class Explorer:
             self.sampler.record(action, ok, after != before)
             self.counts["steps"] += 1
             self.counts["errors" if not ok else "ok"] += 1
-            exp.steps.append(ExploreStep(action, obs, bool(info["valid"]), info.get("tool"),
-                                         info.get("error"), phase, proposer, after))
+            exp.steps.append(ExploreStep(env.canonical_action(action), obs, bool(info["valid"]),
+                                         info.get("tool"), info.get("error"), phase, proposer,
+                                         after))
             recent.append(obs)
             before = after
         exp.seconds = time.monotonic() - t0

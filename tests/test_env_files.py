@@ -105,7 +105,7 @@ def test_toolspec_rejects_optional_before_required():
     with pytest.raises(ValueError):
         ToolSpec("bad", "", (ArgSpec("a", required=False), ArgSpec("b")))
     with pytest.raises(ValueError):
-        ArgSpec("a", "float")
+        ArgSpec("a", "complex")
 
 
 @pytest.mark.parametrize(

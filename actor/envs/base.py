@@ -18,12 +18,16 @@ from protocol.messages import Task
 
 MAX_ACTION_CHARS = 256  # longer text is rejected before tokenizing: bounds parser work
 MAX_OBS_WORDS = 40  # safety net on what step() returns; environments truncate sooner
-ARG_TYPES = ("str", "int")
+# Shell-style actions can carry str, int, float and bool; list and dict arguments exist only in
+# environments with their own call syntax (BFCL's Python calls), which override ``step``.
+ARG_TYPES = ("str", "int", "float", "bool", "list", "dict")
 
-_TOOL_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 # A literal str argument is one path-like word: no quotes, brackets, calls or spaces survive.
 _STR_LITERAL = re.compile(r"[A-Za-z0-9_.~/+-]{1,64}")
 _INT_LITERAL = re.compile(r"[+-]?[0-9]{1,9}")
+_FLOAT_LITERAL = re.compile(r"[+-]?[0-9]{1,9}(\.[0-9]{1,9})?")
+_BOOL_WORDS = {"true": True, "false": False}
 
 
 @dataclass(frozen=True)
@@ -166,10 +170,12 @@ def _split(text) -> list[str]:
 
 
 def _literal(spec: ArgSpec, word: str, tool: str):
-    pattern = _INT_LITERAL if spec.type == "int" else _STR_LITERAL
-    if not pattern.fullmatch(word):
+    if spec.type == "bool" and word.lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[word.lower()]
+    pattern = {"str": _STR_LITERAL, "int": _INT_LITERAL, "float": _FLOAT_LITERAL}.get(spec.type)
+    if pattern is None or not pattern.fullmatch(word):
         raise ActionError("bad_argument", f"error : bad argument {spec.name}", tool=tool)
-    return int(word) if spec.type == "int" else word
+    return {"int": int, "float": float}.get(spec.type, str)(word)
 
 
 def clip_words(text: str, limit: int = MAX_OBS_WORDS) -> str:
@@ -190,6 +196,9 @@ class Environment(ABC):
     """
 
     name: str = ""  # registry name, set by @register_env
+    # False where reset()'s observation already carries the request (BFCL's user turns): the
+    # prompt then shows the observation alone instead of query + observation.
+    query_in_prompt: bool = True
 
     def __init__(self):
         self.task: Task | None = None
@@ -217,6 +226,19 @@ class Environment(ABC):
     @abstractmethod
     def evaluate(self, task: Task) -> float:
         """Outcome reward of the current state for ``task`` (1.0 success, 0.0 failure)."""
+
+    def instructions(self) -> str | None:
+        """The system prompt for the current task (tool documentation, output format), or None.
+
+        Chat-template prompts put it in the system message; the word-level marker prompt of
+        the tiny policy leaves it out (its vocabulary cannot spell tool documentation)."""
+        return None
+
+    def canonical_action(self, text: str) -> str:
+        """``text`` in the action syntax this env trains on. Explorers propose shell-style
+        ``tool arg ...`` text; an env with its own syntax (Python calls) rewrites it here so
+        synthesized references read like the actions the policy is asked for."""
+        return text
 
     def goal_progress(self, task: Task) -> float:
         """Fraction of the task's goal that holds now, in [0, 1].
@@ -353,7 +375,11 @@ def register_env(name: str):
 
 
 def env_names() -> list[str]:
-    return sorted(_ENVS)
+    return sorted(set(_ENVS) | set(_LAZY_ENVS))
+
+
+# Built-in environments whose modules import optional packages: imported on first use only.
+_LAZY_ENVS = {"bfcl": "actor.envs.bfcl"}
 
 
 def env_class(name: str) -> type[Environment]:
@@ -361,6 +387,8 @@ def env_class(name: str) -> type[Environment]:
     if ":" in name:
         module, name = name.split(":", 1)
         importlib.import_module(module)  # config-named plugin; its decorator registers it
+    elif name not in _ENVS and name in _LAZY_ENVS:
+        importlib.import_module(_LAZY_ENVS[name])
     try:
         return _ENVS[name]
     except KeyError:
