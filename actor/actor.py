@@ -25,7 +25,7 @@ from actor.backends.base import InferenceBackend, SamplingParams
 from actor.envs.base import env_maker
 from actor.navigator import make_navigator
 from actor.reward import outcome_reward
-from actor.rollout import PromptCodec, RolloutSettings, rollout, start_episodes, to_groups
+from actor.rollout import RolloutSettings, make_codec, rollout, start_episodes, to_groups
 from autodidact.metrics import MetricsWriter, RateMeter
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
@@ -35,13 +35,13 @@ from replay.client import ReplayClient
 log = logging.getLogger(__name__)
 
 
-def make_backend(cfg: RunConfig) -> InferenceBackend:
+def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBackend:
     if cfg.actor.backend == "vllm":
         raise NotImplementedError("actor.backend=vllm: not yet implemented (see issue 9); "
                                   "use actor.backend=transformers")
     from actor.backends.hf import TransformersBackend
 
-    return TransformersBackend(cfg.model.path, device=cfg.actor.device)
+    return TransformersBackend(model_path or cfg.model.path, device=cfg.actor.device)
 
 
 def rollout_settings(cfg: RunConfig) -> RolloutSettings:
@@ -58,7 +58,7 @@ class Actor:
         self.replay = replay
         self.backend = backend
         self.actor_id = actor_id
-        self.codec = PromptCodec(backend.tokenizer)
+        self.codec = make_codec(backend.tokenizer)
         self.settings = rollout_settings(cfg)
         self.make_env = env_maker(cfg.env)
         self.reward = outcome_reward(cfg)

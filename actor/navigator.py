@@ -141,7 +141,7 @@ def make_navigator(cfg, seed: int, embedder=None) -> Navigator | None:
 def policy_vocabulary(env_cls) -> tuple[list[str], tuple[str, ...]]:
     """(words, special words) of a tiny word-level policy for ``env_cls``: the env's words plus
     the advice words rule-made experiences use, and the prompt and experience markers."""
-    from actor.rollout import EXPERIENCE_MARKERS, MARKERS
+    from actor.codecs import EXPERIENCE_MARKERS, MARKERS
     from judge.experience_extraction import ADVICE_WORDS
 
     return [*env_cls.vocabulary(), *ADVICE_WORDS, SEPARATOR], (*MARKERS, *EXPERIENCE_MARKERS)

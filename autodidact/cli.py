@@ -271,9 +271,11 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
 
 
 def _register_tasks():
+    from autodidact.eval_cli import eval_command
     from autodidact.tasks_cli import tasks
 
     main.add_command(tasks)
+    main.add_command(eval_command)
 
 
 _register_tasks()

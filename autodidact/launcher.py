@@ -78,6 +78,15 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
     return str(path)
 
 
+def write_split(run_dir: Path, env) -> Path:
+    """``split.json``: which of the env's own tasks train and which are held out, by id, so a
+    later run or evaluation can show it used the same split."""
+    path = run_dir / "split.json"
+    split = {"env": env.name, **{s: [t.task_id for t in env.tasks(s)] for s in ("train", "test")}}
+    path.write_text(json.dumps(split, indent=1))
+    return path
+
+
 def held_out_success(cfg: RunConfig, model_path: str, label: str) -> dict | None:
     """avg@k and best@k (sampled) and greedy success on held-out tasks."""
     if cfg.eval.num_tasks == 0:
@@ -204,7 +213,9 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     from actor.envs.base import env_maker
 
     base = prepare_model(cfg, run_dir)
-    original = env_maker(cfg.env)().tasks("train")
+    env = env_maker(cfg.env)()
+    write_split(run_dir, env)
+    original = env.tasks("train")
     share = synthetic_share(cfg, original)
     if not resume or "success_warm" not in summary:
         summary["synthetic_share"] = share

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actor.envs.base import env_maker
-from actor.rollout import PromptCodec, RolloutSettings, scripted_episode, to_groups
+from actor.rollout import Codec, RolloutSettings, make_codec, scripted_episode, to_groups
 from learner.batching import build_batch
 from learner.logprobs import token_logprobs
 from protocol.config import RunConfig
@@ -27,7 +27,7 @@ from protocol.messages import Group, Task
 log = logging.getLogger(__name__)
 
 
-def reference_groups(cfg: RunConfig, codec: PromptCodec, settings: RolloutSettings,
+def reference_groups(cfg: RunConfig, codec: Codec, settings: RolloutSettings,
                      tasks: Sequence[Task] | None = None) -> list[Group]:
     """One single-trajectory group per task (default: the env's training tasks) whose reference
     solves it."""
@@ -42,7 +42,7 @@ def reference_groups(cfg: RunConfig, codec: PromptCodec, settings: RolloutSettin
     return groups
 
 
-def with_experience(cfg: RunConfig, groups: list[Group], codec: PromptCodec,
+def with_experience(cfg: RunConfig, groups: list[Group], codec: Codec,
                     settings: RolloutSettings) -> list[Group]:
     """Re-script a share (``experience.warmstart_share``) of the examples with experiences in
     their prompt, retrieved from the references' own "what worked" lessons, so the policy has
@@ -84,7 +84,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.learner.device)
-    codec = PromptCodec(tokenizer)
+    codec = make_codec(tokenizer)
     groups = with_experience(cfg, reference_groups(cfg, codec, settings, tasks), codec, settings)
     if not groups:
         raise RuntimeError(f"no verified reference solutions to warm-start on (env "

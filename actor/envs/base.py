@@ -199,6 +199,9 @@ class Environment(ABC):
     # False where reset()'s observation already carries the request (BFCL's user turns): the
     # prompt then shows the observation alone instead of query + observation.
     query_in_prompt: bool = True
+    # Rollout limits this env needs when no config sets them (``autodidact eval --env``):
+    # keys max_turns and max_context (env section) and max_action_tokens (actor section).
+    default_limits: dict = {}
 
     def __init__(self):
         self.task: Task | None = None
