@@ -178,6 +178,46 @@ def _read_fingerprint(path: Path) -> dict | None:
         return None
 
 
+# ChatML, as Qwen2.5-Instruct renders it, tool role included.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def make_tiny_chat_model(path: str | os.PathLike, corpus: Sequence[str], vocab_size: int = 2000,
+                         hidden: int = 64, layers: int = 2, max_positions: int = 4096,
+                         seed: int = 0) -> Path:
+    """A random-init model with a byte-level BPE tokenizer (trained on ``corpus``) and a ChatML
+    chat template: the shape of a real instruction-tuned checkpoint, for exercising the
+    chat-template rollout path without hub access. Rebuilt on every call."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>",
+                                        additional_special_tokens=["<|im_start|>"],
+                                        clean_up_tokenization_spaces=False)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    fingerprint = {"hidden": hidden, "layers": layers, "heads": 4, "kv_heads": 2,
+                   "intermediate": 2 * hidden, "max_positions": max_positions, "seed": seed}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    _make_model(tokenizer, fingerprint).save_pretrained(str(path))
+    return path
+
+
 def parameter_count(path: str | os.PathLike) -> int:
     """Number of distinct parameters (tied embeddings counted once) of the model at ``path``."""
     from transformers import AutoModelForCausalLM

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from autodidact.cli import main
 from protocol.config import RunConfig, load_config
 
-COMMANDS = ["run", "config", "replay", "actor", "learner", "judge", "explore"]
+COMMANDS = ["run", "config", "replay", "actor", "learner", "judge", "explore", "eval", "tasks"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
