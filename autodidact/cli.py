@@ -212,6 +212,8 @@ def judge(config, run_dir, sets, redis_url, replay_addr, judge_id):
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--redis-url", default=None,
               help="Also add tasks to this run's synthetic pool in Redis (redis.url).")
+@click.option("--env", "env_name", default=None,
+              help="Environment to explore (default env.name), e.g. bfcl.")
 @click.option("--rounds", type=int, default=None,
               help="Rounds over the seeds (default explore.rounds; 0 = until stopped).")
 @click.option("--proposer-url", default=None,
@@ -221,12 +223,13 @@ def judge(config, run_dir, sets, redis_url, replay_addr, judge_id):
 @click.option("--profile-only", is_flag=True,
               help="Print the environment profile (exploring first if nothing is stored).")
 @click.option("--json", "as_json", is_flag=True, help="With --profile-only: print JSON.")
-def explore(config, run_dir, sets, redis_url, rounds, proposer_url, proposer_model,
+def explore(config, run_dir, sets, env_name, redis_url, rounds, proposer_url, proposer_model,
             profile_only, as_json):
     """Explore the environment and write verified synthetic tasks (self-questioning).
 
     \b
     autodidact explore --run-dir runs/x                 explore, synthesize, verify, store
+    autodidact explore --env bfcl --run-dir runs/b      the same from BFCL's multi-turn seeds
     autodidact explore --run-dir runs/x --profile-only  print the environment profile
     autodidact tasks list --run-dir runs/x              read the tasks it made
     """
@@ -235,6 +238,8 @@ def explore(config, run_dir, sets, redis_url, rounds, proposer_url, proposer_mod
     from actor import task_factory
 
     cfg = _load(config, sets)
+    if env_name and env_name != cfg.env.name:
+        cfg.env.name, cfg.env.options = env_name, {}
     if redis_url:
         cfg.redis.url = redis_url
     if proposer_url:
