@@ -103,7 +103,9 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
         raise ValueError(f"env {cfg.env.name!r} has no {split} tasks")
     model_path = model_path or prepare_model(cfg, run_dir)
     settings = rollout_settings(cfg)
-    settings.max_context = min(settings.max_context, _model_positions(model_path))
+    # Replayed references are never read by a model: only a sampling model needs the guard.
+    settings.max_context = (1 << 30 if policy == "ground-truth"
+                            else min(settings.max_context, _model_positions(model_path)))
     temperature = cfg.eval.temperature if temperature is None else temperature
     say(f"eval: {len(tasks)} {cfg.env.name} {split} tasks x {k} ({policy}, model {model_path}, "
         f"T={temperature}, device {cfg.actor.device})")
