@@ -86,7 +86,9 @@ class Learner:
         path = self.run_dir / CHECKPOINT
         if not path.exists():
             return False
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        # CPU first: the saved RNG state must stay a CPU ByteTensor (set_rng_state refuses a
+        # CUDA one); load_state_dict moves model and optimizer tensors to the model's device.
+        state = torch.load(path, map_location="cpu", weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -292,3 +292,14 @@ def test_generate_on_cuda(model_path, prompts):
     for gen in backend.generate(prompts, params, [trie] * len(prompts)):
         assert trie.match(gen.token_ids) in ACTIONS
     backend.close()
+
+
+def test_default_dtype_is_float32_on_every_device():
+    """bf16 on GPU broke the equal-log-probs assumption (docs/gpu_check.md)."""
+    import torch
+
+    from actor.backends.hf import _resolve_dtype
+
+    for device in ("cpu", "cuda"):
+        assert _resolve_dtype(None, torch.device(device)) is torch.float32
+    assert _resolve_dtype("bfloat16", torch.device("cuda")) is torch.bfloat16
