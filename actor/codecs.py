@@ -115,6 +115,8 @@ class ChatCodec(Codec):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tokenizer has neither the marker tokens nor a chat_template")
         self._tool_role = True
+        # Every observation is diffed against this render; it never changes, so render it once.
+        self._probe_text = self._render(self._PROBE, False)
         self.eoa_text, self.after_eoa = self._end_of_turn()
         ids = tokenizer.encode(self.eoa_text, add_special_tokens=False)
         if len(ids) != 1:
@@ -130,7 +132,7 @@ class ChatCodec(Codec):
 
     def _end_of_turn(self) -> tuple[str, str]:
         """The template's end-of-turn token text, and the text it puts after it."""
-        text = self._render(self._PROBE, False)
+        text = self._probe_text
         tail = text[text.rindex("A\u2063") + 2:]
         for token in self.tokenizer.all_special_tokens:
             if token and tail.startswith(token):
@@ -158,7 +160,7 @@ class ChatCodec(Codec):
     def _observation_text(self, observation: str, role: str) -> str:
         if role == "tool" and not self._tool_role:
             role, observation = "user", f"Tool results:\n{observation}"
-        base = self._render(self._PROBE, False)
+        base = self._probe_text
         try:
             full = self._render([*self._PROBE, {"role": role, "content": observation}], True)
         except Exception:  # jinja raises for roles the template does not know

@@ -95,8 +95,9 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     from autodidact.launcher import prepare_model, write_split
 
     make_env = env_maker(cfg.env)
-    write_split(run_dir, make_env())
-    tasks = make_env().tasks(split)
+    env = make_env()
+    write_split(run_dir, env)
+    tasks = env.tasks(split)
     if limit:
         tasks = random.Random(cfg.seed).sample(tasks, min(limit, len(tasks)))
     if not tasks:

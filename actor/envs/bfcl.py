@@ -196,6 +196,15 @@ def _held_out_starts(entry_id: str) -> tuple[tuple[dict, int], ...]:
     return tuple(sorted(out, key=lambda x: x[1]))
 
 
+def _system_prompt(entry: dict, turn: int) -> str:
+    """The package's system prompt with the functions declared at ``turn``."""
+    from bfcl_eval.model_handler.utils import system_prompt_pre_processing_chat_model
+
+    prompts = [{"role": "user", "content": _turn_texts(entry)[0]}]
+    return system_prompt_pre_processing_chat_model(prompts, _docs_at(entry, turn),
+                                                   entry["id"])[0]["content"]
+
+
 def _reference(truth: list[list[str]]) -> list[str]:
     """Ground truth as actions: per turn, its calls as one list (if any), then the empty action
     that ends the turn."""
@@ -539,9 +548,13 @@ class BFCLEnv(Environment):
 
     def execute(self, call: ToolCall) -> str:
         """One shell-style parsed call (the base interface); :meth:`step` is the real path."""
-        spec = {t.name: t for t in self.tools()}[call.tool]
-        text = ", ".join(f"{a.name}={v!r}" for a, v in zip(spec.args, call.args))
-        return self.step(f"[{call.tool}({text})]")[0]
+        return self.step(self._python_text(call))[0]
+
+    def _python_text(self, call: ToolCall) -> str:
+        """A shell-style parsed call as Python call text, arguments named by the tool spec."""
+        spec = next(t for t in self.tools() if t.name == call.tool)
+        kwargs = ", ".join(f"{a.name}={v!r}" for a, v in zip(spec.args, call.args))
+        return f"[{call.tool}({kwargs})]"
 
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         if self.task is None:
@@ -625,9 +638,7 @@ class BFCLEnv(Environment):
 
     def _decode_shell(self, text: str) -> list[str]:
         call = parse_action(text, self.tools())
-        spec = next(t for t in self.tools() if t.name == call.tool)
-        kwargs = ", ".join(f"{a.name}={v!r}" for a, v in zip(spec.args, call.args))
-        return self._decode_python(f"[{call.tool}({kwargs})]")  # one canonical path
+        return self._decode_python(self._python_text(call))  # one canonical path
 
     def _canonical(self, node: ast.AST) -> str:
         if not isinstance(node, ast.Call):
@@ -677,7 +688,7 @@ class BFCLEnv(Environment):
     def tools(self) -> list[ToolSpec]:
         if self.entry is None:
             return list(_all_tools())
-        turn = 0 if self.synthetic else min(self.turn, len(self.questions) - 1)
+        turn = self._declared_turn()
         if self._tools is None or self._tools[0] != turn:
             owners = _owners(tuple(self.entry["involved_classes"]))
             specs = [_tool_spec(d, owners[d["name"]]) for d in _docs_at(self.entry, turn)
@@ -685,19 +696,13 @@ class BFCLEnv(Environment):
             self._tools = (turn, specs)
         return list(self._tools[1])
 
-    def _docs(self) -> list[dict]:
-        turn = 0 if self.synthetic else min(self.turn, len(self.questions) - 1)
-        return _docs_at(self.entry, turn)
+    def _declared_turn(self) -> int:
+        """The turn whose functions are declared now (after the last turn: the last one's)."""
+        return 0 if self.synthetic else min(self.turn, len(self.questions) - 1)
 
     def instructions(self) -> str | None:
         """The package's system prompt with the functions declared now."""
-        if self.entry is None:
-            return None
-        from bfcl_eval.model_handler.utils import system_prompt_pre_processing_chat_model
-
-        prompts = [{"role": "user", "content": self.questions[0]}]
-        return system_prompt_pre_processing_chat_model(prompts, self._docs(),
-                                                       self.entry["id"])[0]["content"]
+        return None if self.entry is None else _system_prompt(self.entry, self._declared_turn())
 
     def candidate_actions(self) -> list[str]:
         return []  # free-form generation: the call space has no useful finite list
@@ -787,16 +792,11 @@ class BFCLEnv(Environment):
 def _vocabulary() -> tuple[str, ...]:
     """Words of every user turn, every system prompt an entry can show and every
     ground-truth action."""
-    from bfcl_eval.model_handler.utils import system_prompt_pre_processing_chat_model
-
     data, words = _data(), set()
     for entry_id in data.order:
         entry = data.entries[entry_id]
-        texts = _turn_texts(entry)
         for turn in sorted({0} | {start for _, start in _held_out_starts(entry_id)}):
-            prompts = [{"role": "user", "content": texts[0]}]
-            words.update(system_prompt_pre_processing_chat_model(
-                prompts, _docs_at(entry, turn), entry_id)[0]["content"].split())
-        for text in texts + _reference(data.truths[entry_id]):
+            words.update(_system_prompt(entry, turn).split())
+        for text in _turn_texts(entry) + _reference(data.truths[entry_id]):
             words.update(text.split())
     return tuple(sorted(words))
