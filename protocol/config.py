@@ -626,6 +626,21 @@ class TrackingConfig:
 
 
 @dataclass
+class SecurityConfig:
+    keys_dir: str = ""
+    """Directory made by ``autodidact keys generate``: the server's key pair, this node's client
+    key pair and ``authorized/`` (public keys of the clients a server accepts). Set, every
+    ZeroMQ socket uses CURVE authentication and encryption. Empty: plain sockets."""
+
+    allow_plaintext_remote: bool = False
+    """Allow a ZeroMQ address that leaves loopback (``tcp://`` on a non-loopback host) without
+    CURVE keys. Off: such a run is refused at start."""
+
+    def check(self):
+        pass
+
+
+@dataclass
 class RunConfig:
     name: str = "default"
     """Run name: the run directory is ``runs/<name>`` unless ``--run-dir`` says otherwise."""
@@ -647,6 +662,7 @@ class RunConfig:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     experience: ExperienceConfig = field(default_factory=ExperienceConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def check(self):
         for f in dataclasses.fields(self):
