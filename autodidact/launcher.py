@@ -22,16 +22,18 @@ import random
 import time
 from pathlib import Path
 
+import redis
 import yaml
 from rich.console import Console
 
 from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.metrics import MetricsTail, MetricsWriter, read_metrics
+from autodidact.recovery import RedisWatch, restore_synthetic
 from autodidact.supervisor import RoleSpec, Supervisor
 from autodidact.task_mix import TaskFeeder, synthetic_share, warmstart_tasks
 from autodidact.tracking import WandbMirror
 from protocol.config import RunConfig, to_dict
-from protocol.control import ControlPlane, default_prefix
+from protocol.control import ControlPlane, default_prefix, redact
 from protocol.errors import RemoteError, TransportTimeout
 from protocol.transport import local_address
 
@@ -51,10 +53,10 @@ def role_argv(role: str, run_dir: Path, config_path: Path, *extra: str) -> list[
             *extra]
 
 
-def wait_for_replay(address: str, timeout_s: float) -> dict:
+def wait_for_replay(cfg: RunConfig, timeout_s: float) -> dict:
     from replay.client import ReplayClient
 
-    client = ReplayClient(address, retry_after_s=0.5, timeout_s=timeout_s)
+    client = ReplayClient.for_run(cfg, retry_after_s=0.5, timeout_s=timeout_s)
     try:
         return client.stats()
     finally:
@@ -143,7 +145,7 @@ def experience_stage(cfg: RunConfig, run_dir: Path) -> dict | None:
     from judge.experience_worker import make_extractor, seed_from_explorations
     from replay.experiences import open_pool
 
-    pool = open_pool(cfg)
+    pool = open_pool(cfg, run_dir=run_dir)
     counts = seed_from_explorations(pool, run_dir, make_extractor(cfg))
     console.print(f"  experience pool: {pool.size()} experiences "
                   f"({counts.get('added', 0)} from explorations)")
@@ -155,15 +157,9 @@ def explore_stage(cfg: RunConfig, run_dir: Path, control: ControlPlane, policy_p
     """Explore before training when the config asks for it; the pool in Redis mirrors the
     durable task store either way (a fresh Redis gets the stored tasks back)."""
     from actor.task_factory import run_explore
-    from replay.tasks import TaskStore, exists
 
-    stored = 0
-    if exists(run_dir):
-        with TaskStore(run_dir, readonly=True) as store:
-            tasks = store.all()
-        stored = len(tasks)
-        if control.synthetic_len() < stored:
-            control.add_synthetic(tasks[control.synthetic_len():])
+    restore_synthetic(run_dir, control)
+    stored = control.synthetic_len()
     stage = cfg.explore.stage
     wanted = stage in ("before", "alongside") or (
         stage == "auto" and share > 0 and stored < cfg.explore.min_tasks)
@@ -187,18 +183,22 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
     console.print(f"[bold]autodidact run[/] {cfg.name} in {run_dir}")
     with contextlib.ExitStack() as stack:
         try:
-            cfg.redis.url = cfg.redis.url or stack.enter_context(EmbeddedRedis(run_dir))
+            embedded = None
+            if not cfg.redis.url:
+                embedded = EmbeddedRedis(run_dir)
+                cfg.redis.url = stack.enter_context(embedded)
             control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix,
                                            cfg.redis.heartbeat_ttl_s)
             control.set_state(phase="starting", started_at=time.time(), run_dir=str(run_dir))
-            console.print(f"  redis   {cfg.redis.url}")
-            roles = stack.enter_context(Supervisor())
+            console.print(f"  redis   {redact(cfg.redis.url)}")
+            redis_watch = RedisWatch(cfg, run_dir, control, embedded)
+            roles = stack.enter_context(Supervisor(pids_path=run_dir / "pids.json"))
             config_path = write_resolved_config(cfg, run_dir)
             roles.start(RoleSpec("replay", role_argv("replay", run_dir, config_path),
                                  log_path=logs / "replay.log"))
-            stats = wait_for_replay(cfg.replay.address, timeout_s=60)
+            stats = wait_for_replay(cfg, timeout_s=60)
             console.print(f"  replay  {cfg.replay.address}  ({stats.get('groups', 0)} groups)")
-            return train(cfg, run_dir, control, roles, logs, max_updates, resume)
+            return train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume)
         except TransportTimeout:
             console.print(f"[red]replay server did not answer; see {logs / 'replay.log'}[/]")
             return 1
@@ -207,7 +207,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
             return 130
 
 
-def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
+def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) -> int:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
     from actor.envs.base import env_maker
@@ -234,10 +234,11 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     else:
         cfg.model.path = str(run_dir / "policy_init") if cfg.warmstart.steps else base
     config_path = write_resolved_config(cfg, run_dir)
-    learner_extra = [*(["--max-updates", str(max_updates)] if max_updates else []),
-                     *(["--resume"] if resume else [])]
-    roles.start(RoleSpec("learner", role_argv("learner", run_dir, config_path, *learner_extra),
-                         restart=False, log_path=logs / "learner.log"))
+    learner_extra = ["--max-updates", str(max_updates)] if max_updates else []
+    # A learner that crashes comes back from its last checkpoint and ledger (--resume).
+    resumed = role_argv("learner", run_dir, config_path, *learner_extra, "--resume")
+    roles.start(RoleSpec("learner", resumed if resume else resumed[:-1], restart_argv=resumed,
+                         max_restarts=5, log_path=logs / "learner.log"))
     for i in range(cfg.actor.num_actors):
         roles.start(RoleSpec(f"actor-{i}", role_argv("actor", run_dir, config_path,
                                                      "--actor-id", f"actor-{i}"),
@@ -256,10 +257,11 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     feeder = TaskFeeder(cfg, control, original, share)
     mirror = WandbMirror(run_dir, cfg.tracking.wandb, to_dict(cfg), cfg.name, cfg.tracking.group)
     try:
-        code = supervise(cfg, run_dir, control, roles, feeder, mirror)
+        code = supervise(cfg, run_dir, control, roles, redis_watch, feeder, mirror)
     finally:
         roles.stop()
         mirror.close()
+    summary["restarts"] = {**roles.restarts(), "redis": redis_watch.restarts}
     final = _latest_weights(run_dir, cfg.model.path)
     if code == 0 and final is not None:
         summary["success_rl"] = held_out_success(cfg, final, "after RL")
@@ -271,28 +273,31 @@ def train(cfg, run_dir, control, roles, logs, max_updates, resume) -> int:
     return code
 
 
-def supervise(cfg, run_dir, control, roles, feeder, mirror) -> int:
-    """Restart dead actors, keep tasks flowing, show progress until the learner exits."""
+def supervise(cfg, run_dir, control, roles, redis_watch, feeder, mirror) -> int:
+    """Restart dead roles and Redis, keep tasks flowing, show progress until the learner has
+    finished (exited 0)."""
     t0, last_print = time.monotonic(), 0.0
     progress = Progress(run_dir)
-    replay_stats = ReplayMonitor(run_dir, cfg.replay.address)
+    replay_stats = ReplayMonitor(run_dir, cfg)
     try:
         while True:
-            feeder.top_up()
+            redis_watch.check()
+            try:
+                feeder.top_up()
+            except redis.RedisError as exc:  # Redis is being restarted: the next tick refills
+                log.warning("task queue not topped up: %s", exc)
             failed = roles.check()
-            code = roles.exited("learner")
-            if code is not None:
-                if code != 0:
-                    console.print(f"[red]learner exited with {code}; see {run_dir / 'logs'}[/]")
-                return code
+            if roles.exited("learner") == 0:
+                return 0
             if failed:
-                console.print(f"[red]roles failed for good: {failed}[/]")
+                console.print(f"[red]roles failed for good: {failed}; see {run_dir / 'logs'}[/]")
                 return 1
             if time.monotonic() - last_print > 10:
                 last_print = time.monotonic()
                 replay_stats.log()
                 mirror.sync(progress.update())
-                progress.show(control, roles, time.monotonic() - t0)
+                with contextlib.suppress(redis.RedisError):
+                    progress.show(control, roles, time.monotonic() - t0)
             time.sleep(0.5)
     finally:
         replay_stats.close()
@@ -302,10 +307,10 @@ def supervise(cfg, run_dir, control, roles, feeder, mirror) -> int:
 class ReplayMonitor:
     """Logs the replay server's stats (sizes, rejections) and ingest rate as ``replay/...``."""
 
-    def __init__(self, run_dir: Path, address: str):
+    def __init__(self, run_dir: Path, cfg: RunConfig):
         from replay.client import ReplayClient
 
-        self.client = ReplayClient(address, timeout_s=5.0)
+        self.client = ReplayClient.for_run(cfg, timeout_s=5.0)
         self.metrics = MetricsWriter(run_dir, "replay")
         self._last: tuple[float, int] | None = None
 

@@ -7,6 +7,7 @@ their sockets), then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ class RoleSpec:
     max_restarts: int = 20
     log_path: Path | None = None  # stdout+stderr of the process go here (appended)
     env: dict[str, str] = field(default_factory=dict)
+    restart_argv: list[str] | None = None  # argv for restarts, e.g. the learner adds --resume
 
 
 @dataclass
@@ -41,26 +43,40 @@ class _Running:
 class Supervisor:
     """``with Supervisor() as sup: sup.start(spec); ...; sup.check()`` — stops all on exit."""
 
-    def __init__(self, backoff_s: float = 0.5, backoff_max_s: float = 10.0):
+    def __init__(self, backoff_s: float = 0.5, backoff_max_s: float = 10.0,
+                 pids_path: Path | None = None):
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
+        self.pids_path = pids_path  # role -> pid, rewritten on every (re)start, for operators
         self.roles: dict[str, _Running] = {}
         self.restart_log: list[tuple[str, int]] = []  # (role, exit code) of every restart
 
     def start(self, spec: RoleSpec) -> subprocess.Popen:
-        proc = self._spawn(spec)
+        proc = self._spawn(spec, spec.argv)
         self.roles[spec.name] = _Running(spec, proc, time.monotonic())
+        self._write_pids()
         return proc
 
-    def _spawn(self, spec: RoleSpec) -> subprocess.Popen:
+    def _spawn(self, spec: RoleSpec, argv: list[str]) -> subprocess.Popen:
         out = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL
         try:
-            return subprocess.Popen([sys.executable, *spec.argv], stdin=subprocess.DEVNULL,
+            return subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT,
                                     env={**os.environ, **spec.env})
         finally:
             if spec.log_path:
                 out.close()
+
+    def _write_pids(self) -> None:
+        if self.pids_path is None:
+            return
+        tmp = self.pids_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({n: r.proc.pid for n, r in self.roles.items()}, indent=1))
+        os.replace(tmp, self.pids_path)
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far, per role."""
+        return {name: run.restarts for name, run in self.roles.items()}
 
     def check(self) -> list[str]:
         """Restart dead roles whose back-off has passed; returns the names of failed roles."""
@@ -84,8 +100,9 @@ class Supervisor:
             elif now >= run.next_start:
                 self.restart_log.append((name, code))
                 run.restarts += 1
-                run.proc = self._spawn(run.spec)
+                run.proc = self._spawn(run.spec, run.spec.restart_argv or run.spec.argv)
                 run.started, run.next_start = now, 0.0
+                self._write_pids()
         return failed
 
     def exited(self, name: str) -> int | None:

@@ -120,7 +120,8 @@ def main(cfg: RunConfig, run_dir: Path) -> None:
     from replay.experiences import open_pool
 
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    pool = open_pool(cfg)
+    pool = open_pool(cfg, run_dir=run_dir)
+    pool.restore()  # a Redis that lost its data gets the pool back first
     worker = ExperienceWorker(cfg, run_dir, control, pool)
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)

@@ -23,9 +23,12 @@ a durable store (LMDB, checkpoints) from which it can be restored.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from protocol import codec
 from protocol.messages import Task
@@ -74,6 +77,29 @@ return granted
 """
 
 
+# A restarted embedded server is back within a second or two; an external one may take longer.
+# Capped exponential back-off with jitter, ~40 s in all, rides out either without every role
+# crashing (and being restarted) at once.
+RECONNECT_RETRIES = 25
+RECONNECT_CAP_S = 2.0
+
+
+def connect_redis(url: str, retries: int = RECONNECT_RETRIES) -> redis.Redis:
+    """A client for ``url`` (``redis://[:password@]host:port/db``,
+    ``unix://[:password@]/path.sock``) that reconnects with back-off when the server goes away.
+    """
+    retry = Retry(ExponentialWithJitterBackoff(cap=RECONNECT_CAP_S, base=0.05), retries,
+                  supported_errors=(redis.ConnectionError, redis.TimeoutError, TimeoutError,
+                                    ConnectionError, redis.BusyLoadingError))
+    return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
+                                health_check_interval=30, retry=retry)
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced, for logs and progress lines."""
+    return re.sub(r"(//[^/@:]*:)[^@]*@", r"\1***@", url)
+
+
 class ControlPlane:
     """Typed helpers over the key layout; every role talks to Redis through this."""
 
@@ -85,9 +111,7 @@ class ControlPlane:
 
     @classmethod
     def connect(cls, url: str, prefix: str, heartbeat_ttl_s: float = 10.0) -> "ControlPlane":
-        client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
-                                      health_check_interval=30, retry_on_timeout=True)
-        return cls(client, prefix, heartbeat_ttl_s)
+        return cls(connect_redis(url), prefix, heartbeat_ttl_s)
 
     # --- task queue: FIFO of encoded Task bodies ---
 

@@ -22,6 +22,11 @@ the id set and ``max_pool`` and appends atomically, so concurrent writers cannot
 twice; near-duplicates (both texts at cosine >= ``dedup_similarity``) are caught against the
 copy, refreshed just before, which is exact for one writer and close enough for several.
 
+Redis is not the only copy: a pool opened with ``durable_path`` (the writers of a run use
+``<run_dir>/experiences.log``) also appends every entry it adds to that file, and
+:meth:`ExperiencePool.restore` puts back whatever a Redis that lost its data no longer holds.
+Use counters are not in the file: after such a loss every experience starts untried again.
+
 An entry that does not decode is skipped and counted in ``corrupt``; it never stops a reader.
 A pool is not thread-safe: give each thread its own (they share the Redis data anyway).
 """
@@ -31,9 +36,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 import msgpack
@@ -41,6 +48,7 @@ import numpy as np
 import redis
 
 from protocol.codec import decode_body, encode_body
+from protocol.control import connect_redis
 from protocol.messages import Experience
 
 log = logging.getLogger(__name__)
@@ -148,7 +156,7 @@ class ExperiencePool:
 
     def __init__(self, client: redis.Redis, prefix: str, embedder: TextEmbedder, *,
                  dedup_similarity: float = 0.92, max_chars: int = 400, max_pool: int = 20000,
-                 refresh_s: float = 2.0):
+                 refresh_s: float = 2.0, durable_path: str | Path | None = None):
         self.r = client
         self.keys = ExperienceKeys(prefix)
         self.embedder = embedder
@@ -157,14 +165,13 @@ class ExperiencePool:
         self.max_pool = max_pool
         self.refresh_s = refresh_s
         self.corrupt = 0  # log entries skipped because they did not decode
+        self.durable = DurableLog(durable_path) if durable_path else None
         self._append = client.register_script(_APPEND)
         self._reset()
 
     @classmethod
     def connect(cls, url: str, prefix: str, embedder: TextEmbedder, **kw) -> ExperiencePool:
-        client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
-                                      health_check_interval=30, retry_on_timeout=True)
-        return cls(client, prefix, embedder, **kw)
+        return cls(connect_redis(url), prefix, embedder, **kw)
 
     def close(self) -> None:
         self.r.close()
@@ -265,6 +272,9 @@ class ExperiencePool:
             outcome = {1: "added", 0: "duplicate", -1: "pool_full"}
             for code in codes:
                 counts[outcome[int(code)]] += 1
+            if self.durable:
+                entries = args[2::2]
+                self.durable.append([e for e, code in zip(entries, codes) if int(code) == 1])
             self.refresh()  # so this writer sees its own additions at once
         return counts
 
@@ -295,6 +305,28 @@ class ExperiencePool:
                              f"{self.keys.log} holds {self._w.dim}-dim ones: it was built with "
                              "another embedding model")
         return vecs
+
+    def restore(self) -> int:
+        """Put back the durable file's entries that Redis no longer holds (it lost its data);
+        returns how many. A no-op when Redis has them all."""
+        if not self.durable:
+            return 0
+        entries = self.durable.read()
+        if not entries or self.size() >= len(entries):
+            return 0
+        args: list = [self.max_pool]
+        for raw in entries:
+            try:
+                args += [_unpack_entry(raw)[0].exp_id, raw]
+            except Exception as exc:  # a torn or foreign entry: skip it, keep the rest
+                self._skip_corrupt(exc)
+        codes = self._append(keys=[self.keys.log, self.keys.ids], args=args)
+        restored = sum(int(c) == 1 for c in codes)
+        if restored:
+            log.warning("experience pool: restored %d entries from %s", restored,
+                        self.durable.path)
+        self.refresh()
+        return restored
 
     # --- counters ---
 
@@ -381,6 +413,42 @@ class ExperiencePool:
         return out
 
 
+class DurableLog:
+    """An append-only file of pool entries, each as one msgpack ``bin`` object.
+
+    One ``write`` per batch on an ``O_APPEND`` descriptor; a writer killed mid-write leaves a
+    torn last object, which :meth:`read` drops.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def append(self, entries: Sequence[bytes]) -> None:
+        if not entries:
+            return
+        data = b"".join(msgpack.packb(e, use_bin_type=True) for e in entries)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self) -> list[bytes]:
+        if not self.path.exists():
+            return []
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 30)
+        unpacker.feed(self.path.read_bytes())
+        out = []
+        try:
+            for item in unpacker:
+                if isinstance(item, bytes):
+                    out.append(item)
+        except (msgpack.ExtraData, ValueError) as exc:
+            log.warning("%s: stopped at an undecodable entry (%s)", self.path, exc)
+        return out
+
+
 def _str_keys(counts: dict) -> dict[str, bytes]:
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in counts.items()}
 
@@ -392,12 +460,18 @@ def _prepared(exp: Experience) -> Experience:
         created_at=exp.created_at or time.time(), uses=0, successes=0)
 
 
-def open_pool(cfg, prefix: str | None = None, embedder=None) -> ExperiencePool:
-    """The pool of a run (``RunConfig``): its Redis, its prefix (or ``prefix``), its settings."""
+DURABLE_FILE = "experiences.log"
+
+
+def open_pool(cfg, prefix: str | None = None, embedder=None,
+              run_dir: str | Path | None = None) -> ExperiencePool:
+    """The pool of a run (``RunConfig``): its Redis, its prefix (or ``prefix``), its settings.
+    Writers pass ``run_dir`` so what they add is also kept in ``<run_dir>/experiences.log``."""
     from actor.embedder import Embedder
 
     xc = cfg.experience
     return ExperiencePool.connect(cfg.redis.url, prefix or cfg.redis.prefix,
                                   embedder or Embedder(xc.embedder_path),
                                   dedup_similarity=xc.dedup_similarity, max_chars=xc.max_chars,
-                                  max_pool=xc.max_pool)
+                                  max_pool=xc.max_pool,
+                                  durable_path=Path(run_dir) / DURABLE_FILE if run_dir else None)
