@@ -39,6 +39,17 @@ def _load(config: str | None, sets: tuple[str, ...]) -> RunConfig:
         raise click.UsageError(f"config: {exc}") from None
 
 
+def _curve(cfg: RunConfig, *addresses: str | None):
+    """CURVE keys from security.keys_dir (None: plain sockets); a plaintext address that leaves
+    this machine, or a broken keys directory, is refused here, at start."""
+    from protocol.security import curve_for
+
+    try:
+        return curve_for(cfg.security, *addresses)
+    except ConfigError as exc:
+        raise click.UsageError(f"config: {exc}") from None
+
+
 def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
     path = Path(run_dir) if run_dir else Path("runs") / cfg.name
     path.mkdir(parents=True, exist_ok=True)
@@ -67,6 +78,7 @@ def run(config, run_dir, sets, redis_url, max_updates, resume):
     cfg = _load(config, sets)
     if redis_url:
         cfg.redis.url = redis_url
+    _curve(cfg, cfg.replay.address)
     code = launch(cfg, resolve_run_dir(cfg, run_dir), max_updates=max_updates, resume=resume)
     sys.exit(code)
 
@@ -103,7 +115,8 @@ def replay(ctx, config, run_dir, sets, address):
     from replay.server import serve
 
     cfg = _load(config, sets)
-    serve(resolve_run_dir(cfg, run_dir), cfg.replay, address or cfg.replay.address or None)
+    address = address or cfg.replay.address or None
+    serve(resolve_run_dir(cfg, run_dir), cfg.replay, address, _curve(cfg, address))
 
 
 @replay.command("stats")
@@ -130,6 +143,7 @@ def _role_config(config, sets, redis_url, replay_addr) -> RunConfig:
     if not cfg.redis.url or not cfg.replay.address:
         raise click.UsageError("a role started alone needs --redis-url and --replay-addr "
                                "(or redis.url / replay.address in its config)")
+    _curve(cfg, cfg.replay.address)
     _default_prefix(cfg)
     return cfg
 
@@ -277,10 +291,12 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
 
 def _register_tasks():
     from autodidact.eval_cli import eval_command
+    from autodidact.keys_cli import keys
     from autodidact.tasks_cli import tasks
 
     main.add_command(tasks)
     main.add_command(eval_command)
+    main.add_command(keys)
 
 
 _register_tasks()

@@ -189,7 +189,7 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
 
 def main(cfg: RunConfig, run_dir: Path, judge_id: str = "judge-0") -> None:
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient(cfg.replay.address)
+    replay = ReplayClient.for_run(cfg)
     judge, cross_check, hook = make_judges(cfg, control, judge_id)
     if cfg.judge.resolved_backend(cfg.llm.url) == "policy":
         # One local model serves every request: concurrent calls would only contend for it.

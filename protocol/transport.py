@@ -27,6 +27,7 @@ import zmq
 from protocol import codec
 from protocol.errors import RemoteError, SchemaError, TransportTimeout
 from protocol.messages import Error
+from protocol.security import AUTH_REASON, CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +70,36 @@ class RouterServer:
     """
 
     def __init__(self, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, curve: CurveKeys | None = None):
         self.address = address
         self.max_frame_bytes = max_frame_bytes
         self.counters = ServerCounters()
-        self._ctx = context or zmq.Context.instance()
+        # A CURVE server gets its own context: the ZAP handler is per context, one at most.
+        self._own_ctx = curve is not None and context is None
+        self._ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self._curve = None
+        try:
+            self._setup(address, curve)
+        except BaseException:  # a failed start stops the ZAP thread and frees the port
+            self.close()
+            raise
+        self.bound_address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _setup(self, address: str, curve: CurveKeys | None) -> None:
+        # With keys: encrypted, and only clients in authorized/ get past the handshake.
+        if curve is not None:
+            self._curve = curve.apply_server(self._sock)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         # Hard cap at the socket: ZeroMQ drops the connection of a peer sending more than this.
         # Frames between max_frame_bytes and the cap still get a polite "oversize" reply.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max(2 * max_frame_bytes, 1 << 20))
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(2 * self.max_frame_bytes, 1 << 20))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._sock.bind(address)
-        self.bound_address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def poll(self, timeout_ms: int = 100, max_batch: int = 256) -> list[Incoming]:
+        if self._curve is not None:  # refused handshakes never reach us as frames: count them
+            self.counters.rejected[AUTH_REASON] += self._curve.drain()
         if not self._sock.poll(timeout_ms, zmq.POLLIN):
             return []
         batch = []
@@ -127,7 +143,11 @@ class RouterServer:
         self.reply(incoming, Error(reason=error.reason, detail=str(error)[:500]))
 
     def close(self) -> None:
+        if self._curve is not None:
+            self._curve.close()
         self._sock.close(LINGER_MS)
+        if self._own_ctx:
+            self._ctx.term()
 
 
 # --- client side -------------------------------------------------------------------------------
@@ -199,7 +219,8 @@ class ZmqChannel(Channel):
     """DEALER socket to a :class:`RouterServer`; reconnects by itself when the server restarts."""
 
     def __init__(self, address: str, retry_after_s: float = 2.0,
-                 context: zmq.Context | None = None, identity: str | None = None):
+                 context: zmq.Context | None = None, identity: str | None = None,
+                 curve: CurveKeys | None = None):
         super().__init__()
         self.address = address
         self.retry_after_s = retry_after_s
@@ -211,6 +232,8 @@ class ZmqChannel(Channel):
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if identity:
             self._sock.setsockopt(zmq.IDENTITY, identity.encode()[:255])
+        if curve is not None:  # encrypted; talks only to the server holding server.key
+            curve.apply_client(self._sock)
         self._sock.connect(address)
 
     def send(self, msg, msg_id: str | None = None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from protocol.config import RunConfig
 from protocol.errors import RemoteError, TransportTimeout
 from protocol.messages import (
     Ack,
@@ -25,6 +26,7 @@ from protocol.messages import (
     StatsRequest,
     StepLabels,
 )
+from protocol.security import CurveKeys, curve_for
 from protocol.transport import Channel, ZmqChannel
 
 PUSH_PREFIX = "group:"
@@ -32,13 +34,22 @@ PUSH_PREFIX = "group:"
 
 class ReplayClient:
     def __init__(self, address: str | None = None, retry_after_s: float = 2.0,
-                 timeout_s: float = 30.0, channel: Channel | None = None):
+                 timeout_s: float = 30.0, channel: Channel | None = None,
+                 curve: CurveKeys | None = None):
         if channel is None and address is None:
             raise ValueError("ReplayClient needs an address or a channel")
-        self.channel = channel or ZmqChannel(address, retry_after_s=retry_after_s)
+        self.channel = channel or ZmqChannel(address, retry_after_s=retry_after_s, curve=curve)
         self.timeout_s = timeout_s
         self._acks: list[tuple[str, str]] = []
         self._replies: dict[str, object] = {}  # answers to blocking calls, by msg id
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, address: str | None = None, **kw) -> ReplayClient:
+        """A client of the run's replay server (``replay.address`` unless ``address``), with
+        CURVE keys from ``security.keys_dir``; a plaintext address off this machine is refused
+        (ConfigError) unless ``security.allow_plaintext_remote``."""
+        address = address or cfg.replay.address
+        return cls(address, curve=curve_for(cfg.security, address), **kw)
 
     # --- actors ----------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from protocol.messages import (
     StatsRequest,
     StepLabels,
 )
+from protocol.security import CurveKeys, curve_for
 from protocol.transport import Incoming, RouterServer, local_address
 from replay.lock import single_writer_lock
 from replay.store import (
@@ -78,7 +79,8 @@ class _HandlerCrash(Exception):
 class ReplayServer:
     """Serves actors, judges and the learner from one thread; see :meth:`run`."""
 
-    def __init__(self, run_dir, cfg: ReplayConfig, address: str | None = None):
+    def __init__(self, run_dir, cfg: ReplayConfig, address: str | None = None,
+                 curve: CurveKeys | None = None):
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         with contextlib.ExitStack() as undo:  # a failed start releases what it took
@@ -91,7 +93,7 @@ class ReplayServer:
             undo.callback(self.store.close)
             self.store.env.reader_check()  # clear reader slots of a killed predecessor
             self.rpc = RouterServer(address or cfg.address or local_address(run_dir, "replay"),
-                                    max_frame_bytes=cfg.max_frame_bytes)
+                                    max_frame_bytes=cfg.max_frame_bytes, curve=curve)
             undo.pop_all()
         self.address = self.rpc.bound_address
         self.counters: Counter = Counter()
@@ -107,8 +109,9 @@ class ReplayServer:
                           LedgerCommit: self._on_ledger, JudgePull: self._on_judge_pull,
                           StatsRequest: self._on_stats}
         self._reload()
-        log.info("replay server on %s: %d groups in %s", self.address, len(self.index),
-                 store_path(run_dir))
+        log.info("replay server on %s: %d groups in %s; %s", self.address, len(self.index),
+                 store_path(run_dir), f"CURVE, {len(curve.authorized)} authorized client keys"
+                 if curve else "plaintext (security.keys_dir empty)")
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -508,13 +511,15 @@ class ReplayServer:
             self._lock = None
 
 
-def serve(run_dir, cfg: ReplayConfig, address: str | None = None) -> None:
+def serve(run_dir, cfg: ReplayConfig, address: str | None = None,
+          curve: CurveKeys | None = None) -> None:
     """Run a replay server until SIGTERM or SIGINT, then close sockets and LMDB cleanly.
 
     The bound address is written to ``<run_dir>/replay.addr`` (removed again on a clean stop)
-    so other processes on this machine can find the server.
+    so other processes on this machine can find the server. With ``curve`` (keys from
+    ``security.keys_dir``) only authorized clients are served, encrypted.
     """
-    server = ReplayServer(run_dir, cfg, address)
+    server = ReplayServer(run_dir, cfg, address, curve)
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -550,7 +555,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.sets)
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-    serve(args.run_dir, cfg.replay, args.address or cfg.replay.address or None)
+    address = args.address or cfg.replay.address or None
+    serve(args.run_dir, cfg.replay, address, curve_for(cfg.security, address))
 
 
 if __name__ == "__main__":

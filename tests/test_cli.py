@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from autodidact.cli import main
 from protocol.config import RunConfig, load_config
 
-COMMANDS = ["run", "config", "replay", "actor", "learner", "judge", "explore", "eval", "tasks"]
+COMMANDS = ["run", "config", "replay", "actor", "learner", "judge", "explore", "eval", "tasks",
+            "keys"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
