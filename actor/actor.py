@@ -8,6 +8,13 @@
         groups = rollout(tasks, n per task)        # one batched generate per turn
         push groups to replay (retried until acknowledged), keep rolling meanwhile
         heartbeat, metrics
+
+A group's admission slot stays claimed until replay acknowledges it. Until then the group also
+waits in the actor's outbox on disk (``<run_dir>/acks/<actor_id>.pending/``), and the tasks being
+rolled out in ``<actor_id>.tasks``: an actor restarted after a crash re-sends the groups its
+predecessor had not seen acknowledged (replay stores an id once and answers a second copy
+``duplicate``), puts the tasks it was rolling out back on the queue, and gives back only the
+slots of those. Acknowledged ids are appended to ``<run_dir>/acks/<actor_id>.log``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from actor.backends.base import InferenceBackend, SamplingParams
 from actor.envs.base import env_maker
 from actor.navigator import make_navigator
+from actor.outbox import Outbox
 from actor.reward import outcome_reward
 from actor.rollout import RolloutSettings, make_codec, rollout, start_episodes, to_groups
 from autodidact.metrics import MetricsWriter, RateMeter
@@ -33,7 +41,6 @@ from protocol.weights import WeightSubscriber
 from replay.client import ReplayClient
 
 log = logging.getLogger(__name__)
-
 
 def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBackend:
     if cfg.actor.backend == "vllm":
@@ -68,6 +75,7 @@ class Actor:
         self._navigation: dict[str, float] = {}
         self.weights = WeightSubscriber(control, actor_id)
         self.metrics = MetricsWriter(run_dir, "actor", actor_id)
+        self.outbox = Outbox(run_dir, actor_id)
         self.tokens = RateMeter()
         self.groups_done = 0
         self._stop = False
@@ -85,10 +93,23 @@ class Actor:
 
     # --- the loop ---
 
+    def recover(self) -> None:
+        """Take over from a killed predecessor: re-send its unacknowledged groups (their slots
+        stay claimed until acknowledged), queue its unfinished tasks again, free the rest."""
+        groups, tasks = self.outbox.recover()
+        claimed = self.control.claimed(self.actor_id)
+        released = self.control.release(self.actor_id, claimed - len(groups))
+        if tasks:
+            self.control.push_tasks(tasks)
+        for g in groups:
+            self.replay.push_group(g)
+        if groups or tasks or released:
+            log.warning("%s after a restart: re-sent %d groups, re-queued %d tasks, released "
+                        "%d slots", self.actor_id, len(groups), len(tasks), released)
+            self.control.incr("actor/resent", len(groups))
+
     def run(self) -> None:
-        released = self.control.release(self.actor_id)  # claims left by a crashed predecessor
-        if released:
-            log.warning("%s released %d slots claimed before a restart", self.actor_id, released)
+        self.recover()
         self.maybe_load_weights()
         while not self._stop:
             self.drain_acks(0.0)
@@ -98,8 +119,10 @@ class Actor:
             t0 = time.monotonic()
             groups = self.roll(tasks)
             for g in groups:
+                self.outbox.add(g)
                 self.replay.push_group(g)
-            self.control.finish(self.actor_id, len(groups))
+            self.outbox.drop_tasks()
+            self.control.incr("actor/pushed", len(groups))
             self.groups_done += len(groups)
             self._log(groups, time.monotonic() - t0)
         self.drain_acks(5.0, until_empty=True)
@@ -114,6 +137,8 @@ class Actor:
                                          lc.max_staleness, lc.batch_groups)
             if granted:
                 tasks = [t for t in (self.control.pop_task(0.2) for _ in range(granted)) if t]
+                if tasks:
+                    self.outbox.hold_tasks(tasks)
                 self.control.release(self.actor_id, granted - len(tasks))
                 if tasks:
                     self._idle_s += time.monotonic() - t0
@@ -143,14 +168,21 @@ class Actor:
     def drain_acks(self, timeout_s: float, until_empty: bool = False) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            for _, status in self.replay.poll_acks(max(0.0, deadline - time.monotonic())
-                                                   if until_empty else timeout_s):
-                if status == "stored":
-                    self.control.incr("actor/accepted")
-                elif status.startswith("error"):
+            acks = self.replay.poll_acks(max(0.0, deadline - time.monotonic())
+                                         if until_empty else timeout_s)
+            if acks:
+                self.outbox.acked(acks)  # logged before the slot is given up
+                stored = sum(status == "stored" for _, status in acks)
+                done = stored + sum(status == "duplicate" for _, status in acks)
+                if done:
+                    self.control.finish(self.actor_id, done)
+                if stored:
+                    self.control.incr("actor/accepted", stored)
+            for _, status in acks:
+                if status.startswith("error"):
                     # a refused group will never be trained: give its slot back
                     self.control.incr("actor/rejected")
-                    self.control.incr("actor/admitted", -1)
+                    self.control.release(self.actor_id, 1)
                     log.error("replay refused a group: %s", status)
             if not until_empty or not self.replay.unacked() or time.monotonic() > deadline:
                 return
@@ -177,7 +209,7 @@ class Actor:
 def main(cfg: RunConfig, run_dir: Path, actor_id: str) -> None:
     torch.set_num_threads(cfg.actor.torch_threads)
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient(cfg.replay.address)
+    replay = ReplayClient.for_run(cfg)
     actor = Actor(cfg, run_dir, control, replay, make_backend(cfg), actor_id)
     signal.signal(signal.SIGTERM, actor.request_stop)
     signal.signal(signal.SIGINT, actor.request_stop)
@@ -187,3 +219,4 @@ def main(cfg: RunConfig, run_dir: Path, actor_id: str) -> None:
         replay.close()
         actor.backend.close()
         actor.metrics.close()
+        actor.outbox.close()

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -39,6 +41,60 @@ from replay.client import ReplayClient
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoints/latest.pt"
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "updates", "version", "consumed",
+                   "torch_rng", "numpy_rng", "python_rng")
+
+
+# Checkpoints written before the RNG states were plain tensors hold numpy's as an ndarray.
+# Rebuilding an ndarray runs no code from the file (torch documents this allowlist), so those
+# still load, with weights_only=True all the same.
+_NUMPY_GLOBALS = [getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct,
+                  np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (refused, not the expected content)."""
+
+
+def rng_states() -> dict:
+    """The RNG states as tensors, ints and lists only, so checkpoints load with
+    ``weights_only=True`` (numpy's state holds an ndarray, which that refuses)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch_rng": torch.get_rng_state(),
+            "numpy_rng": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                          int(has_gauss), float(gauss)],
+            "python_rng": [version, list(internal), gauss_next]}
+
+
+def set_rng_states(state: dict) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    name, keys, pos, has_gauss, gauss = state["numpy_rng"]
+    keys = keys.numpy() if torch.is_tensor(keys) else keys
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Tensors and plain data only (``weights_only=True``): a checkpoint that would need any
+    other object unpickled is refused, before anything in it runs."""
+    try:
+        # CPU first: the saved RNG state must stay a CPU ByteTensor (set_rng_state refuses a
+        # CUDA one); load_state_dict moves model and optimizer tensors to the model's device.
+        with torch.serialization.safe_globals(_NUMPY_GLOBALS):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f"it asks to unpickle {found.group(1)}" if found else str(exc).splitlines()[0]
+        raise CheckpointError(
+            f"refused to load {path}: not a plain tensor checkpoint ({what}); checkpoints are "
+            "loaded with weights_only=True and never run code from the file") from None
+    missing = [k for k in CHECKPOINT_KEYS if k not in state] if isinstance(state, dict) \
+        else list(CHECKPOINT_KEYS)
+    if missing:
+        raise CheckpointError(f"{path} is not a learner checkpoint: missing {missing}")
+    return state
 
 
 class Learner:
@@ -86,18 +142,14 @@ class Learner:
         path = self.run_dir / CHECKPOINT
         if not path.exists():
             return False
-        # CPU first: the saved RNG state must stay a CPU ByteTensor (set_rng_state refuses a
-        # CUDA one); load_state_dict moves model and optimizer tensors to the model's device.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_checkpoint(path)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.updates, self.version = state["updates"], state["version"]
         self.consumed = list(state["consumed"])
         self._consumed_ids = set(self.consumed)
-        torch.set_rng_state(state["torch_rng"])
-        np.random.set_state(state["numpy_rng"])
-        random.setstate(state["python_rng"])
+        set_rng_states(state)
         log.info("resumed at update %d, version %d, %d groups consumed",
                  self.updates, self.version, len(self.consumed))
         return True
@@ -109,8 +161,7 @@ class Learner:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(),
                  "updates": self.updates, "version": self.version, "consumed": self.consumed,
-                 "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
-                 "python_rng": random.getstate()}
+                 **rng_states()}
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         with open(tmp, "rb") as f:
@@ -275,12 +326,16 @@ def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
          resume: bool = False) -> None:
     torch.set_num_threads(cfg.learner.torch_threads)
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient(cfg.replay.address)
+    replay = ReplayClient.for_run(cfg)
     learner = Learner(cfg, run_dir, control, replay)
     signal.signal(signal.SIGTERM, learner.request_stop)
     signal.signal(signal.SIGINT, learner.request_stop)
     if resume:
-        learner.resume()
+        try:
+            learner.resume()
+        except CheckpointError as exc:
+            replay.close()
+            raise SystemExit(f"learner: {exc}") from None
     try:
         learner.run(max_updates)
     finally:

@@ -8,7 +8,7 @@ Layout (``P`` is the prefix, ``autodidact:<run name>`` by default)::
     P:hb:<role>:<id>        string heartbeat JSON, expires after the heartbeat TTL
     P:counters              hash   named integer counters (``actor/groups``, ...)
     P:acks:<version>        set    actor ids that loaded weights ``version``
-    P:claims                hash   groups each actor has been admitted for and not finished
+    P:claims                hash   groups each actor was admitted for that replay has not acked
     P:state                 hash   run state (phase, started_at, ...)
 
 Admission (the staleness bound) is one atomic script over ``P:counters``: an actor may start
@@ -179,14 +179,18 @@ class ControlPlane:
         return int(self._admit(keys=keys, args=[wanted, max_staleness, batch_groups, member]))
 
     def finish(self, member: str, n: int) -> None:
-        """``n`` admitted groups of ``member`` are done (pushed to replay)."""
+        """``n`` admitted groups of ``member`` are done (acknowledged by replay)."""
         self.r.hincrby(self.keys.claims, member, -n)
+
+    def claimed(self, member: str) -> int:
+        """Slots ``member`` holds: admitted, and not yet acknowledged or released."""
+        return int(self.r.hget(self.keys.claims, member) or 0)
 
     def release(self, member: str, n: int | None = None) -> int:
         """Give back ``n`` slots that will never become groups (all of ``member``'s open claims
         when ``n`` is None: an actor restarting after a crash). Returns how many."""
         if n is None:
-            n = int(self.r.hget(self.keys.claims, member) or 0)
+            n = self.claimed(member)
         if n > 0:
             pipe = self.r.pipeline()
             pipe.hincrby(self.keys.counters, "actor/admitted", -n)

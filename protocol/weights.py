@@ -8,7 +8,12 @@ tensors in place and acknowledge the version in Redis. A torn or half-written fi
 matches its announced digest, so nobody loads a torn model; the previous version stays loaded.
 
 Only the newest ``keep`` versions stay on disk: actors that fall further behind skip ahead to
-the announced version.
+the announced version. Actors follow the announcement, not a counter: a learner resumed from an
+older checkpoint announces an older version, and the actors go back to it.
+
+A subscriber never raises on a bad version: it counts the rejection (``rejected``), keeps what
+it has loaded, and looks at the same announcement again only after ``retry_s`` (a file on a
+shared file system may show up late; a re-publish of the version comes with a new announcement).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from safetensors.torch import save as save_safetensors
 
 from protocol import codec
 from protocol.control import ControlPlane
+from protocol.errors import SchemaError
 from protocol.messages import WeightsAnnouncement
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,24 @@ def chunk_digests(data: bytes, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
             for i in range(0, max(len(data), 1), chunk_bytes)]
 
 
+def verify(data: bytes, ann: WeightsAnnouncement, chunk_bytes: int = CHUNK_BYTES) -> str | None:
+    """Why ``data`` is not the version ``ann`` announced (None when it is): size, then each
+    chunk in order (stopping at the first bad one), then the whole-file digest, in one pass."""
+    if len(data) != ann.total_bytes:
+        return f"has {len(data)} bytes, {ann.total_bytes} announced"
+    if not ann.num_chunks == len(ann.chunk_sha256) == -(-max(len(data), 1) // chunk_bytes):
+        return "announcement inconsistent with its chunk count"
+    view, whole = memoryview(data), hashlib.sha256()
+    for i, want in enumerate(ann.chunk_sha256):
+        chunk = view[i * chunk_bytes:(i + 1) * chunk_bytes]
+        if hashlib.sha256(chunk).hexdigest() != want:
+            return f"chunk {i + 1}/{ann.num_chunks} does not match its digest"
+        whole.update(chunk)
+    if whole.hexdigest() != ann.sha256:
+        return "the whole-file digest does not match"
+    return None
+
+
 class WeightPublisher:
     """Learner side. ``publish`` copies the tensors (the only part that blocks training) and
     hands serialization, disk write and announcement to a background thread."""
@@ -50,6 +74,8 @@ class WeightPublisher:
         self.control = control
         self.keep = keep
         (self.run_dir / "weights").mkdir(parents=True, exist_ok=True)
+        for orphan in (self.run_dir / "weights").glob("v*.tmp"):  # a writer killed mid-write
+            orphan.unlink(missing_ok=True)
         self._thread: threading.Thread | None = None
         self.last_publish_s = 0.0
 
@@ -89,45 +115,68 @@ class WeightPublisher:
         self.last_publish_s = time.perf_counter() - t0
 
     def _prune(self, version: int) -> None:
+        """Drop versions older than the newest ``keep``, and any newer than ``version``: one
+        learner publishes in order, so those came from a run that died after its checkpoint
+        (a resume starts again from the checkpoint's version) and nobody may load them."""
         for old in (self.run_dir / "weights").glob("v*.safetensors"):
             try:
-                if int(old.stem[1:]) <= version - self.keep:
+                if not version - self.keep < int(old.stem[1:]) <= version:
                     old.unlink()
             except (ValueError, FileNotFoundError):
                 pass
 
 
 class WeightSubscriber:
-    """Actor side: ``poll`` returns a verified state dict when a newer version is announced."""
+    """Actor side: ``poll`` returns a verified state dict when another version is announced."""
 
-    def __init__(self, control: ControlPlane, member: str):
+    def __init__(self, control: ControlPlane, member: str, retry_s: float = 5.0):
         self.control = control
         self.member = member
         self.version = -1
-        self.rejected = 0  # announced versions whose bytes did not match their digests
+        self.sha256 = ""  # of the version loaded
+        self.rejected = 0  # announcements refused: unreadable, torn, or not matching digests
+        self.retry_s = retry_s
+        self._refused: tuple[bytes, float] | None = None  # (announcement, retry at)
+        self._polled_sha256 = ""  # of the version the last poll returned
 
     def announced(self) -> WeightsAnnouncement | None:
         body = self.control.r.get(self.control.keys.weights)
         return None if body is None else codec.decode_body(WeightsAnnouncement.TYPE, body)
 
     def poll(self):
-        """(version, state_dict) of a newer complete version, or None."""
-        if self.control.get_version() <= self.version:
+        """(version, state_dict) of a complete version other than the one loaded, or None."""
+        if self.control.get_version() == self.version:
             return None
-        ann = self.announced()
-        if ann is None or ann.version <= self.version:
+        body = self.control.r.get(self.control.keys.weights)
+        if body is None or (self._refused and self._refused[0] == body
+                            and time.monotonic() < self._refused[1]):
+            return None
+        try:
+            ann = codec.decode_body(WeightsAnnouncement.TYPE, body)
+        except SchemaError as exc:
+            return self._refuse(body, f"announcement does not decode: {exc}")
+        if ann.version == self.version and ann.sha256 == self.sha256:
             return None
         try:
             data = Path(ann.path).read_bytes()
         except OSError as exc:
-            log.warning("weights v%d unreadable (%s); keeping v%d", ann.version, exc, self.version)
-            return None
-        if len(data) != ann.total_bytes or chunk_digests(data) != ann.chunk_sha256 \
-                or hashlib.sha256(data).hexdigest() != ann.sha256:
-            self.rejected += 1
-            log.warning("weights v%d failed its checksum; keeping v%d", ann.version, self.version)
-            return None
-        return ann.version, load_safetensors(data)
+            return self._refuse(body, f"v{ann.version} unreadable ({exc})")
+        why = verify(data, ann)
+        if why is not None:
+            return self._refuse(body, f"v{ann.version} {why}")
+        try:
+            state = load_safetensors(data)
+        except Exception as exc:  # digests matched: the publisher wrote something odd
+            return self._refuse(body, f"v{ann.version} does not load ({exc})")
+        self._refused = None
+        self._polled_sha256 = ann.sha256
+        return ann.version, state
+
+    def _refuse(self, body: bytes, why: str):
+        self.rejected += 1
+        self._refused = (body, time.monotonic() + self.retry_s)
+        log.warning("weights refused: %s; keeping v%d", why, self.version)
+        return None
 
     def follow(self, backend) -> int | None:
         """Load a newer version into ``backend`` (anything with ``load_weights(state,
@@ -137,10 +186,11 @@ class WeightSubscriber:
             return None
         version, state = got
         backend.load_weights(state, version)
-        self.loaded(version)
+        self.loaded(version, self._polled_sha256)
         return version
 
-    def loaded(self, version: int) -> None:
+    def loaded(self, version: int, sha256: str = "") -> None:
         """Record (locally and in Redis) that ``version`` is now the one generating."""
         self.version = version
+        self.sha256 = sha256
         self.control.ack_version(version, self.member)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,17 +33,38 @@ pytestmark = pytest.mark.slow
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
 
 
-def run_cli(run_dir: Path, *extra: str, timeout: int = 420) -> subprocess.CompletedProcess:
+def run_cli(run_dir: Path, *extra: str, timeout: int = 420,
+            meanwhile=None) -> subprocess.CompletedProcess:
+    """``autodidact run`` to completion; ``meanwhile(run_dir)`` runs in a thread alongside."""
     # Guidance sooner and from similar tasks too: with the defaults (first extraction after 10
     # updates, same-task lessons only) 30 updates may end before a guided group is trained,
     # and this run is here to exercise that path.
     args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
             "-c", str(QUICK), "--set", "name=itest", "--set", "experience.update_every=3",
             "--set", "experience.min_similarity=0.5"]
+    helper = threading.Thread(target=meanwhile, args=(run_dir,), daemon=True) if meanwhile \
+        else None
+    if helper:
+        helper.start()
     proc = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if helper:
+        helper.join(5)
     return proc
+
+
+def kill_redis_mid_training(run_dir: Path, after_updates: int = 10) -> None:
+    """SIGKILL the run's embedded redis-server once the learner is ``after_updates`` in."""
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        rows = [r for r in read_metrics(run_dir, "learner") if "learner/updates" in r]
+        if rows and rows[-1]["learner/updates"] >= after_updates:
+            pid = int((run_dir / "redis" / "redis.pid").read_text())
+            os.kill(pid, signal.SIGKILL)
+            (run_dir / "redis_killed").write_text(str(rows[-1]["learner/updates"]))
+            return
+        time.sleep(0.5)
 
 
 def stored_groups(run_dir: Path) -> list[Group]:
@@ -55,8 +79,20 @@ def stored_groups(run_dir: Path) -> list[Group]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    proc = run_cli(run_dir, "--max-updates", "30")
+    # Redis is SIGKILLed a third of the way in: the launcher restarts it and every role
+    # rides out the gap on its client's back-off (test_roles_rode_out_a_redis_kill).
+    proc = run_cli(run_dir, "--max-updates", "30", meanwhile=kill_redis_mid_training)
     return run_dir, proc
+
+
+def test_roles_rode_out_a_redis_kill(finished_run):
+    run_dir, proc = finished_run
+    assert (run_dir / "redis_killed").exists(), "the run ended before redis could be killed"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"]["redis"] == 1
+    # Reconnected, not crashed and restarted by the supervisor.
+    assert not any(n for role, n in summary["restarts"].items() if role != "redis"), summary
+    assert summary["learner"]["learner/updates"] == 30
 
 
 def test_groups_flowed_and_versions_moved(finished_run):
@@ -140,9 +176,9 @@ def test_judges_kept_up_and_the_learner_trained_on_step_labels(finished_run):
 
 def test_resume_continues_version_step_and_ledger(finished_run):
     run_dir, _ = finished_run
-    before = torch.load(run_dir / "checkpoints/latest.pt", weights_only=False)
+    before = torch.load(run_dir / "checkpoints/latest.pt", weights_only=True)
     run_cli(run_dir, "--resume", "--max-updates", "34")
-    after = torch.load(run_dir / "checkpoints/latest.pt", weights_only=False)
+    after = torch.load(run_dir / "checkpoints/latest.pt", weights_only=True)
     assert (before["updates"], after["updates"]) == (30, 34)
     assert after["version"] == before["version"] + 4
     assert after["consumed"][:len(before["consumed"])] == before["consumed"]
