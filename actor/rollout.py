@@ -115,17 +115,36 @@ def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: lis
     """Append one action and the environment's answer; decide whether the episode ends."""
     start = len(ep.tokens)
     ep.extend(action_ids, logprobs, version, generated=True)
-    action = codec.decode_action(action_ids)
+    # What the env saw is what is recorded and pushed: text that UTF-8 cannot carry (lone
+    # surrogates, from an endpoint's JSON or an env echoing an escape) would make the group
+    # unencodable and the actor fail at the push, so it is replaced here, on both sides.
+    action = _utf8(codec.decode_action(action_ids))
     obs, done, info = ep.env.step(action)
+    obs = _utf8(obs)
     ep.steps.append(Step(action=action, observation=obs, start=start, end=len(ep.tokens),
                          valid=bool(info.get("valid", False)),
-                         info={k: v for k, v in info.items() if v is not None}))
+                         info={k: _utf8(v) for k, v in info.items() if v is not None}))
     next_ids = codec.observation(obs, info.get("role", "tool"))
     too_long = len(ep.tokens) + len(next_ids) + settings.max_action_tokens > settings.max_context
     if done or len(ep.steps) >= settings.max_turns or too_long:
         ep.done, ep.truncated = True, too_long and not done
     else:
         ep.extend(next_ids)
+
+
+def _utf8(value):
+    """``value`` with every string made encodable as UTF-8 (lone surrogates become U+FFFD)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in value)
+    if isinstance(value, list):
+        return [_utf8(v) for v in value]
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
+    return value
 
 
 def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,

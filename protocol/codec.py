@@ -123,8 +123,9 @@ def unpack_envelope(frame: bytes, max_bytes: int | None = None) -> Envelope:
     if not (isinstance(outer, list) and len(outer) == 5 and outer[0] == MAGIC):
         raise SchemaError("bad_envelope", "expected [magic, version, type, id, body]")
     _, version, type_tag, msg_id, body = outer
-    if not (isinstance(version, int) and isinstance(type_tag, str)
-            and isinstance(msg_id, str) and isinstance(body, bytes)):
+    if not (isinstance(version, int) and not isinstance(version, bool)
+            and isinstance(type_tag, str) and isinstance(msg_id, str)
+            and isinstance(body, bytes)):
         raise SchemaError("bad_envelope", "envelope field of the wrong type")
     if version > SCHEMA_VERSION:
         raise SchemaError("future_version", f"v{version} > v{SCHEMA_VERSION}")
@@ -143,7 +144,14 @@ def decode_body(type_tag: str, body: bytes):
         raise
     except Exception as exc:
         raise SchemaError("not_msgpack", f"body: {type(exc).__name__}") from None
-    return _build(cls, fields, type_tag)
+    try:
+        return _build(cls, fields, type_tag)
+    except SchemaError:
+        raise
+    except Exception as exc:  # a validator tripped over a shape it did not expect: still a
+        # refusal of this frame, never an exception the receiver has to know about
+        raise SchemaError("invalid", f"{type(exc).__name__} while validating",
+                          type_tag) from None
 
 
 def decode(frame: bytes, max_bytes: int | None = None):

@@ -8,6 +8,7 @@ types and impossible values are refused at start with a message naming the key.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 import yaml
 
 from protocol.errors import ConfigError
+from protocol.messages import MAX_LEASE_S, MAX_VERSION  # what the replay server accepts
 
 
 @dataclass
@@ -64,6 +66,7 @@ class ReplayConfig:
         for name in ("map_size", "max_frame_bytes", "max_groups", "max_bytes", "write_batch"):
             _positive(self, name)
         _positive(self, "judge_lease_s")
+        _at_most(self, "judge_lease_s", MAX_LEASE_S)
 
 
 @dataclass
@@ -93,6 +96,12 @@ class ModelConfig:
     def check(self):
         for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "max_positions"):
             _positive(self, name)
+        if not self.path:  # the tiny model is made from these: attention must split evenly
+            if self.hidden % self.heads:
+                raise ConfigError(f"heads must divide hidden ({self.hidden}), got {self.heads}")
+            if self.heads % self.kv_heads:
+                raise ConfigError(f"kv_heads must divide heads ({self.heads}), "
+                                  f"got {self.kv_heads}")
 
 
 @dataclass
@@ -153,6 +162,7 @@ class ActorConfig:
             _positive(self, name)
         _positive(self, "temperature")
         in_range(self, "top_p", 0.0, 1.0)
+        _positive(self, "top_p")  # nucleus of no tokens: nothing to sample
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"backend must be transformers or vllm, got {self.backend!r}")
 
@@ -242,10 +252,15 @@ class LearnerConfig:
 
     def check(self):
         for name in ("lr", "batch_groups", "minibatches", "publish_every", "checkpoint_every",
-                     "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip"):
+                     "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip",
+                     "grad_clip"):
             _positive(self, name)
-        if self.max_staleness < 0:
-            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.dual_clip <= 1.0:  # the bound -c*A must lie beyond the clipped objective
+            raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if not 0 <= self.max_staleness <= MAX_VERSION:  # travels in every BatchRequest
+            raise ConfigError(f"max_staleness must be in [0, {MAX_VERSION}], "
+                              f"got {self.max_staleness}")
+        _at_most(self, "batch_groups", MAX_VERSION)
         if self.probe_every < 0:
             raise ConfigError(f"probe_every must be >= 0 (0 = off), got {self.probe_every}")
         in_range(self, "clip_low", 0.0, 1.0)
@@ -341,6 +356,8 @@ class LLMConfig:
         _positive(self, "timeout_s")
         if self.max_retries < 0:
             raise ConfigError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.url and not self.model:
             raise ConfigError("model must be set when url is")
 
@@ -553,6 +570,11 @@ class ExperienceConfig:
             raise ConfigError(f"train_context must be discard or keep, got {self.train_context!r}")
         if self.clip_high <= 0:
             raise ConfigError(f"clip_high must be > 0, got {self.clip_high}")
+        kinds = ("success", "failure", "contrast", "exploration", "llm")
+        for i, kind in enumerate(self.kind_order):
+            if kind not in kinds:
+                raise ConfigError(f"kind_order[{i}] must be one of {', '.join(kinds)}, "
+                                  f"got {kind!r}")
 
 
 @dataclass
@@ -602,6 +624,8 @@ class JudgeConfig:
         for name in ("max_groups", "lease_s", "deadline_s", "max_chars", "max_attempts",
                      "concurrency"):
             _positive(self, name)
+        _at_most(self, "lease_s", MAX_LEASE_S)  # the replay server refuses longer leases
+        _at_most(self, "max_groups", MAX_VERSION)
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
 
@@ -628,13 +652,18 @@ class TrackingConfig:
 @dataclass
 class SecurityConfig:
     keys_dir: str = ""
-    """Directory made by ``autodidact keys generate``: the server's key pair, this node's client
-    key pair and ``authorized/`` (public keys of the clients a server accepts). Set, every
-    ZeroMQ socket uses CURVE authentication and encryption. Empty: plain sockets."""
+    """Directory made by ``autodidact keys generate``: ``server.key`` (the replay server's
+    public key; ``server.key_secret`` too on the server's machine only), ``client.key`` and
+    ``client.key_secret`` (this node's client pair) and, on the server's machine,
+    ``authorized/*.key`` (the client public keys it accepts, read at start). The generated
+    directory is the server's; node ``NAME`` gets a copy of its ``nodes/NAME/``. Set, every
+    ZeroMQ socket uses CURVE authentication and encryption, and clients whose key is not in
+    ``authorized/`` are refused (counted as ``rejected/auth``). Empty: plain sockets."""
 
     allow_plaintext_remote: bool = False
-    """Allow a ZeroMQ address that leaves loopback (``tcp://`` on a non-loopback host) without
-    CURVE keys. Off: such a run is refused at start."""
+    """Allow a plaintext ZeroMQ address that leaves loopback (``tcp://`` on a host other than
+    127.x, ::1 or localhost; ``tcp://*`` and ``tcp://0.0.0.0`` included) when ``keys_dir`` is
+    empty. Off: such an address is refused at start, naming ``security.keys_dir``."""
 
     def check(self):
         pass
@@ -665,6 +694,11 @@ class RunConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def check(self):
+        if not self.name or self.name.strip() != self.name or "\x00" in self.name:
+            raise ConfigError(f"name must be non-empty, without surrounding spaces or NUL, "
+                              f"got {self.name!r}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if dataclasses.is_dataclass(sub):
@@ -672,6 +706,10 @@ class RunConfig:
                     sub.check()
                 except ConfigError as exc:
                     raise ConfigError(f"{f.name}.{exc}") from None
+        if self.actor.max_action_tokens >= self.env.max_context:
+            raise ConfigError(f"actor.max_action_tokens ({self.actor.max_action_tokens}) must "
+                              f"be < env.max_context ({self.env.max_context}): no action fits")
+        _check_env_options(self.env)
         if self.judge.backend == "endpoint" and not self.llm.url:
             raise ConfigError("judge.backend=endpoint needs llm.url (an OpenAI-compatible "
                               "endpoint)")
@@ -727,6 +765,11 @@ def _from_dict(cls, raw, where: str):
 
 
 def _coerce(hint, value, key: str):
+    if hint in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        if isinstance(value, int) and not -2**63 <= value < 2**63:
+            raise ConfigError(f"{key}: {value} does not fit in 64 bits")
     if dataclasses.is_dataclass(hint):
         return _from_dict(hint, value, key)
     origin = typing.get_origin(hint)
@@ -750,8 +793,46 @@ def _join(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
 
 
+def _at_most(section, name: str, hi) -> None:
+    if not getattr(section, name) <= hi:
+        raise ConfigError(f"{name} must be at most {hi}, got {getattr(section, name)!r}")
+
+
+def _check_env_options(env: EnvConfig) -> None:
+    """``env.name`` names a known environment and ``env.options`` only its constructor's
+    keyword arguments (of the declared type where that is a plain one). A plugin
+    (``module:name``) is imported only when an env is made, so it is not checked here."""
+    if ":" in env.name:
+        return
+    try:
+        from actor.envs.base import env_class, env_names
+
+        cls = env_class(env.name)
+    except KeyError:
+        raise ConfigError(f"env.name: unknown environment {env.name!r}; known: "
+                          f"{', '.join(env_names())}") from None
+    except ImportError:  # this machine lacks the env's extra; the role that makes it will say
+        return
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [n for n, p in params.items() if n != "self"
+             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                            inspect.Parameter.KEYWORD_ONLY)]
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # annotations this interpreter cannot evaluate: check names only
+        hints = {}
+    for key, value in env.options.items():
+        if key not in known:
+            raise ConfigError(f"env.options.{key}: unknown option of environment {env.name!r} "
+                              f"(known: {', '.join(known) or 'none'})")
+        if hints.get(key) in (int, float, str, bool):
+            _coerce(hints[key], value, f"env.options.{key}")
+
+
 def _positive(section, name: str) -> None:
-    if getattr(section, name) <= 0:
+    if not getattr(section, name) > 0:  # NaN too
         raise ConfigError(f"{name} must be > 0, got {getattr(section, name)!r}")
 
 

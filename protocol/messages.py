@@ -7,12 +7,35 @@ and index the same token sequence: prompt, then alternating model actions and ob
 
 from __future__ import annotations
 
+import math
 from dataclasses import field
 
 import numpy as np
 
 from protocol.codec import array_field, message
 from protocol.errors import SchemaError
+
+# Bounds a well-behaved peer never comes near; past them a request is refused, not served.
+MAX_ID_BYTES = 256  # learner and judge ids (part of LMDB keys, which stop at 511 bytes)
+MAX_VERSION = 2**31 - 1  # policy versions travel in int32 arrays (Trajectory.versions)
+MAX_LEASE_S = 7 * 24 * 3600.0  # a judge lease longer than a week is a lease forever
+
+
+def _check_id(value: str, name: str) -> None:
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise SchemaError("invalid", f"{name} longer than {MAX_ID_BYTES} bytes", name)
+
+
+def _check_count(value: int, name: str, lo: int = 0, hi: int = MAX_VERSION) -> None:
+    if not lo <= value <= hi:
+        raise SchemaError("invalid", f"{name} must be in [{lo}, {hi}], got {value}", name)
+
+
+def _check_seconds(value: float, name: str, hi: float = float("inf")) -> None:
+    if not (math.isfinite(value) and 0.0 <= value <= hi):
+        raise SchemaError("invalid", f"{name} must be a finite number in [0, {hi}], got {value}",
+                          name)
+
 
 # --- tasks -------------------------------------------------------------------------------------
 
@@ -62,11 +85,25 @@ class Trajectory:
     info: dict = field(default_factory=dict)  # turns, truncation, timing...
 
     def validate(self):
+        if self.tokens.ndim != 1:
+            raise SchemaError("invalid", "tokens must be 1-D", "tokens")
         n = len(self.tokens)
         for name in ("tokens", "logprobs", "versions", "action_mask"):
             arr = getattr(self, name)
             if arr.ndim != 1 or len(arr) != n:
                 raise SchemaError("invalid", f"{name} must be 1-D of length {n}", name)
+        # What the learner indexes and weighs with: a bad value here would crash or poison it.
+        if n and self.tokens.min() < 0:
+            raise SchemaError("invalid", "token ids are >= 0", "tokens")
+        if n and self.action_mask.max() > 1:
+            raise SchemaError("invalid", "action_mask is 0 or 1", "action_mask")
+        if n and self.versions.min() < -1:
+            raise SchemaError("invalid", "versions are >= 0, or -1 where not generated",
+                              "versions")
+        if np.isnan(self.logprobs).any() or (self.logprobs == np.inf).any():
+            raise SchemaError("invalid", "logprobs must not be NaN or +inf", "logprobs")
+        if not math.isfinite(self.reward):
+            raise SchemaError("invalid", "reward must be finite", "reward")
         if not 0 <= self.prompt_len <= n:
             raise SchemaError("invalid", "prompt_len outside the token range", "prompt_len")
         for i, s in enumerate(self.steps):
@@ -98,6 +135,8 @@ class Group:
     def validate(self):
         if not self.group_id:
             raise SchemaError("invalid", "empty group_id", "group_id")
+        if not self.trajectories:
+            raise SchemaError("invalid", "a group has at least one trajectory", "trajectories")
 
     def policy_versions(self) -> tuple[int, int]:
         spans = [t.policy_versions() for t in self.trajectories]
@@ -141,6 +180,11 @@ class JudgePull:
     max_groups: int = 1  # at most this many groups in the reply
     lease_s: float = 60.0  # the groups go back to the pool if no labels arrive in time
 
+    def validate(self):
+        _check_id(self.judge_id, "judge_id")
+        _check_count(self.max_groups, "max_groups")
+        _check_seconds(self.lease_s, "lease_s", MAX_LEASE_S)  # 0 = the server's default
+
 
 @message("judge_work")
 class JudgeWork:
@@ -169,6 +213,10 @@ class LearnerHello:
     # the ledger from its checkpoint: ids of the groups it has trained on
     consumed: list[str] = field(default_factory=list)
 
+    def validate(self):
+        _check_id(self.learner_id, "learner_id")
+        _check_count(self.version, "version")
+
 
 @message("batch_request")
 class BatchRequest:
@@ -180,6 +228,16 @@ class BatchRequest:
     # ...except those stored at least this long ago, served unjudged (0 = wait for labels)
     label_deadline_s: float = 0.0
     timeout_s: float = 0.0  # the server may wait this long to fill the batch
+
+    def validate(self):
+        # A bad bound here is not harmless: version and max_staleness move the server's stale
+        # floor (what judges skip and eviction may delete), learner_id keys its retry record.
+        _check_id(self.learner_id, "learner_id")
+        _check_count(self.num_groups, "num_groups")
+        _check_count(self.version, "version")
+        _check_count(self.max_staleness, "max_staleness")
+        _check_seconds(self.label_deadline_s, "label_deadline_s")
+        _check_seconds(self.timeout_s, "timeout_s")
 
 
 @message("batch")
@@ -195,6 +253,10 @@ class LedgerCommit:
     learner_id: str
     group_ids: list[str]  # consumed groups now covered by a durable learner checkpoint
     version: int = 0  # the checkpoint's policy version
+
+    def validate(self):
+        _check_id(self.learner_id, "learner_id")
+        _check_count(self.version, "version")
 
 
 # --- weights -----------------------------------------------------------------------------------

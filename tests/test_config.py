@@ -1,8 +1,11 @@
 """Config files: every one shipped parses; bad keys, types and values are refused by name."""
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from protocol.config import RunConfig, load_config
 from protocol.errors import ConfigError
@@ -50,3 +53,172 @@ def test_unknown_key_in_file(tmp_path):
     path.write_text("replay:\n  max_grups: 3\n")
     with pytest.raises(ConfigError, match="replay.max_grups"):
         load_config(path)
+
+
+# --- every field, by introspection: a new field without a check fails here ------------------------
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)
+            if dataclasses.is_dataclass(typing.get_type_hints(RunConfig)[f.name])}
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in
+          [("", RunConfig)] + [(s, typing.get_type_hints(RunConfig)[s]) for s in SECTIONS]}
+
+
+def _fields(kinds) -> list[str]:
+    """``section.key`` (or a top-level ``key``) of every field whose type is in ``kinds``."""
+    out = []
+    for section, hints in _HINTS.items():
+        for key, hint in hints.items():
+            if hint in kinds:
+                out.append(f"{section}.{key}" if section else key)
+    return out
+
+
+NUMERIC = _fields((int, float))
+# Numeric fields for which 0 is a meaningful value ("off", "all", "none", "greedy"...); every
+# other one must refuse 0. A new numeric field goes here only if 0 means something for it.
+ZERO_OK = {
+    "seed", "warmstart.steps", "eval.num_tasks", "learner.max_staleness",
+    "learner.warmup_updates", "learner.probe_every", "learner.kl_coef", "learner.alpha",
+    "learner.alpha_min", "learner.alpha_decay_updates", "learner.alpha_cutoff_updates",
+    "learner.clip_low", "learner.clip_high", "llm.max_retries", "llm.temperature",
+    "explore.seeds", "explore.rounds", "explore.breadth_steps", "explore.depth_steps",
+    "explore.max_steps", "explore.max_entities", "explore.max_tasks", "explore.min_tasks",
+    "explore.min_valid_fraction", "explore.dedup_jaccard", "tasks.synthetic_share",
+    "tasks.grader_repetition_cap", "experience.min_similarity", "experience.share",
+    "experience.update_every", "experience.dedup_similarity", "experience.warmstart_share",
+    "judge.workers", "judge.temperature",
+}
+
+
+def _load(raw: dict, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path)
+
+
+def _nested(key: str, value) -> dict:
+    section, _, name = key.rpartition(".")
+    return {section: {name: value}} if section else {name: value}
+
+
+def _refused(key: str, value, tmp_path, names: str | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        _load(_nested(key, value), tmp_path)
+    assert (names or key) in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_introspection_sees_the_sections():
+    assert {"replay", "learner", "experience", "judge", "security"} <= set(SECTIONS)
+    assert {"replay.map_size", "experience.share", "learner.max_staleness"} <= set(NUMERIC)
+
+
+@pytest.mark.parametrize("key", NUMERIC)
+def test_every_numeric_field_refuses_a_negative_value(key, tmp_path):
+    """Sizes, counts, rates, temperatures, fractions: none is meaningful below zero (the one
+    sentinel, tasks.synthetic_share = -1, is exactly -1)."""
+    hint = _HINTS[key.rpartition(".")[0]][key.rpartition(".")[2]]
+    _refused(key, -10**6 if hint is int else -1e6, tmp_path)
+
+
+@pytest.mark.parametrize("key", [k for k in NUMERIC if k not in ZERO_OK])
+def test_numeric_fields_refuse_zero_where_it_is_meaningless(key, tmp_path):
+    _refused(key, 0, tmp_path)
+
+
+@pytest.mark.parametrize("key", sorted(ZERO_OK))
+def test_zero_is_accepted_where_it_means_something(key, tmp_path):
+    assert key in NUMERIC, "stale entry in ZERO_OK"
+    _load(_nested(key, 0), tmp_path)
+
+
+@pytest.mark.parametrize("key", _fields((float,)))
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")],
+                         ids=["nan", "inf", "-inf"])
+def test_every_float_field_refuses_non_finite_values(key, value, tmp_path):
+    _refused(key, value, tmp_path)
+
+
+@pytest.mark.parametrize("key", _fields((int,)))
+def test_every_int_field_refuses_what_does_not_fit_64_bits(key, tmp_path):
+    _refused(key, 2**64, tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [
+    # probabilities and fractions outside [0, 1]: eta (experience.share) first
+    ("experience.share", 1.5), ("experience.share", 1.0000001), ("experience.warmstart_share", 2.0),
+    ("experience.min_similarity", 1.5), ("experience.dedup_similarity", 3.0),
+    ("actor.top_p", 1.5), ("explore.min_valid_fraction", 1.01), ("explore.dedup_jaccard", 7.0),
+    ("tasks.synthetic_share", 1.5), ("tasks.synthetic_share", -0.5),
+    ("tasks.grader_repetition_cap", 1.5), ("learner.clip_low", 1.5), ("learner.clip_high", 11.0),
+    # bounds the rest of the system imposes
+    ("learner.dual_clip", 1.0), ("learner.max_staleness", 2**31), ("learner.batch_groups", 2**31),
+    ("judge.lease_s", 1e9), ("replay.judge_lease_s", 1e9), ("judge.max_groups", 2**31),
+    ("replay.map_size", 2**64), ("model.heads", 3), ("model.kv_heads", 3),
+    ("experience.kind_order", ["success", "bogus"]), ("name", ""), ("name", " x"),
+])
+def test_impossible_values_are_refused_naming_the_key(key, value, tmp_path):
+    _refused(key, value, tmp_path)
+
+
+def test_eta_inside_the_range_is_accepted(tmp_path):
+    for value in (0, 0.0, 0.5, 1, 1.0):
+        assert _load({"experience": {"share": value}}, tmp_path).experience.share == value
+
+
+def test_no_action_fits_is_refused(tmp_path):
+    _refused("actor.max_action_tokens", 384, tmp_path)  # == env.max_context by default
+    with pytest.raises(ConfigError, match="env.max_context"):
+        _load({"env": {"max_context": 16}}, tmp_path)
+
+
+def _wrong_type(hint):
+    if dataclasses.is_dataclass(hint):
+        return 3
+    return {int: "many", float: "many", bool: "maybe", str: 12, dict: "x"}.get(
+        hint, "x" if typing.get_origin(hint) is list else None)
+
+
+ALL_FIELDS = [f"{s}.{k}" if s else k for s, hints in _HINTS.items() for k in hints]
+
+
+@pytest.mark.parametrize("key", ALL_FIELDS)
+def test_every_field_refuses_a_wrong_type(key, tmp_path):
+    section, _, name = key.rpartition(".")
+    hint = _HINTS[section][name]
+    assert _wrong_type(hint) is not None, f"no wrong value known for {hint}"
+    _refused(key, _wrong_type(hint), tmp_path)
+    if hint in (int, float):
+        _refused(key, True, tmp_path)  # YAML booleans are not numbers
+    if typing.get_origin(hint) is list:
+        _refused(key, [[1]], tmp_path, f"{key}[0]")
+
+
+@pytest.mark.parametrize("raw, names", [
+    ({"bogus": 1}, "bogus"),
+    *(({s: {"bogus": 1}}, f"{s}.bogus") for s in SECTIONS),
+    ({"env": {"options": {"bogus": 1}}}, "env.options.bogus"),
+    ({"env": {"name": "bfcl", "options": {"num_worlds": 3}}}, "env.options.num_worlds"),
+    ({"env": {"options": {"num_worlds": "many"}}}, "env.options.num_worlds"),
+    ({"env": {"name": "nosuchenv"}}, "env.name"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unknown_keys_at_every_level_are_refused(raw, names, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _load(raw, tmp_path)
+    assert names in str(info.value)
+
+
+def test_env_options_of_the_env_are_accepted(tmp_path):
+    cfg = _load({"env": {"options": {"num_worlds": 12, "holdout": "world"}}}, tmp_path)
+    assert cfg.env.options == {"num_worlds": 12, "holdout": "world"}
+    # a plugin env is imported only when an env is made: its options are not checked here
+    _load({"env": {"name": "some.module:thing", "options": {"anything": 1}}}, tmp_path)
+
+
+def test_overrides_name_the_key_too():
+    for item, names in [("experience.share=1.5", "experience.share"),
+                        ("learner.lr=.nan", "learner.lr"), ("learner.lr=.inf", "learner.lr"),
+                        ("replay.max_groups=-1", "replay.max_groups"),
+                        ("env.options.bogus=1", "env.options.bogus")]:
+        with pytest.raises(ConfigError, match=names):
+            load_config(overrides=[item])

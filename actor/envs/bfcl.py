@@ -77,6 +77,13 @@ MAX_OBS_CHARS = 2000
 MAX_CALLS = 64  # calls in one action
 MAX_DEPTH = 16  # nesting of list/dict arguments
 MAX_INT = 2**63
+# Arguments with which one call of the package's own tools would run for hours or exhaust memory:
+# ``power(base=10, exponent=10**15)`` (an exact int power), ``round_number(number=1,
+# decimal_places=-10**9)``, ``logarithm``/``square_root`` at a precision of a billion digits
+# (mpmath/decimal work, and they set the process-wide precision). The ground truths use
+# precision <= 10 and small exponents; larger magnitudes are refused as bad arguments.
+ARG_LIMITS = {("power", "exponent"): 10_000, ("round_number", "decimal_places"): 1_000,
+              ("logarithm", "precision"): 1_000, ("square_root", "precision"): 1_000}
 PREFIX = "autodidact_"  # start of every per-episode model name in the executor's globals
 BFCL_TYPES = {
     "string": "str",
@@ -297,7 +304,12 @@ def _checked(value, depth: int = 0):
     """``value`` if it is plain data of bounded depth (tuples become lists), else ActionError."""
     if depth > MAX_DEPTH:
         raise ActionError("bad_argument", "error : argument nested too deeply")
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if not _utf8(value):  # '\\ud800' in a literal: a lone surrogate, which no observation,
+            # state snapshot or message could carry (they are UTF-8)
+            raise ActionError("bad_argument", "error : strings must be valid unicode")
         return value
     if isinstance(value, int) and abs(value) < MAX_INT:
         return value
@@ -305,9 +317,17 @@ def _checked(value, depth: int = 0):
         return value
     if isinstance(value, (list, tuple)):
         return [_checked(v, depth + 1) for v in value]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+    if isinstance(value, dict) and all(isinstance(k, str) and _utf8(k) for k in value):
         return {k: _checked(v, depth + 1) for k, v in value.items()}
     raise ActionError("bad_argument", _LITERALS)  # bytes, sets, complex, huge ints, inf, nan
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _literal(node: ast.AST):
@@ -662,6 +682,11 @@ class BFCLEnv(Environment):
             if kw.arg in values:
                 raise ActionError("duplicate_argument", f"error : {kw.arg} given twice", tool=name)
             values[kw.arg] = _literal(kw.value)
+        for p, value in values.items():
+            limit = ARG_LIMITS.get((name, p))
+            if limit is not None and isinstance(value, (int, float)) and abs(value) > limit:
+                raise ActionError("bad_argument", f"error : {p} must be at most {limit} in size",
+                                  tool=name)
         args = ", ".join(f"{p}={_source(values[p])}" for p in params if p in values)
         return f"{name}({args})"
 
