@@ -26,6 +26,7 @@ from actor.backends.constraint import ActionTrie
 MARKERS = ("<task>", "<obs>", "<act>", "<eoa>")
 EXPERIENCE_MARKERS = ("<exp>", "</exp>")  # optional: needed only to inject experience
 _SENTINEL = "\u2063AUTODIDACT-EXPERIENCE\u2063"  # where the experience block goes in a template
+_CONTENT = "\u2063AUTODIDACT-CONTENT\u2063"  # where untrusted text goes in a template
 
 
 class Codec(abc.ABC):
@@ -37,6 +38,12 @@ class Codec(abc.ABC):
         self.tokenizer = tokenizer
         self._cache: dict[str, list[int]] = {}
         self._cache_size = cache_size
+        vocab = tokenizer.get_vocab()
+        # Ids that structure a conversation; text from outside (queries, observations, advice)
+        # must never produce them, or a tool result could end a turn or open a new one.
+        self._structural = set(tokenizer.all_special_ids) | {
+            vocab[m] for m in (*MARKERS, *EXPERIENCE_MARKERS) if m in vocab}
+        self._unk = tokenizer.unk_token_id
 
     def encode(self, text: str) -> list[int]:
         ids = self._cache.get(text)
@@ -46,6 +53,15 @@ class Codec(abc.ABC):
                 self._cache.clear()
             self._cache[text] = ids
         return ids
+
+    def content(self, text: str) -> list[int]:
+        """Tokens of untrusted text: special-token strings in it are spelled out as plain text,
+        and any structural id a vocabulary still maps them to is replaced (or dropped)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if not self._structural.intersection(ids):
+            return ids
+        return [self._unk if i in self._structural else i for i in ids
+                if self._unk is not None or i not in self._structural]
 
     @abc.abstractmethod
     def start(self, query: str, observation: str, experience: str | None = None,
@@ -85,17 +101,17 @@ class MarkerCodec(Codec):
     def start(self, query, observation, experience=None, instructions=None):
         block = self.experience(experience) if experience else []
         span = [len(self.bos), len(self.bos) + len(block)] if block else []
-        request = self.encode(query) if query else []
+        request = self.content(query) if query else []
         return [*self.bos, *block, self.task_id, *request, *self.observation(observation)], span
 
     def experience(self, text: str) -> list[int]:
         if self.exp_open is None or self.exp_close is None:
             raise ValueError(f"tokenizer lacks the experience markers {EXPERIENCE_MARKERS}; "
                              "add them as special tokens or set experience.enabled=false")
-        return [self.exp_open, *self.encode(text), self.exp_close]
+        return [self.exp_open, *self.content(text), self.exp_close]
 
     def observation(self, observation, role="tool"):
-        return [self.obs_id, *self.encode(observation), self.act_id]
+        return [self.obs_id, *self.content(observation), self.act_id]
 
 
 PromptCodec = MarkerCodec  # the name the rest of the code grew up with
@@ -115,6 +131,7 @@ class ChatCodec(Codec):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tokenizer has neither the marker tokens nor a chat_template")
         self._tool_role = True
+        self._frames: dict[str, tuple[list[int], list[int]]] = {}  # role -> tokens around it
         # Every observation is diffed against this render; it never changes, so render it once.
         self._probe_text = self._render(self._PROBE, False)
         self.eoa_text, self.after_eoa = self._end_of_turn()
@@ -142,20 +159,32 @@ class ChatCodec(Codec):
 
     def start(self, query, observation, experience=None, instructions=None):
         user = "\n\n".join(t for t in (query, observation) if t)
-        messages = [{"role": "user", "content": _SENTINEL + user}]
+        messages = [{"role": "user", "content": _SENTINEL + _CONTENT}]
         if instructions:
             messages.insert(0, {"role": "system", "content": instructions})
-        head, tail = self._render(messages, True).split(_SENTINEL, 1)
+        head, rest = self._render(messages, True).split(_SENTINEL, 1)
+        between, tail = rest.split(_CONTENT, 1)
         block = self.experience(experience) if experience else []
         prefix = self.encode(head)
         span = [len(prefix), len(prefix) + len(block)] if block else []
-        return [*prefix, *block, *self.encode(tail)], span
+        return [*prefix, *block, *self.encode(between), *self.content(user),
+                *self.encode(tail)], span
 
     def experience(self, text: str) -> list[int]:
-        return self.encode(f"Experience from earlier attempts:\n{text}\n\n")
+        return [*self.encode("Experience from earlier attempts:\n"), *self.content(text),
+                *self.encode("\n\n")]
 
     def observation(self, observation, role="tool"):
-        return self.encode(self._observation_text(observation, role))
+        if role == "tool" and not self._tool_role:
+            role, observation = "user", f"Tool results:\n{observation}"
+        frame = self._frames.get(role)
+        if frame is None:  # the template around a message of this role; rendered once
+            text = self._observation_text(_CONTENT, role)
+            if role == "tool" and not self._tool_role:  # the render found no tool role
+                return self.observation(observation, role)
+            head, tail = text.split(_CONTENT, 1)
+            frame = self._frames[role] = (self.encode(head), self.encode(tail))
+        return [*frame[0], *self.content(observation), *frame[1]]
 
     def _observation_text(self, observation: str, role: str) -> str:
         if role == "tool" and not self._tool_role:

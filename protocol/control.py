@@ -23,6 +23,7 @@ a durable store (LMDB, checkpoints) from which it can be restored.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 
@@ -32,6 +33,8 @@ from redis.retry import Retry
 
 from protocol import codec
 from protocol.messages import Task
+
+log = logging.getLogger(__name__)
 
 
 class Keys:
@@ -161,8 +164,15 @@ class ControlPlane:
         self.r.set(self.keys.version, int(version))
 
     def get_version(self) -> int:
+        """The published version; 0 before the first, -1 (logged) if the key holds garbage."""
         value = self.r.get(self.keys.version)
-        return int(value) if value is not None else 0
+        if value is None:
+            return 0
+        try:
+            return int(value)
+        except ValueError:
+            log.warning("%s holds %r, not a version", self.keys.version, value[:40])
+            return -1
 
     def ack_version(self, version: int, member: str) -> None:
         """Record that ``member`` (an actor id) has loaded ``version``."""

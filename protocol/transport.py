@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 LINGER_MS = 200  # how long close() waits to flush; bounded so exit never hangs
 DEFAULT_MAX_FRAME = 256 * 1024 * 1024
+MAX_REPLY_BYTES = 4 * DEFAULT_MAX_FRAME
 
 
 def new_id() -> str:
@@ -225,11 +226,15 @@ class ZmqChannel(Channel):
         self.address = address
         self.retry_after_s = retry_after_s
         self.resends = 0
+        self.dropped: Counter = Counter()  # replies refused, by reason: a confused server
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # A reply (a learner's batch is the largest) past this is a server gone wrong: ZeroMQ
+        # drops the connection instead of buffering it, and the request is retried.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         if identity:
             self._sock.setsockopt(zmq.IDENTITY, identity.encode()[:255])
         if curve is not None:  # encrypted; talks only to the server holding server.key
@@ -267,6 +272,7 @@ class ZmqChannel(Channel):
         try:
             env, reply = codec.decode(frame)
         except SchemaError as exc:
+            self.dropped[exc.reason] += 1
             log.warning("dropping undecodable reply: %s", exc)
             return None
         if self._pending.pop(env.msg_id, None) is None:

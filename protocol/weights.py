@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -126,6 +127,22 @@ class WeightPublisher:
                 pass
 
 
+def read_announced(ann: WeightsAnnouncement) -> bytes:
+    """The announced file's bytes; only a regular file of the announced size is read, so an
+    announcement pointing at a FIFO or ``/dev/zero`` neither blocks nor fills memory."""
+    fd = os.open(ann.path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{ann.path} is not a regular file")
+        if info.st_size != ann.total_bytes:
+            raise OSError(f"{info.st_size} bytes on disk, {ann.total_bytes} announced")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(ann.total_bytes + 1)
+    finally:
+        os.close(fd)
+
+
 class WeightSubscriber:
     """Actor side: ``poll`` returns a verified state dict when another version is announced."""
 
@@ -158,8 +175,8 @@ class WeightSubscriber:
         if ann.version == self.version and ann.sha256 == self.sha256:
             return None
         try:
-            data = Path(ann.path).read_bytes()
-        except OSError as exc:
+            data = read_announced(ann)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
             return self._refuse(body, f"v{ann.version} unreadable ({exc})")
         why = verify(data, ann)
         if why is not None:

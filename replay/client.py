@@ -73,17 +73,17 @@ class ReplayClient:
 
     def pull_judge_work(self, judge_id: str, max_groups: int = 1,
                         lease_s: float = 60.0) -> list[Group]:
-        work: JudgeWork = self._request(JudgePull(judge_id, max_groups, lease_s))
+        work: JudgeWork = self._request(JudgePull(judge_id, max_groups, lease_s), JudgeWork)
         return work.groups
 
     def submit_labels(self, labels: StepLabels) -> str:
         """``stored``, or ``duplicate`` when the group was already judged."""
-        return self._request(labels).status
+        return self._request(labels, Ack).status
 
     # --- learner ---------------------------------------------------------------------------
 
     def hello(self, learner_id: str, version: int, consumed: list[str] = ()) -> dict:
-        return self._request(LearnerHello(learner_id, version, list(consumed))).info
+        return self._request(LearnerHello(learner_id, version, list(consumed)), Ack).info
 
     def request_batch(self, learner_id: str, num_groups: int, version: int,
                       max_staleness: int = 4, require_labels: bool = False,
@@ -91,13 +91,13 @@ class ReplayClient:
         """Up to ``num_groups`` groups; with ``require_labels`` only judged ones, plus unjudged
         ones stored more than ``label_deadline_s`` ago (when > 0)."""
         return self._request(BatchRequest(learner_id, num_groups, version, max_staleness,
-                                          require_labels, label_deadline_s))
+                                          require_labels, label_deadline_s), Batch)
 
     def commit_ledger(self, learner_id: str, group_ids: list[str], version: int = 0) -> dict:
-        return self._request(LedgerCommit(learner_id, list(group_ids), version)).info
+        return self._request(LedgerCommit(learner_id, list(group_ids), version), Ack).info
 
     def stats(self) -> dict:
-        reply: Stats = self._request(StatsRequest())
+        reply: Stats = self._request(StatsRequest(), Stats)
         return reply.values
 
     def close(self) -> None:
@@ -105,7 +105,7 @@ class ReplayClient:
 
     # --- plumbing --------------------------------------------------------------------------
 
-    def _request(self, msg, timeout_s: float | None = None):
+    def _request(self, msg, expect: type, timeout_s: float | None = None):
         # Not Channel.request: that drops replies to other ids, and push acks may arrive while
         # we wait here.
         msg_id = self.channel.send(msg)
@@ -119,6 +119,9 @@ class ReplayClient:
         reply = self._replies.pop(msg_id)
         if isinstance(reply, Error):
             raise RemoteError(reply.reason, reply.detail)
+        if not isinstance(reply, expect):  # a confused or hostile server
+            raise RemoteError("unexpected_type", f"{type(msg).TYPE} answered with "
+                              f"{type(reply).TYPE}, not {expect.TYPE}")
         return reply
 
     def _collect(self, timeout_s: float) -> None:
