@@ -21,18 +21,15 @@ publishes its next version.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
 
 import redis
 
-from protocol import codec
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
-from protocol.messages import WeightsAnnouncement
-from protocol.weights import chunk_digests
+from protocol.weights import announce
 
 log = logging.getLogger(__name__)
 
@@ -89,15 +86,8 @@ def restore_weights(run_dir: Path, control: ControlPlane) -> int:
     version = int(newest.stem[1:])
     if control.get_version() >= version and control.r.get(control.keys.weights) is not None:
         return 0
-    data = newest.read_bytes()  # a file under its final name was renamed in complete
-    digests = chunk_digests(data)
-    ann = WeightsAnnouncement(version=version, num_chunks=len(digests), total_bytes=len(data),
-                              sha256=hashlib.sha256(data).hexdigest(), chunk_sha256=digests,
-                              path=str(newest), published_at=time.time())
-    pipe = control.r.pipeline()
-    pipe.set(control.keys.weights, codec.encode_body(ann))
-    pipe.set(control.keys.version, version)
-    pipe.execute()
+    # A file under its final name was renamed in complete.
+    announce(control, newest, newest.read_bytes(), version)
     log.warning("re-announced weights v%d from %s", version, newest)
     return version
 

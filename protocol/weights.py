@@ -66,6 +66,20 @@ def verify(data: bytes, ann: WeightsAnnouncement, chunk_bytes: int = CHUNK_BYTES
     return None
 
 
+def announce(control: ControlPlane, path: Path, data: bytes, version: int) -> None:
+    """Tell actors that ``path`` (holding ``data``, already under its final name) is
+    ``version``: the announcement with its digests, and the version, in one round trip."""
+    digests = chunk_digests(data)
+    ann = WeightsAnnouncement(
+        version=version, num_chunks=len(digests), total_bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(), chunk_sha256=digests,
+        path=str(path), published_at=time.time())
+    pipe = control.r.pipeline()
+    pipe.set(control.keys.weights, codec.encode_body(ann))
+    pipe.set(control.keys.version, version)
+    pipe.execute()
+
+
 class WeightPublisher:
     """Learner side. ``publish`` copies the tensors (the only part that blocks training) and
     hands serialization, disk write and announcement to a background thread."""
@@ -103,15 +117,7 @@ class WeightPublisher:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        digests = chunk_digests(data)
-        ann = WeightsAnnouncement(
-            version=version, num_chunks=len(digests), total_bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(), chunk_sha256=digests,
-            path=str(path), published_at=time.time())
-        pipe = self.control.r.pipeline()
-        pipe.set(self.control.keys.weights, codec.encode_body(ann))
-        pipe.set(self.control.keys.version, version)
-        pipe.execute()
+        announce(self.control, path, data, version)
         self._prune(version)
         self.last_publish_s = time.perf_counter() - t0
 
