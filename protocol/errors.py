@@ -22,6 +22,7 @@ REJECT_REASONS = (
     "bad_array",  # array bytes that do not match dtype and shape
     "invalid",  # well-typed but inconsistent (e.g. masks of different lengths)
     "store_full",  # the replay store cannot take more data (map full)
+    "auth",  # a CURVE handshake refused (unknown client key, plaintext client): no frame read
 )
 
 
