@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -171,6 +172,21 @@ def explore_stage(cfg: RunConfig, run_dir: Path, control: ControlPlane, policy_p
                        say=lambda m: console.print(f"  {m}", highlight=False))
 
 
+@contextlib.contextmanager
+def _stop_signals_interrupt():
+    """SIGTERM (a scheduler, ``kill``) stops a run as Ctrl-C does: every role stops, the learner
+    checkpoints. SIGINT is re-armed too: a shell starting us in the background ignores it."""
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
            resume: bool = False) -> int:
     """Start the services and roles of a run; returns a process exit code."""
@@ -182,6 +198,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
     logs.mkdir(exist_ok=True)
     console.print(f"[bold]autodidact run[/] {cfg.name} in {run_dir}")
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_stop_signals_interrupt())
         try:
             embedded = None
             if not cfg.redis.url:

@@ -4,7 +4,8 @@ Starts ``autodidact run`` (configs/quick.yaml with 4 actors, 1 judge, the learne
 experience extractor, replay and the embedded Redis, all separate processes) and, once RL has
 begun, SIGKILLs one role chosen at random about every ``--kill-every`` seconds (Redis and the
 replay server included). The launcher restarts what died. After ``--minutes`` the run is
-stopped with Ctrl-C (SIGINT), as a user would, and the audit reads the durable records only:
+stopped with SIGTERM (as Ctrl-C or a scheduler would), and the audit reads the durable records
+only:
 
 - acknowledged: group ids the actors were told were stored (``acks/<actor>.log``);
 - stored: the replay store (``replay.lmdb``); consumed: the learner's checkpoint ledger;
@@ -79,6 +80,11 @@ def wait_for_rl(run_dir: Path, launcher: subprocess.Popen, timeout_s: float = 60
         time.sleep(1)
 
 
+def kind(role: str) -> str:
+    """actor-3 -> actor: kills are spread over kinds of role, not over replicas."""
+    return role.split("-")[0]
+
+
 def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, Counter]:
     """Kill a random role every ~kill_every s until the time is up; count kills and restarts
     (a role whose pid changed was restarted)."""
@@ -98,9 +104,11 @@ def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, C
         if time.monotonic() >= next_kill:
             victims = [r for r, pid in now_pids.items() if alive(pid)]
             if victims:
-                role = rng.choice(sorted(victims))
+                # Random, but the least-killed kinds first: every kind dies in a long soak.
+                fewest = min(kills[kind(r)] for r in victims)
+                role = rng.choice(sorted(r for r in victims if kills[kind(r)] == fewest))
                 os.kill(now_pids[role], signal.SIGKILL)
-                kills[role] += 1
+                kills[kind(role)] += 1
                 print(f"  [{time.monotonic() - t0:5.0f}s] SIGKILL {role} (pid {now_pids[role]})",
                       flush=True)
             next_kill = time.monotonic() + rng.uniform(0.5, 1.5) * args.kill_every
@@ -163,7 +171,7 @@ def main() -> int:
         kills, restarts = torment(run_dir, launcher, args)
     finally:
         if launcher.poll() is None:
-            launcher.send_signal(signal.SIGINT)  # Ctrl-C: every role stops and checkpoints
+            launcher.send_signal(signal.SIGTERM)  # as Ctrl-C: every role stops, checkpoints
         launcher.wait(300)
     report = {"minutes": args.minutes, "kills": dict(kills), "restarts": dict(restarts),
               "launcher_exit": launcher.returncode, **audit(run_dir)}
