@@ -9,12 +9,10 @@
         push groups to replay (retried until acknowledged), keep rolling meanwhile
         heartbeat, metrics
 
-A group's admission slot stays claimed until replay acknowledges it. Until then the group also
-waits in the actor's outbox on disk (``<run_dir>/acks/<actor_id>.pending/``), and the tasks being
-rolled out in ``<actor_id>.tasks``: an actor restarted after a crash re-sends the groups its
-predecessor had not seen acknowledged (replay stores an id once and answers a second copy
-``duplicate``), puts the tasks it was rolling out back on the queue, and gives back only the
-slots of those. Acknowledged ids are appended to ``<run_dir>/acks/<actor_id>.log``.
+A group's admission slot stays claimed until replay acknowledges it; until then the group also
+waits in the actor's outbox on disk (actor/outbox.py), so an actor restarted after a crash
+re-sends what its predecessor had not seen acknowledged, re-queues the tasks it was rolling out,
+and gives back only the slots of those.
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ from protocol.weights import WeightSubscriber
 from replay.client import ReplayClient
 
 log = logging.getLogger(__name__)
+
 
 def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBackend:
     if cfg.actor.backend == "vllm":

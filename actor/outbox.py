@@ -28,9 +28,7 @@ MAX_REQUEUES = 2  # a task in flight in this many actor crashes is dropped, not 
 
 
 class Outbox:
-    """What an actor must not lose to a crash, under ``<run_dir>/acks/``: the groups pushed and
-    not acknowledged (one file each), the tasks being rolled out, and the log of acknowledged
-    ids (``<group_id> <status>`` per line, ``stored`` or ``duplicate``)."""
+    """One actor's outbox (the files in the module docstring)."""
 
     def __init__(self, run_dir: Path, actor_id: str):
         root = Path(run_dir) / "acks"

@@ -62,10 +62,10 @@ def restore_synthetic(run_dir: Path, control: ControlPlane) -> int:
 
 
 def restore_experiences(cfg: RunConfig, run_dir: Path) -> int:
-    from replay.experiences import DURABLE_FILE, DurableLog, ExperiencePool
+    from replay.experiences import DURABLE_FILE, ExperiencePool
 
     path = Path(run_dir) / DURABLE_FILE
-    if not cfg.experience.enabled or not DurableLog(path).read():
+    if not cfg.experience.enabled or not path.exists():
         return 0
     # No embedding model is needed to re-append stored entries: they carry their vectors.
     pool = ExperiencePool.connect(cfg.redis.url, cfg.redis.prefix, embedder=None,
