@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -43,9 +44,20 @@ console = Console(stderr=True, soft_wrap=True)
 
 
 def write_resolved_config(cfg: RunConfig, run_dir: Path) -> Path:
+    """``config.yaml`` for the roles; mode 0600, since ``redis.url`` carries the password."""
     path = run_dir / "config.yaml"
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a config.yaml from before may be world-readable
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return path
+
+
+def shareable_config(cfg: RunConfig) -> dict:
+    """The config for trackers and reports: the Redis password redacted."""
+    values = to_dict(cfg)
+    values["redis"]["url"] = redact(values["redis"]["url"])
+    return values
 
 
 def role_argv(role: str, run_dir: Path, config_path: Path, *extra: str) -> list[str]:
@@ -272,7 +284,8 @@ def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) 
                                                   "0"), log_path=logs / "explore.log"))
     control.set_state(phase="rl")
     feeder = TaskFeeder(cfg, control, original, share)
-    mirror = WandbMirror(run_dir, cfg.tracking.wandb, to_dict(cfg), cfg.name, cfg.tracking.group)
+    mirror = WandbMirror(run_dir, cfg.tracking.wandb, shareable_config(cfg), cfg.name,
+                         cfg.tracking.group)
     try:
         code = supervise(cfg, run_dir, control, roles, redis_watch, feeder, mirror)
     finally:

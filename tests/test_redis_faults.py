@@ -154,3 +154,14 @@ def test_a_torn_durable_tail_is_dropped(tmp_path, server):
     path.write_bytes(path.read_bytes()[:-7])  # a writer killed mid-write
     redis.Redis.from_url(server.url).flushall()
     assert pool.restore() == 2
+
+
+def test_the_password_does_not_leak_through_the_run_config(server, tmp_path):
+    from autodidact.launcher import shareable_config, write_resolved_config
+
+    cfg = RunConfig()
+    cfg.redis.url = server.url
+    password = (tmp_path / "redis" / "password").read_text()
+    path = write_resolved_config(cfg, tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and password in path.read_text()
+    assert password not in str(shareable_config(cfg))  # what wandb gets
