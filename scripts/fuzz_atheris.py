@@ -42,28 +42,13 @@ with atheris.instrument_imports(include=["protocol", "replay"]):
     from protocol import codec
     from protocol.config import ReplayConfig
     from protocol.errors import SchemaError
-    from protocol.messages import (
-        BatchRequest,
-        JudgePull,
-        LearnerHello,
-        LedgerCommit,
-        StatsRequest,
-    )
     from replay.server import ReplayServer
 
-from helpers_replay import labels_for, make_group  # noqa: E402  (tests/, not instrumented)
+from helpers_replay import base_frames, make_group  # noqa: E402  (tests/, not instrumented)
 
 TAGS = sorted(codec.registered_types())
 STORED = [make_group(i, f"stored-{i}") for i in range(3)]
-BASE = [
-    codec.encode(make_group(10, "fuzz-base"), "f-group"),
-    codec.encode(labels_for(STORED[0]), "f-labels"),
-    codec.encode(JudgePull("fuzz-judge", 1, 0.01), "f-pull"),
-    codec.encode(BatchRequest("fuzz-learner", 1, 3), "f-batch"),
-    codec.encode(LedgerCommit("fuzz-learner", ["nope", STORED[1].group_id]), "f-ledger"),
-    codec.encode(LearnerHello("fuzz-learner", 3, [STORED[2].group_id]), "f-hello"),
-    codec.encode(StatsRequest(), "f-stats"),
-]
+BASE = base_frames(STORED)
 
 
 class Target:

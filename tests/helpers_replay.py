@@ -13,7 +13,18 @@ import numpy as np
 import zmq
 
 from protocol import codec
-from protocol.messages import Group, Step, StepLabels, Task, Trajectory
+from protocol.messages import (
+    BatchRequest,
+    Group,
+    JudgePull,
+    LearnerHello,
+    LedgerCommit,
+    StatsRequest,
+    Step,
+    StepLabels,
+    Task,
+    Trajectory,
+)
 from protocol.transport import free_tcp_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,3 +164,60 @@ class ServerProc:
             self.stop()
         else:
             self.kill()
+
+
+# --- fuzzing: shared by the hypothesis tests and scripts/fuzz_atheris.py -------------------------
+
+
+def base_frames(targets: list[Group]) -> list[bytes]:
+    """One valid frame of every type the replay server serves: what mutations start from.
+    Labels, ledger and hello name ``targets[0..2]`` (stored groups they may touch)."""
+    return [
+        codec.encode(make_group(10, "fuzz-base"), "f-group"),
+        codec.encode(labels_for(targets[0]), "f-labels"),
+        codec.encode(JudgePull("fuzz-judge", 1, 0.01), "f-pull"),
+        codec.encode(BatchRequest("fuzz-learner", 1, 3), "f-batch"),
+        codec.encode(LedgerCommit("fuzz-learner", ["nope", targets[1].group_id]), "f-ledger"),
+        codec.encode(LearnerHello("fuzz-learner", 3, [targets[2].group_id]), "f-hello"),
+        codec.encode(StatsRequest(), "f-stats"),
+    ]
+
+
+def tree_paths(obj, prefix=()):
+    """Every key path in a decoded msgpack tree: the places a mutation can hit."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for key, value in items:
+        yield prefix + (key,)
+        if isinstance(value, (dict, list)):
+            yield from tree_paths(value, prefix + (key,))
+
+
+def mutate_tree(tree, data, values) -> None:
+    """One mutation of a decoded body (hypothesis ``data``): delete a field, or put one of
+    ``values`` at any path (a new top-level key when the tree is empty)."""
+    from hypothesis import strategies as st
+
+    paths = list(tree_paths(tree))
+    if not paths:
+        tree[data.draw(st.text(max_size=6))] = data.draw(values)
+        return
+    path = data.draw(st.sampled_from(paths))
+    parent = tree
+    for key in path[:-1]:
+        parent = parent[key]
+    if isinstance(parent, dict) and data.draw(st.booleans()):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = data.draw(values)
+
+
+def damage(blob: bytes, how: str, data, max_flips: int) -> bytes:
+    """``blob`` cut short (``truncate``) or with 1..max_flips bytes xor-ed (``flip``)."""
+    from hypothesis import strategies as st
+
+    if how == "truncate":
+        return blob[:data.draw(st.integers(0, len(blob) - 1))]
+    buf = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, max_flips))):
+        buf[data.draw(st.integers(0, len(buf) - 1))] ^= data.draw(st.integers(1, 255))
+    return bytes(buf)

@@ -25,7 +25,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from helpers_replay import labels_for, make_group
+from helpers_replay import damage, labels_for, make_group, mutate_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -78,14 +78,6 @@ wrong_values = st.one_of(
 )
 
 
-def _paths(obj, prefix=()):
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-    for key, value in items:
-        yield prefix + (key,)
-        if isinstance(value, (dict, list)):
-            yield from _paths(value, prefix + (key,))
-
-
 def _decode_only_schema_errors(frame: bytes, max_bytes=None):
     try:
         env, msg = codec.decode(frame, max_bytes)
@@ -103,18 +95,7 @@ def test_codec_raises_only_schema_errors(tag, claimed, data):
     """Mutated bodies of every type, under their own tag or another one."""
     tree = msgpack.unpackb(SAMPLES[tag], raw=False)
     for _ in range(data.draw(st.integers(1, 3))):
-        paths = list(_paths(tree))
-        if not paths:
-            tree[data.draw(st.text(max_size=4))] = data.draw(wrong_values)
-            continue
-        path = data.draw(st.sampled_from(paths))
-        parent = tree
-        for key in path[:-1]:
-            parent = parent[key]
-        if isinstance(parent, dict) and data.draw(st.booleans()):
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = data.draw(wrong_values)
+        mutate_tree(tree, data, wrong_values)
     body = msgpack.packb(tree, use_bin_type=True)
     _decode_only_schema_errors(codec.pack_frame(data.draw(st.sampled_from([tag, claimed])),
                                                 "id", body))
@@ -125,13 +106,8 @@ def test_codec_raises_only_schema_errors(tag, claimed, data):
 def test_codec_on_truncated_flipped_and_random_bytes(tag, noise, data):
     frame = codec.pack_frame(tag, "id", SAMPLES[tag])
     how = data.draw(st.sampled_from(["truncate", "flip", "random", "append", "body"]))
-    if how == "truncate":
-        frame = frame[:data.draw(st.integers(0, len(frame) - 1))]
-    elif how == "flip":
-        buf = bytearray(frame)
-        for _ in range(data.draw(st.integers(1, 4))):
-            buf[data.draw(st.integers(0, len(buf) - 1))] ^= data.draw(st.integers(1, 255))
-        frame = bytes(buf)
+    if how in ("truncate", "flip"):
+        frame = damage(frame, how, data, max_flips=4)
     elif how == "random":
         frame = noise
     elif how == "append":
@@ -390,13 +366,8 @@ def test_torn_random_and_mutated_files_never_load(control, published, tmp_path, 
     _, good, body, ann = published
     how = data.draw(st.sampled_from(["truncate", "flip", "random", "empty", "append",
                                      "matching-garbage"]))
-    if how == "truncate":
-        bad = good[:data.draw(st.integers(0, len(good) - 1))]
-    elif how == "flip":
-        buf = bytearray(good)
-        for _ in range(data.draw(st.integers(1, 3))):
-            buf[data.draw(st.integers(0, len(buf) - 1))] ^= data.draw(st.integers(1, 255))
-        bad = bytes(buf)
+    if how in ("truncate", "flip"):
+        bad = damage(good, how, data, max_flips=3)
     elif how in ("random", "matching-garbage"):
         bad = data.draw(st.one_of(st.binary(max_size=300), st.just(b"\xff" * 8 + b"{}"),
                                   st.just(len(good).to_bytes(8, "little") + good[8:])))

@@ -21,7 +21,15 @@ from collections import Counter
 import msgpack
 import numpy as np
 import pytest
-from helpers_replay import RawPeer, ServerProc, labels_for, make_group, push_all
+from helpers_replay import (
+    RawPeer,
+    ServerProc,
+    base_frames,
+    labels_for,
+    make_group,
+    mutate_tree,
+    push_all,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,15 +63,7 @@ PROTECTED = [make_group(i, f"protected-{i}-" + hashlib.sha256(bytes([i])).hexdig
              for i in range(3)]
 DECOY = [make_group(100 + i, f"decoy-{i}") for i in range(3)]
 STORED = PROTECTED + DECOY
-BASE = [  # valid frames the mutations start from: every type the server serves
-    codec.encode(make_group(10, "fuzz-base"), "f-group"),
-    codec.encode(labels_for(DECOY[0]), "f-labels"),
-    codec.encode(JudgePull("fuzz-judge", 1, 0.01), "f-pull"),
-    codec.encode(BatchRequest("fuzz-learner", 1, 3), "f-batch"),
-    codec.encode(LedgerCommit("fuzz-learner", ["nope", DECOY[1].group_id]), "f-ledger"),
-    codec.encode(LearnerHello("fuzz-learner", 3, [DECOY[2].group_id]), "f-hello"),
-    codec.encode(StatsRequest(), "f-stats"),
-]
+BASE = base_frames(DECOY)  # valid frames the mutations start from: every type served
 REPLIES = {Group: Ack, StepLabels: Ack, LedgerCommit: Ack, LearnerHello: Ack,
            JudgePull: JudgeWork, BatchRequest: Batch, StatsRequest: Stats}
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
@@ -159,37 +159,12 @@ def test_flipped_bytes(live, frame, flips):
     _ask(live, bytes(data))  # may still be valid (e.g. a token id changed): any answer will do
 
 
-def _paths(obj, prefix=()):
-    """Every (container, key) in a decoded msgpack tree: the places a mutation can hit."""
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-    for key, value in items:
-        yield prefix + (key,)
-        if isinstance(value, (dict, list)):
-            yield from _paths(value, prefix + (key,))
-
-
-def _mutate(tree, data, values):
-    """One mutation of a decoded body: delete a field, or put a value at any path."""
-    paths = list(_paths(tree))
-    if paths:
-        path = data.draw(st.sampled_from(paths))
-        parent = tree
-        for key in path[:-1]:
-            parent = parent[key]
-        if isinstance(parent, dict) and data.draw(st.booleans()):
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = data.draw(values)
-    else:
-        tree[data.draw(st.text(max_size=6))] = data.draw(values)
-
-
 @given(st.sampled_from(BASE), st.data())
 @SETTINGS
 def test_mutated_fields(live, frame, data):
     _, _, type_tag, msg_id, body = msgpack.unpackb(frame, raw=False)
     tree = msgpack.unpackb(body, raw=False)  # arrays stay opaque ExtType values
-    _mutate(tree, data, wrong_values)
+    mutate_tree(tree, data, wrong_values)
     mutated = codec.pack_frame(type_tag, msg_id, msgpack.packb(tree, use_bin_type=True))
     _ask(live, mutated)
 
@@ -215,7 +190,7 @@ def test_extreme_field_values(live, which, data):
                 kind = type(tree[name])
                 tree[name] = data.draw(EXTREME[kind] if data.draw(st.integers(0, 3)) else values)
         for _ in range(data.draw(st.integers(0, 2))):
-            _mutate(tree, data, values)
+            mutate_tree(tree, data, values)
     _ask(live, codec.pack_frame(type_tag, msg_id, msgpack.packb(tree, use_bin_type=True)))
 
 
