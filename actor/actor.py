@@ -42,12 +42,16 @@ log = logging.getLogger(__name__)
 
 
 def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBackend:
+    """The engine ``actor.backend`` names; both sit behind the same interface."""
+    path = model_path or cfg.model.path
     if cfg.actor.backend == "vllm":
-        raise NotImplementedError("actor.backend=vllm: not yet implemented (see issue 9); "
-                                  "use actor.backend=transformers")
+        from actor.backends.vllm import VLLMBackend
+
+        return VLLMBackend(path, gpu_memory_utilization=cfg.actor.gpu_memory_utilization,
+                           enable_prefix_caching=cfg.actor.prefix_caching, seed=cfg.seed)
     from actor.backends.hf import TransformersBackend
 
-    return TransformersBackend(model_path or cfg.model.path, device=cfg.actor.device)
+    return TransformersBackend(path, device=cfg.actor.device)
 
 
 def rollout_settings(cfg: RunConfig) -> RolloutSettings:
@@ -72,7 +76,7 @@ class Actor:
         self._seed = cfg.seed * 1000 + zlib.crc32(actor_id.encode()) % 1000
         self.navigator = make_navigator(cfg, self._seed)
         self._navigation: dict[str, float] = {}
-        self.weights = WeightSubscriber(control, actor_id)
+        self.weights = WeightSubscriber.for_run(cfg, control, actor_id)
         self.metrics = MetricsWriter(run_dir, "actor", actor_id)
         self.outbox = Outbox(run_dir, actor_id)
         self.tokens = RateMeter()

@@ -134,16 +134,18 @@ def replay_stats(run_dir):
 # --- actor and learner ------------------------------------------------------------------------
 
 
-def _role_config(config, sets, redis_url, replay_addr) -> RunConfig:
+def _role_config(config, sets, redis_url, replay_addr, weights_addr=None) -> RunConfig:
     cfg = _load(config, sets)
     if redis_url:
         cfg.redis.url = redis_url
     if replay_addr:
         cfg.replay.address = replay_addr
+    if weights_addr:
+        cfg.weights.address = weights_addr
     if not cfg.redis.url or not cfg.replay.address:
         raise click.UsageError("a role started alone needs --redis-url and --replay-addr "
                                "(or redis.url / replay.address in its config)")
-    _curve(cfg, cfg.replay.address)
+    _curve(cfg, cfg.replay.address, cfg.weights.address)
     _default_prefix(cfg)
     return cfg
 
@@ -164,6 +166,10 @@ def role_options(f):
         click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP),
         click.option("--redis-url", default=None, help="Redis of the run (redis.url)."),
         click.option("--replay-addr", default=None, help="Replay server (replay.address)."),
+        click.option("--weights-addr", default=None,
+                     help="The learner's weight server (weights.address): the learner binds "
+                          "it, actors and judges fetch weights from it. Default: read "
+                          "<run-dir>/weights/ directly."),
     ]):
         f = option(f)
     return f
@@ -172,11 +178,11 @@ def role_options(f):
 @main.command()
 @role_options
 @click.option("--actor-id", default="actor-0", help="Stable id (kept across restarts).")
-def actor(config, run_dir, sets, redis_url, replay_addr, actor_id):
+def actor(config, run_dir, sets, redis_url, replay_addr, weights_addr, actor_id):
     """Start one actor: roll out groups and stream them to replay."""
     from actor.actor import main as actor_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr)
+    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
     actor_main(cfg, resolve_run_dir(cfg, run_dir), actor_id)
 
 
@@ -184,35 +190,36 @@ def actor(config, run_dir, sets, redis_url, replay_addr, actor_id):
 @role_options
 @click.option("--max-updates", type=int, default=None, help="Stop after this many updates.")
 @click.option("--resume", is_flag=True, help="Continue from <run-dir>/checkpoints/latest.pt.")
-def learner(config, run_dir, sets, redis_url, replay_addr, max_updates, resume):
+def learner(config, run_dir, sets, redis_url, replay_addr, weights_addr, max_updates,
+            resume):
     """Start the learner: train on groups from replay and publish weights."""
     from learner.learner import main as learner_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr)
+    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
     learner_main(cfg, resolve_run_dir(cfg, run_dir), max_updates, resume)
 
 
 @main.command()
 @role_options
-def experience(config, run_dir, sets, redis_url, replay_addr):
+def experience(config, run_dir, sets, redis_url, replay_addr, weights_addr):
     """Start the experience extractor: every experience.update_every learner updates, turn the
     groups stored since its last pass (read from <run-dir>/replay.lmdb) into experiences and add
     them to the run's shared pool in Redis."""
     from judge.experience_worker import main as experience_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr)
+    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
     experience_main(cfg, resolve_run_dir(cfg, run_dir))
 
 
 @main.command()
 @role_options
 @click.option("--judge-id", default="judge-0", help="Stable id (kept across restarts).")
-def judge(config, run_dir, sets, redis_url, replay_addr, judge_id):
+def judge(config, run_dir, sets, redis_url, replay_addr, weights_addr, judge_id):
     """Start one judge: lease unjudged groups from replay, label every step GOOD or BAD
     (judge.backend: reference, an LLM endpoint or the policy) and write the labels back."""
     from judge.judge_worker import main as judge_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr)
+    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
     judge_main(cfg, resolve_run_dir(cfg, run_dir), judge_id)
 
 

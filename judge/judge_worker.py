@@ -180,7 +180,7 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
         if control is not None:
             from protocol.weights import WeightSubscriber
 
-            weights = WeightSubscriber(control, judge_id)
+            weights = WeightSubscriber.for_run(cfg, control, judge_id)
             hook = lambda: weights.follow(chat.backend)  # noqa: E731
     judge = LLMJudge(chat, max_chars=cfg.judge.max_chars, max_attempts=cfg.judge.max_attempts,
                      temperature=cfg.judge.temperature)

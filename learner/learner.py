@@ -125,7 +125,7 @@ class Learner:
         if self.cfg.kl_coef > 0:
             self.reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
             self.reference.eval().requires_grad_(False)
-        self.publisher = WeightPublisher(self.run_dir, control)
+        self.publisher = WeightPublisher.for_run(cfg, self.run_dir, control)
         self.metrics = MetricsWriter(self.run_dir, "learner", learner_id)
         self.updates = 0
         self.version = 0

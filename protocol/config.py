@@ -33,6 +33,11 @@ class RedisConfig:
     heartbeat_ttl_s: float = 10.0
     """A role whose heartbeat is older than this is considered dead."""
 
+    bind: str = ""
+    """Embedded server only: also listen on TCP at ``HOST:PORT`` (password required, as
+    always) so roles on other machines can reach it, e.g. ``0.0.0.0:6379``. Empty: a unix
+    socket in the run directory only."""
+
     def check(self):
         _positive(self, "heartbeat_ttl_s")
 
@@ -156,10 +161,20 @@ class ActorConfig:
     torch_threads: int = 1
     """CPU threads per actor process."""
 
+    gpu_memory_utilization: float = 0.85
+    """vLLM backend only: fraction of the GPU's memory the engine may take (weights + KV
+    cache). Lower it when an actor shares its GPU with another process."""
+
+    prefix_caching: bool = True
+    """vLLM backend only: reuse the KV cache of shared prompt prefixes (every rollout of a
+    group starts from the same prompt, so a group costs about one prefill)."""
+
     def check(self):
         for name in ("num_actors", "group_size", "groups_in_flight", "max_action_tokens",
                      "torch_threads"):
             _positive(self, name)
+        _positive(self, "gpu_memory_utilization")
+        _at_most(self, "gpu_memory_utilization", 1.0)
         _positive(self, "temperature")
         in_range(self, "top_p", 0.0, 1.0)
         _positive(self, "top_p")  # nucleus of no tokens: nothing to sample
@@ -233,6 +248,26 @@ class LearnerConfig:
     (how much the step lowered its own loss on that batch: > 0 means the policy moved the
     way the advantages asked) and ``learner/step_kl``. Costs one forward pass; 0 = off."""
 
+    nproc: int = 1
+    """Learner processes (one per GPU) that ``autodidact run`` starts through ``torchrun``;
+    each draws its share of every batch from replay (``batch_groups`` must divide evenly).
+    Started by hand, ``torchrun --nproc-per-node N -m autodidact learner ...`` does the same."""
+
+    parallel: str = "ddp"
+    """With more than one learner process: ``ddp`` (a full copy of the model per process,
+    gradients averaged) or ``fsdp`` (parameters, gradients and optimizer state sharded, for
+    models that do not fit one GPU)."""
+
+    accumulation: int = 1
+    """Micro-batches per optimizer step: each minibatch is split this many ways and the
+    gradients summed before the step, so a large batch fits in memory. The step is the same
+    as with one micro-batch (up to float rounding)."""
+
+    autocast: str = "auto"
+    """Mixed precision of the learner's forward and backward: ``bf16`` (torch.autocast to
+    bfloat16; parameters and optimizer state stay float32), ``none``, or ``auto`` (bf16 on
+    CUDA, none on CPU)."""
+
     advantage: str = "composite"
     """``composite``: step-level advantages from the judges' GOOD/BAD labels plus the outcome
     (learner/advantages.py; groups whose labels miss ``judge.deadline_s`` fall back to the
@@ -253,8 +288,15 @@ class LearnerConfig:
     def check(self):
         for name in ("lr", "batch_groups", "minibatches", "publish_every", "checkpoint_every",
                      "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip",
-                     "grad_clip"):
+                     "grad_clip", "nproc", "accumulation"):
             _positive(self, name)
+        if self.batch_groups % self.nproc:
+            raise ConfigError(f"batch_groups ({self.batch_groups}) must be a multiple of nproc "
+                              f"({self.nproc}): every learner process draws an equal share")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
+        if self.autocast not in ("auto", "bf16", "none"):
+            raise ConfigError(f"autocast must be auto, bf16 or none, got {self.autocast!r}")
         if self.dual_clip <= 1.0:  # the bound -c*A must lie beyond the clipped objective
             raise ConfigError(f"dual_clip must be > 1, got {self.dual_clip}")
         if not 0 <= self.max_staleness <= MAX_VERSION:  # travels in every BatchRequest
@@ -650,6 +692,22 @@ class TrackingConfig:
 
 
 @dataclass
+class WeightsConfig:
+    address: str = ""
+    """ZeroMQ address of the learner's weight server (``tcp://*:5556`` where the learner binds,
+    ``tcp://head:5556`` where actors and judges connect; ``--weights-addr`` on the command
+    line). Set, actors fetch each announced version from it, checked against the announced
+    digests, so nodes need not share a file system. Empty: actors read
+    ``<run dir>/weights/`` directly (one machine, or a shared file system)."""
+
+    keep: int = 3
+    """Published versions kept on disk (and servable); older ones are deleted."""
+
+    def check(self):
+        _positive(self, "keep")
+
+
+@dataclass
 class SecurityConfig:
     keys_dir: str = ""
     """Directory made by ``autodidact keys generate``: ``server.key`` (the replay server's
@@ -691,6 +749,7 @@ class RunConfig:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     experience: ExperienceConfig = field(default_factory=ExperienceConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def check(self):

@@ -94,6 +94,11 @@ class WeightPublisher:
         self._thread: threading.Thread | None = None
         self.last_publish_s = 0.0
 
+    @classmethod
+    def for_run(cls, cfg, run_dir: Path, control: ControlPlane) -> WeightPublisher:
+        """The publisher a run's config asks for (``cfg.weights``)."""
+        return cls(run_dir, control, keep=cfg.weights.keep)
+
     def publish(self, state_dict, version: int, wait: bool = False) -> None:
         snapshot = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
         self.wait()  # one write in flight at a time keeps versions in order
@@ -161,6 +166,11 @@ class WeightSubscriber:
         self.retry_s = retry_s
         self._refused: tuple[bytes, float] | None = None  # (announcement, retry at)
         self._polled_sha256 = ""  # of the version the last poll returned
+
+    @classmethod
+    def for_run(cls, cfg, control: ControlPlane, member: str) -> WeightSubscriber:
+        """The subscriber a run's config asks for (``cfg.weights``)."""
+        return cls(control, member)
 
     def announced(self) -> WeightsAnnouncement | None:
         body = self.control.r.get(self.control.keys.weights)
