@@ -41,8 +41,9 @@ def redis_server_binary() -> str:
 class EmbeddedRedis:
     """Start with ``with EmbeddedRedis(run_dir) as url:``; ``url`` is what roles connect to."""
 
-    def __init__(self, run_dir: str | Path, startup_timeout_s: float = 10.0):
+    def __init__(self, run_dir: str | Path, startup_timeout_s: float = 10.0, bind: str = ""):
         self.run_dir = Path(run_dir)
+        self.bind = bind  # HOST:PORT also served over TCP for other machines (redis.bind)
         self.data_dir = self.run_dir / "redis"
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None

@@ -214,7 +214,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
         try:
             embedded = None
             if not cfg.redis.url:
-                embedded = EmbeddedRedis(run_dir)
+                embedded = EmbeddedRedis(run_dir, bind=cfg.redis.bind)
                 cfg.redis.url = stack.enter_context(embedded)
             control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix,
                                            cfg.redis.heartbeat_ttl_s)
