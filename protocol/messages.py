@@ -8,6 +8,7 @@ and index the same token sequence: prompt, then alternating model actions and ob
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import field
 
 import numpy as np
@@ -19,6 +20,9 @@ from protocol.errors import SchemaError
 MAX_ID_BYTES = 256  # learner and judge ids (part of LMDB keys, which stop at 511 bytes)
 MAX_VERSION = 2**31 - 1  # policy versions travel in int32 arrays (Trajectory.versions)
 MAX_LEASE_S = 7 * 24 * 3600.0  # a judge lease longer than a week is a lease forever
+WEIGHTS_CHUNK_BYTES = 4 * 1024 * 1024  # one chunk of a published version (weights.CHUNK_BYTES)
+MAX_WEIGHTS_CHUNKS = 2**20  # 4 TiB of weights in 4 MiB chunks
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def _check_id(value: str, name: str) -> None:
@@ -34,6 +38,12 @@ def _check_count(value: int, name: str, lo: int = 0, hi: int = MAX_VERSION) -> N
 def _check_seconds(value: float, name: str, hi: float = float("inf")) -> None:
     if not (math.isfinite(value) and 0.0 <= value <= hi):
         raise SchemaError("invalid", f"{name} must be a finite number in [0, {hi}], got {value}",
+                          name)
+
+
+def _check_sha256(value: str, name: str) -> None:
+    if not _SHA256_HEX.fullmatch(value):
+        raise SchemaError("invalid", f"{name} must be a SHA-256 digest: 64 lowercase hex digits",
                           name)
 
 
@@ -274,12 +284,38 @@ class WeightsAnnouncement:
     published_at: float = 0.0  # unix time
 
 
+@message("weights_fetch")
+class WeightsFetch:
+    """An actor asking the learner's weight server for one chunk of an announced version."""
+
+    version: int  # the announced version wanted (WeightsAnnouncement.version)
+    index: int  # 0-based chunk of it, below WeightsAnnouncement.num_chunks
+    # the announcement's whole-file digest: the server serves only those exact bytes, never
+    # another build of the same version number (a resumed learner re-publishes its version)
+    sha256: str
+
+    def validate(self):
+        _check_count(self.version, "version")
+        _check_count(self.index, "index", hi=MAX_WEIGHTS_CHUNKS - 1)
+        _check_sha256(self.sha256, "sha256")
+
+
 @message("weights_chunk")
 class WeightsChunk:
-    version: int
+    """The weight server's answer to a WeightsFetch (refusals come back as Error)."""
+
+    version: int  # the version asked for
     index: int  # 0-based position in the version's chunk list
-    data: bytes
-    sha256: str  # digest of `data`
+    data: bytes  # WEIGHTS_CHUNK_BYTES, fewer in the last chunk; checked by the receiver
+    sha256: str  # digest of `data` as the server read it (the announced digest is the reference)
+
+    def validate(self):
+        _check_count(self.version, "version")
+        _check_count(self.index, "index", hi=MAX_WEIGHTS_CHUNKS - 1)
+        if len(self.data) > WEIGHTS_CHUNK_BYTES:
+            raise SchemaError("invalid", f"a chunk holds at most {WEIGHTS_CHUNK_BYTES} bytes",
+                              "data")
+        _check_sha256(self.sha256, "sha256")
 
 
 # --- generic requests and replies --------------------------------------------------------------

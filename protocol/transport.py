@@ -71,9 +71,13 @@ class RouterServer:
     """
 
     def __init__(self, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 context: zmq.Context | None = None, curve: CurveKeys | None = None):
+                 context: zmq.Context | None = None, curve: CurveKeys | None = None,
+                 send_hwm: int | None = None):
         self.address = address
         self.max_frame_bytes = max_frame_bytes
+        # Replies queued per peer before ZeroMQ drops more (the peer's retry asks again); None
+        # keeps ZeroMQ's default. A server of large replies bounds its memory with it.
+        self.send_hwm = send_hwm
         self.counters = ServerCounters()
         # A CURVE server gets its own context: the ZAP handler is per context, one at most.
         self._own_ctx = curve is not None and context is None
@@ -96,6 +100,8 @@ class RouterServer:
         # Frames between max_frame_bytes and the cap still get a polite "oversize" reply.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max(2 * self.max_frame_bytes, 1 << 20))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.send_hwm is not None:
+            self._sock.setsockopt(zmq.SNDHWM, self.send_hwm)
         self._sock.bind(address)
 
     def poll(self, timeout_ms: int = 100, max_batch: int = 256) -> list[Incoming]:
@@ -221,7 +227,7 @@ class ZmqChannel(Channel):
 
     def __init__(self, address: str, retry_after_s: float = 2.0,
                  context: zmq.Context | None = None, identity: str | None = None,
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None, max_reply_bytes: int = MAX_REPLY_BYTES):
         super().__init__()
         self.address = address
         self.retry_after_s = retry_after_s
@@ -234,7 +240,7 @@ class ZmqChannel(Channel):
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         # A reply (a learner's batch is the largest) past this is a server gone wrong: ZeroMQ
         # drops the connection instead of buffering it, and the request is retried.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
         if identity:
             self._sock.setsockopt(zmq.IDENTITY, identity.encode()[:255])
         if curve is not None:  # encrypted; talks only to the server holding server.key
