@@ -66,6 +66,16 @@ def role_argv(role: str, run_dir: Path, config_path: Path, *extra: str) -> list[
             *extra]
 
 
+def learner_argv(cfg: RunConfig, run_dir: Path, config_path: Path, *extra: str) -> list[str]:
+    """The learner's command: one process, or ``learner.nproc`` of them under torchrun (one
+    per GPU; each draws its share of every batch, rank 0 publishes and checkpoints)."""
+    argv = role_argv("learner", run_dir, config_path, *extra)
+    if cfg.learner.nproc == 1:
+        return argv
+    return ["-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={cfg.learner.nproc}", *argv]
+
+
 def wait_for_replay(cfg: RunConfig, timeout_s: float) -> dict:
     from replay.client import ReplayClient
 
@@ -265,7 +275,7 @@ def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) 
     config_path = write_resolved_config(cfg, run_dir)
     learner_extra = ["--max-updates", str(max_updates)] if max_updates else []
     # A learner that crashes comes back from its last checkpoint and ledger (--resume).
-    resumed = role_argv("learner", run_dir, config_path, *learner_extra, "--resume")
+    resumed = learner_argv(cfg, run_dir, config_path, *learner_extra, "--resume")
     roles.start(RoleSpec("learner", resumed if resume else resumed[:-1], restart_argv=resumed,
                          max_restarts=5, log_path=logs / "learner.log"))
     for i in range(cfg.actor.num_actors):
