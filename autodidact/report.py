@@ -1,0 +1,517 @@
+"""``autodidact report``: plots and a markdown summary of one run, or of several overlaid.
+
+    autodidact report runs/x                       -> runs/x/report/
+    autodidact report runs/a runs/b --labels a,b   -> runs/a/report/compare/ (or --out DIR)
+
+Reads only files in the run directory: ``metrics.jsonl`` (every role's records),
+``summary.json`` (held-out success before warm-start, after warm-start and after RL; restarts)
+and ``config.yaml`` (shown with the Redis password redacted). Writes one PNG per plot, a
+``report.md`` with the config and headline numbers, and ``series.json`` with every plotted
+series (the raw points: plots of noisy per-record series draw a running mean over them).
+
+x-axes: ``update`` is the learner's update count (the ``step`` of its records); ``version`` the
+policy version an actor's groups were generated with; ``wall`` seconds since the run's first
+metrics record (the start of the RL phase, unless an explore stage logged before it). A series
+that a run did not log is left out of the plot and named in report.md; a plot with no series at
+all is not drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from autodidact.metrics import read_metrics
+
+
+@dataclass
+class Line:
+    role: str
+    metric: str
+    x: str  # "update" | "wall" | "version"
+
+
+@dataclass
+class Panel:
+    ylabel: str
+    lines: list[Line]
+    log_y: bool = False
+
+
+@dataclass
+class Plot:
+    name: str
+    title: str
+    panels: list[Panel]
+    about: str = ""
+
+
+def _u(metric: str) -> Line:
+    return Line("learner", metric, "update")
+
+
+def _w(role: str, metric: str) -> Line:
+    return Line(role, metric, "wall")
+
+
+PLOTS = [
+    Plot("train_success", "Actor success rate on training tasks", [
+        Panel("success rate (mean per policy version)", [Line("actor", "actor/success_rate",
+                                                              "version")]),
+        Panel("success rate", [_w("actor", "actor/success_rate")]),
+    ], "rollouts the actors generated, by the policy version they were sampled with and over "
+       "wall time (a running mean)"),
+    Plot("reward", "Reward", [
+        Panel("mean reward of the batch", [_u("learner/reward")]),
+        Panel("actor mean reward", [_w("actor", "actor/reward")]),
+    ], "the learner's batches by update; the actors' groups over wall time"),
+    Plot("loss", "Loss", [
+        Panel("loss", [_u("learner/loss"), _u("learner/pg_loss")]),
+        Panel("grad norm", [_u("learner/grad_norm")]),
+    ]),
+    Plot("clip_fraction", "Clip fraction", [
+        Panel("fraction of tokens", [_u("learner/clip_fraction"),
+                                     _u("learner/dual_clip_fraction")]),
+    ]),
+    Plot("importance_weights", "Importance weights (behaviour vs proximal policy)", [
+        Panel("importance weight", [_u("learner/iw_mean"), _u("learner/iw_max")]),
+        Panel("fraction / KL", [_u("learner/iw_masked_fraction"), _u("learner/kl_behaviour")]),
+    ]),
+    Plot("lag", "Policy lag of trained groups (versions)", [
+        Panel("lag", [_u("learner/lag_min"), _u("learner/lag_mean"), _u("learner/lag_max")]),
+    ]),
+    Plot("throughput", "Throughput per role", [
+        Panel("learner updates/s", [_w("learner", "learner/updates_per_s")]),
+        Panel("tokens/s", [_w("learner", "learner/tokens_per_s"),
+                           _w("actor", "actor/tokens_per_s")]),
+        Panel("groups/s", [_w("replay", "replay/groups_per_s"),
+                           _w("judge", "judge/groups_per_s")]),
+    ], "actor tokens/s is per actor (a running mean over every actor's records)"),
+    Plot("idle", "Idle fraction per role", [
+        Panel("idle fraction", [_w("learner", "learner/idle_fraction"),
+                                _w("actor", "actor/idle_fraction")]),
+    ]),
+    Plot("replay", "Replay store", [
+        Panel("groups", [_w("replay", "replay/groups"), _w("replay", "replay/unjudged")]),
+        Panel("bytes", [_w("replay", "replay/bytes")]),
+    ]),
+]
+
+
+# --- one run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    path: Path
+    label: str
+    records: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    secrets: list[str] = field(default_factory=list)
+    t0: float = 0.0
+
+    @classmethod
+    def load(cls, path: Path, label: str) -> Run:
+        import yaml
+
+        run = cls(path, label, records=read_metrics(path))
+        try:
+            run.summary = json.loads((path / "summary.json").read_text())
+        except (OSError, ValueError):
+            run.summary = {}
+        try:
+            run.config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            run.config = {}
+        run.secrets = _secrets(path, run.config)
+        run.config = redacted_config(run.config)
+        times = [r["t"] for r in run.records if isinstance(r.get("t"), (int, float))]
+        run.t0 = min(times) if times else 0.0
+        return run
+
+    def rows(self, role: str, metric: str) -> list[dict]:
+        return [r for r in self.records if r.get("role") == role
+                and isinstance(r.get(metric), (int, float)) and not isinstance(r[metric], bool)]
+
+    def series(self, line: Line) -> tuple[list, list]:
+        rows = self.rows(line.role, line.metric)
+        if line.x == "update":
+            xs = [r.get("step", r.get("learner/updates")) for r in rows]
+            pts = [(x, r[line.metric]) for x, r in zip(xs, rows) if x is not None]
+            return [p[0] for p in pts], [p[1] for p in pts]
+        if line.x == "version":
+            by_version: dict[int, list[float]] = {}
+            for r in rows:
+                v = r.get(f"{line.role}/version")
+                if isinstance(v, (int, float)):
+                    by_version.setdefault(int(v), []).append(r[line.metric])
+            versions = sorted(by_version)
+            return versions, [sum(by_version[v]) / len(by_version[v]) for v in versions]
+        rows = sorted((r for r in rows if isinstance(r.get("t"), (int, float))),
+                      key=lambda r: r["t"])
+        return [r["t"] - self.t0 for r in rows], [r[line.metric] for r in rows]
+
+
+def redacted_config(config: dict) -> dict:
+    """``config`` as ``launcher.shareable_config`` gives it: the Redis password masked."""
+    from protocol.control import redact
+
+    config = json.loads(json.dumps(config, default=str))  # a deep copy
+    rcfg = config.get("redis")
+    if isinstance(rcfg, dict) and isinstance(rcfg.get("url"), str):
+        rcfg["url"] = redact(rcfg["url"])
+    return config
+
+
+def _secrets(path: Path, config: dict) -> list[str]:
+    """Strings that must never reach a report: the run's Redis password, however it is found."""
+    found = []
+    try:
+        found.append((path / "redis" / "password").read_text().strip())
+    except OSError:
+        pass
+    url = (config.get("redis") or {}).get("url") if isinstance(config, dict) else None
+    if isinstance(url, str):
+        m = re.search(r"//[^/@:]*:([^@]*)@", url)
+        if m:
+            found.append(m.group(1))
+    return [s for s in found if len(s) >= 4]
+
+
+# --- headline numbers ------------------------------------------------------------------------
+
+
+def headline(run: Run) -> dict:
+    learner = [r for r in run.records if r.get("role") == "learner"
+               and isinstance(r.get("learner/updates"), (int, float))]
+    losses = [r["learner/loss"] for r in run.rows("learner", "learner/loss")]
+    last_actor: dict[str, dict] = {}
+    for r in run.rows("actor", "actor/groups"):
+        last_actor[r.get("id", "actor")] = r
+    groups = sum(r["actor/groups"] for r in last_actor.values()) if last_actor else None
+    times = [r["t"] for r in run.records if isinstance(r.get("t"), (int, float))]
+    span = (max(times) - min(times)) if times else None
+    restarts = run.summary.get("restarts") if isinstance(run.summary.get("restarts"),
+                                                          dict) else None
+    out = {
+        "finished": any("learner/done" in r for r in learner) or "learner" in run.summary,
+        "updates": learner[-1]["learner/updates"] if learner else None,
+        "version": learner[-1].get("learner/version") if learner else None,
+        "wall_s": span, "groups": groups,
+        "groups_per_s": groups / span if groups is not None and span else None,
+        "final_loss": losses[-1] if losses else None,
+        "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "final_reward": _last_value(run, "learner", "learner/reward"),
+        "final_lag_mean": _last_value(run, "learner", "learner/lag_mean"),
+        "restarts_total": sum(v for v in restarts.values() if isinstance(v, int))
+        if restarts is not None else None,
+        "restarts": {k: v for k, v in (restarts or {}).items() if v},
+    }
+    for stage in ("base", "warm", "rl"):
+        result = run.summary.get(f"success_{stage}") or {}
+        for key in ("avg", "best", "greedy", "tasks"):
+            out[f"heldout_{stage}_{key}"] = result.get(key)
+    return out
+
+
+def _last_value(run: Run, role: str, metric: str):
+    rows = run.rows(role, metric)
+    return rows[-1][metric] if rows else None
+
+
+# --- plotting --------------------------------------------------------------------------------
+
+
+def _running_mean(ys: list[float], window: int) -> list[float]:
+    if window <= 1:
+        return list(ys)
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _window(n: int) -> int:
+    return max(1, n // 25)
+
+
+XLABEL = {"update": "learner update", "wall": "wall time (s)", "version": "policy version"}
+
+
+def draw_plot(plot: Plot, runs: list[Run], out_dir: Path, notes: list[str]) -> dict | None:
+    """Draw ``plot`` for ``runs`` into ``out_dir/<name>.png``; its series, or None if none."""
+    import matplotlib.pyplot as plt
+
+    found = [[(line, run, *run.series(line)) for line in panel.lines for run in runs]
+             for panel in plot.panels]
+    for panel_found in found:
+        for line, run, xs, _ in panel_found:
+            if not xs:
+                notes.append(f"`{line.metric}` (vs {line.x}): not in the metrics of run "
+                             f"'{run.label}'")
+    panels = [(p, [f for f in pf if f[2]]) for p, pf in zip(plot.panels, found)]
+    panels = [(p, pf) for p, pf in panels if pf]
+    if not panels:
+        notes.append(f"plot '{plot.name}' not drawn: none of its series was logged")
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.0), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    series = []
+    for ax, (panel, pf) in zip(axes[0], panels):
+        metrics = list(dict.fromkeys(f[0].metric for f in pf))
+        for line, run, xs, ys in pf:
+            color = colors[runs.index(run) % len(colors)]
+            style = styles[metrics.index(line.metric) % len(styles)]
+            window = _window(len(ys)) if line.x == "wall" else 1
+            label = run.label if len(metrics) == 1 else (
+                f"{run.label}: {line.metric}" if len(runs) > 1 else line.metric)
+            ax.plot(xs, _running_mean(ys, window), style, color=color, label=label,
+                    marker="." if len(xs) < 30 else None)
+            series.append({"run": run.label, "metric": line.metric, "x_axis": line.x,
+                           "x": xs, "y": ys, "running_mean": window})
+        ax.set_xlabel(XLABEL[pf[0][0].x])
+        ax.set_ylabel(panel.ylabel)
+        if len(metrics) == 1:
+            ax.set_title(metrics[0], fontsize=9)
+        ax.grid(alpha=0.3)
+        if len(pf) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(plot.title)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{plot.name}.png", dpi=90)
+    plt.close(fig)
+    return {"file": f"{plot.name}.png", "title": plot.title, "about": plot.about,
+            "series": series}
+
+
+def draw_heldout(runs: list[Run], out_dir: Path, notes: list[str]) -> dict | None:
+    """Held-out success at the three points the launcher measures it: the base model and the
+    warm-started one (both at update 0) and the final weights (at the last update)."""
+    import matplotlib.pyplot as plt
+
+    series = []
+    for run in runs:
+        final = headline(run)["updates"] or 0
+        for key in ("avg", "greedy"):
+            pts = [(stage, x, (run.summary.get(f"success_{stage}") or {}).get(key))
+                   for stage, x in (("base", 0), ("warm", 0), ("rl", final))]
+            pts = [p for p in pts if isinstance(p[2], (int, float))]
+            if pts:
+                series.append({"run": run.label, "metric": f"heldout/{key}",
+                               "x_axis": "update", "stages": [p[0] for p in pts],
+                               "x": [p[1] for p in pts], "y": [p[2] for p in pts]})
+        if not any(s["run"] == run.label for s in series):
+            notes.append(f"held-out success: run '{run.label}' has none in summary.json "
+                         "(eval.num_tasks=0, or the run did not get that far)")
+    notes.append("held-out success vs wall time: not plotted; the launcher evaluates held-out "
+                 "tasks only before warm-start, after it and after RL, and does not record when")
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = {"base": "o", "warm": "s", "rl": "^"}
+    for s in series:
+        color = colors[[r.label for r in runs].index(s["run"]) % len(colors)]
+        style = "-" if s["metric"] == "heldout/avg" else "--"
+        ax.plot(s["x"], s["y"], style, color=color, alpha=0.6,
+                label=f"{s['run']}: {s['metric'].split('/')[1]}")
+        for stage, x, y in zip(s["stages"], s["x"], s["y"]):
+            ax.plot([x], [y], markers[stage], color=color)
+            if s is series[0]:
+                ax.annotate(stage, (x, y), textcoords="offset points", xytext=(5, -10),
+                            fontsize=7)
+    ax.set_xlabel(XLABEL["update"])
+    ax.set_ylabel("held-out success")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Held-out success: base, after warm-start, after RL", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "heldout_success.png", dpi=90)
+    plt.close(fig)
+    return {"file": "heldout_success.png", "title": "Held-out success",
+            "about": "avg@k (sampled) and greedy success on the held-out tasks; base and "
+                     "warm-start at update 0, after RL at the last update", "series": series}
+
+
+# --- markdown --------------------------------------------------------------------------------
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
+def _num(v, spec=".4g") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "n/a"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[str]) -> str:
+    import yaml
+
+    labels = [r.label for r in runs]
+    out = [f"# Run report: {', '.join(labels)}", "",
+           f"Made by `autodidact report` at {time.strftime('%Y-%m-%d %H:%M:%S')} from:", ""]
+    out += [f"- **{r.label}**: `{r.path}`" for r in runs]
+    out += ["", "## Headline numbers", "", "| | " + " | ".join(labels) + " |",
+            "|---" * (len(runs) + 1) + "|"]
+
+    def row(name, fmt, key):
+        out.append(f"| {name} | " + " | ".join(fmt(h.get(key)) for h in heads) + " |")
+
+    for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
+                        ("rl", "after RL")):
+        row(f"held-out avg@k, {name}", _pct, f"heldout_{stage}_avg")
+    for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
+                        ("rl", "after RL")):
+        row(f"held-out greedy, {name}", _pct, f"heldout_{stage}_greedy")
+    row("held-out best@k, after RL", _pct, "heldout_rl_best")
+    row("held-out tasks", _num, "heldout_rl_tasks")
+    row("learner updates", _num, "updates")
+    row("policy version", _num, "version")
+    row("wall time of the metrics (s)", lambda v: _num(v, ".0f"), "wall_s")
+    row("groups generated", _num, "groups")
+    row("groups/s", lambda v: _num(v, ".2f"), "groups_per_s")
+    row("final loss", _num, "final_loss")
+    row("mean loss, last 10 updates", _num, "mean_loss_last_10")
+    row("final batch reward", lambda v: _num(v, ".3f"), "final_reward")
+    row("final lag (mean)", lambda v: _num(v, ".2f"), "final_lag_mean")
+    row("restarts", _num, "restarts_total")
+    out.append("| roles restarted | " + " | ".join(
+        ", ".join(f"{k} {v}" for k, v in h["restarts"].items()) or "none" for h in heads) + " |")
+    row("finished (learner done)", _num, "finished")
+    out += ["", "## Plots", ""]
+    for p in plots:
+        out += [f"### {p['title']}", ""]
+        if p.get("about"):
+            out += [p["about"] + ".", ""]
+        out += [f"![{p['title']}]({p['file']})", ""]
+    if notes:
+        out += ["## Missing series", ""] + [f"- {n}" for n in dict.fromkeys(notes)] + [""]
+    out += ["## Config", "", "The resolved config (`config.yaml`), Redis password redacted.", ""]
+    if len(runs) > 1:
+        flats = [_flat(r.config) for r in runs]
+        keys = sorted(set().union(*flats))
+        differ = [k for k in keys if len({json.dumps(f.get(k), default=str)
+                                          for f in flats}) > 1]
+        differ = [k for k in differ if k not in ("replay.address", "model.path", "redis.url")]
+        if differ:
+            out += ["Keys that differ between the runs:", "",
+                    "| key | " + " | ".join(labels) + " |", "|---" * (len(runs) + 1) + "|"]
+            out += [f"| `{k}` | " + " | ".join(f"`{f[k]}`" if k in f else "(absent)"
+                                               for f in flats) + " |" for k in differ]
+            out.append("")
+    for r in runs:
+        text = yaml.safe_dump(r.config, sort_keys=False) if r.config else "(no config.yaml)\n"
+        if len(runs) > 1:
+            out += [f"<details><summary>{r.label}</summary>", "", "```yaml", text + "```", "",
+                    "</details>", ""]
+        else:
+            out += ["```yaml", text + "```", ""]
+    return "\n".join(out)
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def make_report(run_dirs: list[Path], labels: list[str] | None = None,
+                out: Path | None = None) -> Path:
+    """Write the report of ``run_dirs`` (overlaid when several) and return its directory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    run_dirs = [Path(d) for d in run_dirs]
+    labels = labels or default_labels(run_dirs)
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} run directories")
+    if out is None:
+        out = run_dirs[0] / "report" / ("compare" if len(run_dirs) > 1 else "")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [Run.load(d, label) for d, label in zip(run_dirs, labels)]
+    for run in runs:
+        if not run.records:
+            click.echo(f"note: {run.path} has no metrics.jsonl records", err=True)
+    notes: list[str] = []
+    plots = []
+    held = draw_heldout(runs, out, notes)
+    if held:
+        plots.append(held)
+    plots += [p for p in (draw_plot(plot, runs, out, notes) for plot in PLOTS) if p]
+    heads = [headline(r) for r in runs]
+    secrets = [s for r in runs for s in r.secrets]
+    md = _scrub(markdown(runs, heads, plots, notes), secrets)
+    (out / "report.md").write_text(md)
+    data = {"runs": [{"label": r.label, "dir": str(r.path)} for r in runs],
+            "headline": {r.label: h for r, h in zip(runs, heads)},
+            "plots": {p["file"][:-4]: p for p in plots}, "missing": list(dict.fromkeys(notes))}
+    (out / "series.json").write_text(_scrub(json.dumps(data, indent=1, default=str), secrets))
+    return out
+
+
+def default_labels(run_dirs: list[Path]) -> list[str]:
+    names = [d.resolve().name for d in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{d.resolve().parent.name}/{d.resolve().name}" for d in run_dirs]
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for s in secrets:
+        text = text.replace(s, "***")
+    return text
+
+
+@click.command("report")
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False))
+@click.option("--labels", default=None, metavar="A,B,...",
+              help="Comma-separated names for the runs in the plots (default: directory names).")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Output directory (default: DIR/report, or the first DIR's report/compare "
+                   "for several).")
+def report(run_dirs, labels, out):
+    """Write plots (PNG), report.md and series.json for one run directory, or several overlaid
+    for comparison."""
+    names = [s.strip() for s in labels.split(",")] if labels else None
+    if names is not None and len(names) != len(run_dirs):
+        raise click.UsageError(f"--labels has {len(names)} names for {len(run_dirs)} run "
+                               "directories")
+    if names is not None and len(set(names)) != len(names):
+        raise click.UsageError("--labels must be distinct")
+    missing = [d for d in run_dirs if not (Path(d) / "metrics.jsonl").exists()]
+    if len(missing) == len(run_dirs):
+        raise click.ClickException(f"no metrics.jsonl in {', '.join(missing)}: not a run "
+                                   "directory, or the run has not started its roles yet")
+    path = make_report([Path(d) for d in run_dirs], names, Path(out) if out else None)
+    click.echo(f"report written to {path / 'report.md'}")
+
+
+if __name__ == "__main__":
+    report()
