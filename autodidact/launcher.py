@@ -112,6 +112,20 @@ def write_split(run_dir: Path, env) -> Path:
     return path
 
 
+def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, label: str,
+                  updates: int) -> dict | None:
+    """:func:`held_out_success`, also logged as ``eval/...`` at learner update ``updates`` so
+    reports can put held-out success on the update and wall-time axes."""
+    result = held_out_success(cfg, model_path, label)
+    if result is not None:
+        writer = MetricsWriter(run_dir, "eval")
+        writer.log({"success_avg": result["avg"], "success_best": result["best"],
+                    "success_greedy": result.get("greedy"), "tasks": result["tasks"]},
+                   step=updates)
+        writer.close()
+    return result
+
+
 def held_out_success(cfg: RunConfig, model_path: str, label: str) -> dict | None:
     """avg@k and best@k (sampled) and greedy success on held-out tasks."""
     if cfg.eval.num_tasks == 0:
@@ -265,10 +279,11 @@ def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) 
                           "run `autodidact explore` or set explore.stage[/]")
             return 1
         summary["experience_init"] = experience_stage(cfg, run_dir)
-        summary["success_base"] = held_out_success(cfg, base, "before warm-start")
+        summary["success_base"] = held_out_eval(cfg, run_dir, base, "before warm-start", 0)
         cfg.model.path = warm_start_stage(cfg, run_dir, base,
                                           warmstart_tasks(cfg, original, synthetic, share))
-        summary["success_warm"] = held_out_success(cfg, cfg.model.path, "after warm-start")
+        summary["success_warm"] = held_out_eval(cfg, run_dir, cfg.model.path,
+                                                "after warm-start", 0)
         summary_path.write_text(json.dumps(summary, indent=2))
     else:
         cfg.model.path = str(run_dir / "policy_init") if cfg.warmstart.steps else base
@@ -297,17 +312,20 @@ def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) 
     mirror = WandbMirror(run_dir, cfg.tracking.wandb, shareable_config(cfg), cfg.name,
                          cfg.tracking.group)
     try:
-        code = supervise(cfg, run_dir, control, roles, redis_watch, feeder, mirror)
+        try:
+            code = supervise(cfg, run_dir, control, roles, redis_watch, feeder, mirror)
+        finally:
+            roles.stop()
+        summary["restarts"] = {**roles.restarts(), "redis": redis_watch.restarts}
+        learner_rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
+        summary["learner"] = learner_rows[-1] if learner_rows else {}
+        final = _latest_weights(run_dir, cfg.model.path)
+        if code == 0 and final is not None:
+            summary["success_rl"] = held_out_eval(cfg, run_dir, final, "after RL",
+                                                  summary["learner"].get("learner/updates", 0))
+        summary_path.write_text(json.dumps(summary, indent=2, default=str))
     finally:
-        roles.stop()
-        mirror.close()
-    summary["restarts"] = {**roles.restarts(), "redis": redis_watch.restarts}
-    final = _latest_weights(run_dir, cfg.model.path)
-    if code == 0 and final is not None:
-        summary["success_rl"] = held_out_success(cfg, final, "after RL")
-    learner_rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
-    summary["learner"] = learner_rows[-1] if learner_rows else {}
-    summary_path.write_text(json.dumps(summary, indent=2, default=str))
+        mirror.close(summary)  # after the final evaluation, so wandb's summary has it
     _print_summary(summary)
     control.set_state(phase="done")
     return code
@@ -337,6 +355,8 @@ def supervise(cfg, run_dir, control, roles, redis_watch, feeder, mirror) -> int:
                 replay_stats.log()
                 mirror.sync(progress.update())
                 with contextlib.suppress(redis.RedisError):
+                    control.set_state(restarts={**roles.restarts(),
+                                                "redis": redis_watch.restarts})
                     progress.show(control, roles, time.monotonic() - t0)
             time.sleep(0.5)
     finally:

@@ -24,7 +24,7 @@ from autodidact.metrics import MetricsTail
 
 log = logging.getLogger(__name__)
 
-ROLES = ("actor", "learner", "replay", "judge", "experience", "explore")
+ROLES = ("actor", "learner", "replay", "judge", "experience", "explore", "eval")
 
 
 class WandbMirror:
