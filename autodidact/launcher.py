@@ -292,7 +292,8 @@ def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) 
     # A learner that crashes comes back from its last checkpoint and ledger (--resume).
     resumed = learner_argv(cfg, run_dir, config_path, *learner_extra, "--resume")
     roles.start(RoleSpec("learner", resumed if resume else resumed[:-1], restart_argv=resumed,
-                         max_restarts=5, log_path=logs / "learner.log"))
+                         max_restarts=5, log_path=logs / "learner.log",
+                         process_group=cfg.learner.nproc > 1))
     for i in range(cfg.actor.num_actors):
         roles.start(RoleSpec(f"actor-{i}", role_argv("actor", run_dir, config_path,
                                                      "--actor-id", f"actor-{i}"),

@@ -29,6 +29,9 @@ class RoleSpec:
     log_path: Path | None = None  # stdout+stderr of the process go here (appended)
     env: dict[str, str] = field(default_factory=dict)
     restart_argv: list[str] | None = None  # argv for restarts, e.g. the learner adds --resume
+    # Its own process group, signalled as a whole: torchrun forwards SIGTERM to its ranks but
+    # a SIGKILL to torchrun alone would leave them running.
+    process_group: bool = False
 
 
 @dataclass
@@ -62,7 +65,8 @@ class Supervisor:
         try:
             return subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **spec.env})
+                                    env={**os.environ, **spec.env},
+                                    start_new_session=spec.process_group)
         finally:
             if spec.log_path:
                 out.close()
@@ -113,16 +117,29 @@ class Supervisor:
         (replay) before those go away."""
         for name, run in reversed(list(self.roles.items())):
             if run.proc.poll() is None:
-                run.proc.send_signal(signal.SIGTERM)
+                _signal(run, signal.SIGTERM)
             try:
                 run.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0fs; killing it", name, grace_s)
-                run.proc.kill()
+                _signal(run, signal.SIGKILL)
                 run.proc.wait()
+            if run.spec.process_group:  # ranks that outlived their torchrun
+                _signal(run, signal.SIGKILL)
 
     def __enter__(self) -> "Supervisor":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _signal(run: _Running, sig: int) -> None:
+    """Signal the role's process, or its whole group when it has one."""
+    try:
+        if run.spec.process_group:
+            os.killpg(run.proc.pid, sig)
+        else:
+            run.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass

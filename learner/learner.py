@@ -2,19 +2,26 @@
 
     hello(replay, ledger from checkpoint)           # a resume neither repeats nor skips
     while updates < max_updates and within budget:
-        groups, labels = draw batch_groups          # oldest first, within the staleness bound;
+        groups, labels = draw batch_groups / N      # oldest first, within the staleness bound;
                                                     # judged ones, or past judge.deadline_s
         batch = build_batch(groups, labels, α(u))   # masks, step advantages (or plain GRPO)
         strip injected experience (experience.train_context=discard)
         proximal = logprobs under current params    # decoupled PPO
-        per minibatch: loss = policy_loss(...)      # boosted clip on experience-guided rows
-                       optimizer step
+        per minibatch, per micro-batch:             # learner.accumulation of them
+            backward(policy_loss summed)            # boosted clip on experience-guided rows
+        then gradient /= tokens (or rows) of all ranks, optimizer step
         every k updates: publish weights, version += 1
         every m updates: checkpoint (+ ledger), then commit the ledger to replay
+
+With ``torchrun --nproc-per-node N`` there are N such loops, one per GPU, in lockstep: each
+draws its share of the batch, DDP (or FSDP) averages their gradients, and rank 0 alone says
+hello, publishes, checkpoints, commits the ledger and writes metrics (learner/distributed.py).
+With one process all of that reduces to the loop above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -30,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from autodidact.metrics import MetricsWriter
 from learner.batching import build_batch
+from learner.distributed import SINGLE, Ranks
 from learner.logprobs import token_logprobs
 from learner.losses import navigation_terms, policy_loss
 from protocol.config import LearnerConfig, RunConfig
@@ -98,8 +106,11 @@ def load_checkpoint(path: Path) -> dict:
 
 
 class Learner:
+    # A class attribute, so subclasses that skip __init__ (bench/scale_actors.py) get one process.
+    ranks: Ranks = SINGLE
+
     def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane,
-                 replay: ReplayClient, learner_id: str = "learner"):
+                 replay: ReplayClient, learner_id: str = "learner", ranks: Ranks = SINGLE):
         self.cfg: LearnerConfig = cfg.learner
         self.experience = cfg.experience
         self.judge_deadline_s = cfg.judge.deadline_s
@@ -109,12 +120,16 @@ class Learner:
         self.run_dir = Path(run_dir)
         self.control = control
         self.replay = replay
-        self.learner_id = learner_id
-        self.device = torch.device(self.cfg.device)
+        self.ranks = ranks
+        self.learner_id = ranks.member(learner_id)
+        ranks.share(self.cfg.batch_groups)  # refuses a batch the ranks cannot split evenly
+        self.device = ranks.device(self.cfg.device)
+        self.autocast = autocast_dtype(self.cfg.autocast, self.device)
         torch.manual_seed(cfg.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
-        self.model.train()
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
+        self.model = ranks.wrap(model.train(), self.cfg.parallel)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id or 0
+        # After wrapping: under FSDP the optimizer must hold the sharded parameters.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.99), weight_decay=0.0)
         warmup = max(self.cfg.warmup_updates, 1)
@@ -123,10 +138,14 @@ class Learner:
         # A frozen copy of the initial policy, only when a KL penalty to it is asked for.
         self.reference = None
         if self.cfg.kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
-            self.reference.eval().requires_grad_(False)
-        self.publisher = WeightPublisher.for_run(cfg, self.run_dir, control)
-        self.metrics = MetricsWriter(self.run_dir, "learner", learner_id)
+            reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
+            self.reference = ranks.wrap_frozen(reference.eval().requires_grad_(False),
+                                               self.cfg.parallel)
+        # Rank 0 alone publishes (and binds the weight server) and writes metrics.
+        self.publisher = WeightPublisher.for_run(cfg, self.run_dir, control) \
+            if ranks.is_main else None
+        self.metrics = MetricsWriter(self.run_dir, "learner", learner_id) \
+            if ranks.is_main else None
         self.updates = 0
         self.version = 0
         self.consumed: list[str] = []  # the ledger: every group id trained on, in order
@@ -135,16 +154,22 @@ class Learner:
         self._stop = False
         self.judge_timeouts = 0  # groups of the current batch trained outcome-only: no labels
 
+    @property
+    def share(self) -> int:
+        """Groups this process draws per update."""
+        return self.ranks.share(self.cfg.batch_groups)
+
     # --- lifecycle ---
 
     def resume(self) -> bool:
-        """Restore the latest checkpoint if there is one."""
+        """Restore the latest checkpoint if there is one (every rank reads it, so all start
+        from the same weights, optimizer, RNG and ledger)."""
         path = self.run_dir / CHECKPOINT
         if not path.exists():
             return False
         state = load_checkpoint(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.ranks.load_model_state(self.model, state["model"])
+        self.ranks.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.updates, self.version = state["updates"], state["version"]
         self.consumed = list(state["consumed"])
@@ -155,10 +180,15 @@ class Learner:
         return True
 
     def checkpoint(self) -> None:
-        """Write model, optimizer, RNG, version and ledger atomically, then tell replay."""
+        """Write model, optimizer, RNG, version and ledger atomically, then tell replay.
+        Every rank calls it (FSDP gathers the shards); rank 0 writes and commits."""
+        model = self.ranks.model_state(self.model)
+        optimizer = self.ranks.optimizer_state(self.model, self.optimizer)
+        if not self.ranks.is_main:
+            return
         path = self.run_dir / CHECKPOINT
         path.parent.mkdir(parents=True, exist_ok=True)
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        state = {"model": model, "optimizer": optimizer,
                  "scheduler": self.scheduler.state_dict(),
                  "updates": self.updates, "version": self.version, "consumed": self.consumed,
                  **rng_states()}
@@ -178,40 +208,52 @@ class Learner:
 
     def run(self, max_updates: int | None = None) -> None:
         max_updates = max_updates or self.cfg.max_updates
-        self.replay.hello(self.learner_id, self.version, self.consumed)
-        self.publisher.publish(self.model.state_dict(), self.version, wait=True)
+        if self.ranks.is_main:
+            self.replay.hello(self.learner_id, self.version, self.consumed)
+        # The hello makes replay serve again what was delivered and not consumed: no rank
+        # may draw before it, or its groups could be handed out twice.
+        self.ranks.barrier()
+        self._publish(wait=True)
         if self.judged:
             log.info("advantages: composite (judge labels + outcome), alpha %g", self.cfg.alpha)
         else:
             log.info("advantages: grpo (outcome only; learner.advantage=%s, judge.workers=%d)",
                      self.cfg.advantage, self.judge_workers)
         deadline = time.monotonic() + 60 * self.cfg.max_minutes
-        while self.updates < max_updates and time.monotonic() < deadline and not self._stop:
-            groups, labels, waited = self.draw(deadline)
-            if groups is None:
+        while True:
+            groups, labels, waited = self.draw(deadline, max_updates)
+            if self.ranks.agree_to_stop(groups is None):  # all ranks stop, or none
                 break
             self.update(groups, waited, labels)
-        self.publisher.wait()
+        if self.publisher is not None:
+            self.publisher.wait()
         self.checkpoint()
-        self.metrics.log({"done": 1, "updates": self.updates, "version": self.version},
-                         step=self.updates)
+        if self.metrics is not None:
+            self.metrics.log({"done": 1, "updates": self.updates, "version": self.version},
+                             step=self.updates)
 
     def alpha(self) -> float:
         """The process-reward weight now; 0 means outcome only."""
         return self.cfg.alpha_at(self.updates) if self.judged else 0.0
 
-    def draw(self, deadline: float):
-        """Block until ``batch_groups`` groups arrived: (groups, labels by group id, seconds
-        waited); (None, None, _) when stopping."""
+    def stopping(self, deadline: float, max_updates: int | None = None) -> bool:
+        """Whether this process should stop drawing: asked to, out of time or updates, or
+        another rank stopped."""
+        return (self._stop or time.monotonic() > deadline or self.ranks.peer_stopped()
+                or self.updates >= (max_updates or self.cfg.max_updates))
+
+    def draw(self, deadline: float, max_updates: int | None = None):
+        """Block until this process's share of ``batch_groups`` arrived: (groups, labels by
+        group id, seconds waited); (None, None, _) when stopping."""
         groups, labels, drawn, t0 = [], {}, set(), time.monotonic()
         self.judge_timeouts = 0
         want_labels = self.alpha() > 0
-        while len(groups) < self.cfg.batch_groups:
-            if self._stop or time.monotonic() > deadline:
+        while len(groups) < self.share:
+            if self.stopping(deadline, max_updates):
                 return None, None, 0.0
             try:
                 batch = self.replay.request_batch(
-                    self.learner_id, self.cfg.batch_groups - len(groups), self.version,
+                    self.learner_id, self.share - len(groups), self.version,
                     self.cfg.max_staleness, require_labels=want_labels,
                     label_deadline_s=self.judge_deadline_s)
             except TransportTimeout:
@@ -240,48 +282,121 @@ class Learner:
                                    experience=self.experience.train_context)
         batch = batch.to(self.device)
         proximal, reference = self._fixed_logprobs(batch)
-        m: dict[str, float] = {}
-        for rows in torch.arange(len(batch.input_ids)).chunk(self.cfg.minibatches):
-            mb = batch.rows(rows)
-            logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
-            # One step per batch: the proximal policy is this very forward pass, detached.
-            prox = logprobs.detach() if proximal is None else proximal[rows]
-            ref = None if reference is None else reference[rows]
-            loss, m = self._loss(mb, logprobs, prox, ref)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       self.cfg.grad_clip)
-            self.optimizer.step()
+        for rows in self._split(torch.arange(len(batch.input_ids)), self.cfg.minibatches):
+            m, grad_norm, last = self._step(batch, rows, proximal, reference)
         self.scheduler.step()
         if self.cfg.probe_every and (self.updates + 1) % self.cfg.probe_every == 0:
-            m.update(self._probe(mb, loss.item(), prox, ref))
+            m.update(self._probe(*last))
         self.updates += 1
-        ids = [g.group_id for g in groups]
-        self.consumed += ids
-        self._consumed_ids.update(ids)
-        self._uncommitted += ids
+        self._record(groups)
         if self.updates % self.cfg.publish_every == 0:
             self.version += 1
-            self.publisher.publish(self.model.state_dict(), self.version)
+            self._publish()
         if self.updates % self.cfg.checkpoint_every == 0:
             self.checkpoint()
-        m.update(alpha=alpha, judge_timeouts=float(self.judge_timeouts),
-                 labelled_groups=float(len(groups) - stats.get("unlabelled_groups", len(groups))))
-        self._log(groups, lags, stats, m, float(grad_norm), waited_s, time.monotonic() - t0)
+        counts = self.ranks.sum({  # the whole batch's, not this rank's share
+            "groups": len(groups), "judge_timeouts": self.judge_timeouts,
+            "labelled_groups": len(groups) - stats.get("unlabelled_groups", len(groups)),
+            "degenerate_groups": stats["degenerate_groups"], "tokens": stats["tokens"]})
+        m.update(alpha=alpha, judge_timeouts=float(counts["judge_timeouts"]),
+                 labelled_groups=float(counts["labelled_groups"]))
+        self._log(groups, lags, counts, m, grad_norm, waited_s, time.monotonic() - t0)
+
+    def _split(self, rows: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        """``rows`` in ``parts`` slices; with several ranks always exactly ``parts`` (some may
+        be empty), since every rank must take as many steps and backward passes as the rest."""
+        out = list(rows.chunk(parts))
+        if self.ranks.active:
+            out += [rows[:0]] * (parts - len(out))
+        return out
+
+    def _step(self, batch, rows, proximal, reference):
+        """One optimizer step on the minibatch ``rows``: (metrics, grad norm, what the probe
+        needs).
+
+        Each micro-batch backpropagates its loss *summed* over tokens (token-mean) or rows
+        (seq-mean-token-mean), and the gradient is divided once by the number of those in all
+        micro-batches of all ranks, known only after the last one. So the step is the one a
+        single process would take on the whole minibatch, however its rows fell to ranks and
+        micro-batches (a mean per part would weigh a short part's rows more). DDP averages
+        over ranks, hence the factor ``world`` back.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = self._split(rows, self.cfg.accumulation)
+        totals = dict.fromkeys(("loss", "pg_loss", "denominator", "tokens"), 0.0)
+        seen = []
+        for i, part in enumerate(parts):
+            with self.ranks.sync_grads(self.model, sync=i == len(parts) - 1):
+                mb, index = self._micro(batch, part)
+                with self._autocast():
+                    logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
+                # One step per batch: the proximal policy is this very forward pass, detached.
+                prox = logprobs.detach() if proximal is None else proximal[index]
+                ref = None if reference is None else reference[index]
+                loss, m = self._loss(mb, logprobs, prox, ref, reduction="sum")
+                loss.backward()
+            totals = {k: totals[k] + m[k] for k in totals}
+            if len(part) or not seen:  # a blank micro-batch says nothing about the policy
+                seen.append(m)
+        # The probe re-scores the last micro-batch: its own loss, as a mean, to compare with.
+        probe = (mb, m["loss"] / max(m["denominator"], 1.0), prox, ref)
+        totals = self.ranks.sum(totals)
+        denominator = max(totals["denominator"], 1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(self.ranks.world / denominator)
+        grad_norm = self.ranks.clip_grad_norm(self.model, self.cfg.grad_clip)
+        self.optimizer.step()
+        m = _merge_metrics(seen)
+        del m["denominator"]
+        m.update(loss=totals["loss"] / denominator, pg_loss=totals["pg_loss"] / denominator,
+                 tokens=totals["tokens"])
+        return m, grad_norm, probe
+
+    def _micro(self, batch, part):
+        """The micro-batch of rows ``part`` and its row index. An empty ``part`` (a rank
+        with fewer rows than slices) gives row 0 with nothing trained: it still runs the
+        forward and backward the other ranks' collectives wait for, and adds zero."""
+        if len(part):
+            return batch.rows(part), part
+        index = torch.zeros(1, dtype=torch.long)
+        blank = batch.rows(index)
+        blank.action_mask = torch.zeros_like(blank.action_mask)
+        blank.num_tokens = 0
+        return blank, index
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _record(self, groups) -> None:
+        """Add every rank's groups of this update to the ledger, in rank order."""
+        ids = self.ranks.gather_strings([g.group_id for g in groups])
+        self.consumed += ids
+        self._consumed_ids.update(ids)
+        if self.ranks.is_main:  # the one that commits
+            self._uncommitted += ids
+
+    def _publish(self, wait: bool = False) -> None:
+        state = self.ranks.model_state(self.model)  # under FSDP every rank gathers
+        if self.publisher is not None:
+            self.publisher.publish(state, self.version, wait=wait)
 
     @torch.no_grad()
     def _fixed_logprobs(self, batch):
         """Proximal log-probs (only needed ahead with several minibatches) and the reference's."""
         proximal = None
-        if self.cfg.minibatches > 1:
-            proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
-        reference = None
-        if self.reference is not None:
-            reference = token_logprobs(self.reference, batch.input_ids, batch.attention_mask)
+        with self._autocast():
+            if self.cfg.minibatches > 1:
+                proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+            reference = None
+            if self.reference is not None:
+                reference = token_logprobs(self.reference, batch.input_ids,
+                                           batch.attention_mask)
         return proximal, reference
 
-    def _loss(self, batch, logprobs, proximal, reference):
+    def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
         behaviour, clip_high, nav = navigation_terms(batch, proximal, self.cfg.clip_high,
                                                      self.experience.clip_high)
         loss, m = policy_loss(
@@ -289,32 +404,38 @@ class Learner:
             clip_low=self.cfg.clip_low, clip_high=clip_high,
             dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
             aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
-            ref_logprobs=reference)
+            ref_logprobs=reference, reduction=reduction)
         return loss, {**m, **nav}
 
     @torch.no_grad()
     def _probe(self, batch, loss_before: float, proximal, reference) -> dict[str, float]:
-        """Did the (last) step do what it was for? Re-score its minibatch with the new weights.
+        """Did the (last) step do what it was for? Re-score its (last) micro-batch with the
+        new weights; with several ranks, rank 0's.
 
         A training-reward curve answers this too, but over a few dozen small batches it is
         mostly sampling noise; the loss on the batch the step was taken on is not.
         """
-        after = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+        with self._autocast():
+            after = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
         loss_after, _ = self._loss(batch, after, proximal, reference)
         mask = batch.action_mask.float()
         log_ratio = proximal - after  # KL(before || after), k1 estimate on the sampled tokens
         return {"step_gain": loss_before - float(loss_after),
                 "step_kl": float((log_ratio * mask).sum() / mask.sum().clamp(min=1))}
 
-    def _log(self, groups, lags, stats, m, grad_norm, waited_s, step_s):
+    def _log(self, groups, lags, counts, m, grad_norm, waited_s, step_s):
+        """Rank 0's metrics: losses, tokens and group counts of the whole batch; rewards,
+        lags and timings of its own share."""
+        if self.metrics is None:
+            return
         rewards = [t.reward for g in groups for t in g.trajectories]
-        tokens = stats["tokens"]
         self.metrics.log({
             **m, "grad_norm": grad_norm, "version": self.version, "updates": self.updates,
-            "degenerate_groups": stats["degenerate_groups"], "groups": len(groups),
+            "degenerate_groups": int(counts["degenerate_groups"]),
+            "groups": int(counts["groups"]),
             "reward": float(np.mean(rewards)), "lag_min": min(lags),
             "lag_mean": float(np.mean(lags)),
-            "lag_max": max(lags), "tokens_per_s": tokens / max(step_s, 1e-9),
+            "lag_max": max(lags), "tokens_per_s": counts["tokens"] / max(step_s, 1e-9),
             "updates_per_s": 1.0 / max(step_s + waited_s, 1e-9), "step_s": step_s,
             "idle_s": waited_s, "idle_fraction": waited_s / max(waited_s + step_s, 1e-9),
             "lr": self.scheduler.get_last_lr()[0], "publish_s": self.publisher.last_publish_s,
@@ -322,22 +443,52 @@ class Learner:
         self.control.set_state(learner_updates=self.updates, version=self.version)
 
 
+def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """``learner.autocast``: bf16 on request, or by default on CUDA; None for float32."""
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _merge_metrics(ms: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its micro-batches': the mean, but the largest ``iw_max``."""
+    if len(ms) == 1:
+        return dict(ms[0])
+    return {k: (max if k == "iw_max" else _mean)([m[k] for m in ms]) for k in ms[0]}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
          resume: bool = False) -> None:
+    """One learner process; under ``torchrun`` (``WORLD_SIZE`` > 1) one rank of several."""
     torch.set_num_threads(cfg.learner.torch_threads)
+    ranks = Ranks.from_env()
+    ranks.start(ranks.device(cfg.learner.device))
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     replay = ReplayClient.for_run(cfg)
-    learner = Learner(cfg, run_dir, control, replay)
-    signal.signal(signal.SIGTERM, learner.request_stop)
-    signal.signal(signal.SIGINT, learner.request_stop)
-    if resume:
-        try:
-            learner.resume()
-        except CheckpointError as exc:
-            replay.close()
-            raise SystemExit(f"learner: {exc}") from None
+    learner = None
     try:
+        learner = Learner(cfg, run_dir, control, replay, ranks=ranks)
+        signal.signal(signal.SIGTERM, learner.request_stop)
+        signal.signal(signal.SIGINT, learner.request_stop)
+        if resume:
+            try:
+                learner.resume()
+            except CheckpointError as exc:
+                raise SystemExit(f"learner: {exc}") from None
+        # Every rank reads the checkpoint itself: on nodes that do not share the run
+        # directory they would start from different states, and the lockstep would break.
+        if not ranks.agree(f"{learner.updates}/{learner.version}/{len(learner.consumed)}"):
+            raise SystemExit(f"learner: the ranks resumed from different checkpoints; every "
+                             f"rank must see {Path(run_dir) / CHECKPOINT}")
         learner.run(max_updates)
     finally:
         replay.close()
-        learner.metrics.close()
+        if learner is not None and learner.metrics is not None:
+            learner.metrics.close()
+        if learner is not None and learner.publisher is not None:
+            learner.publisher.close()  # stops the weight server, frees weights.address
+        ranks.close()

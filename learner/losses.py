@@ -25,6 +25,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | None = None,
     aggregation: str = "token-mean",
+    reduction: str = "mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled clipped surrogate, token-mean over the trained tokens.
 
@@ -61,6 +62,12 @@ def policy_loss(
     ``iw_cap`` set to ``None`` disable those parts. ``num_tokens`` overrides the denominator so
     that micro-batches of one batch add up to the token-mean of the whole batch.
 
+    ``reduction="sum"`` returns the numerator of either mean (``Σ keep·ℓ``, or the sum of the
+    rows' token-means) and adds ``denominator`` to the metrics (kept tokens, or rows with a
+    kept token): what micro-batches and ranks sum before dividing once, when the whole batch's
+    count is known (learner/learner.py, ``Learner._step``). ``loss`` and ``pg_loss`` in the
+    metrics are sums too then.
+
     Metrics (floats): ``loss``; ``pg_loss`` (the surrogate part); ``clip_fraction`` (kept tokens
     where the clipped term is the binding one); ``dual_clip_fraction`` (kept tokens capped by the
     dual clip); ``iw_mean``, ``iw_max``, ``iw_masked_fraction`` (over ``mask``, before the cap);
@@ -96,16 +103,22 @@ def policy_loss(
         token_loss = token_loss + kl_coef * kl_ref
 
     # where, not multiply: a dropped token's loss may be huge and must not leak in as inf·0.
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be mean or sum, not {reduction!r}")
     zero = torch.zeros_like(token_loss)
     if aggregation == "seq-mean-token-mean":
         per_row = keep.sum(dim=-1, keepdim=True).float()
-        rows = (per_row > 0).sum().clamp(min=1)
-        weight = torch.where(per_row > 0, 1.0 / per_row.clamp(min=1), 0.0) / rows
+        count = (per_row > 0).sum()
+        weight = torch.where(per_row > 0, 1.0 / per_row.clamp(min=1), 0.0)
+        if reduction == "mean":
+            weight = weight / count.clamp(min=1)
         loss = torch.where(keep, token_loss * weight, zero).sum()
         pg = torch.where(keep, pg_token * weight, zero).sum()
     elif aggregation == "token-mean":
-        kept = keep.sum()
-        denom = kept.clamp(min=1).float() if num_tokens is None else float(max(num_tokens, 1))
+        count = keep.sum()
+        denom = count.clamp(min=1).float() if num_tokens is None else float(max(num_tokens, 1))
+        if reduction == "sum":
+            denom = 1.0
         loss = torch.where(keep, token_loss, zero).sum() / denom
         pg = torch.where(keep, pg_token, zero).sum() / denom
     else:
@@ -115,7 +128,7 @@ def policy_loss(
     metrics = _metrics(
         loss=loss, pg=pg, keep=keep, valid=valid,
         clipped=clipped > unclipped, dual=dual, iw=iw, kl_behaviour=_k3(logp - behaviour),
-        kl_ref=kl_ref,
+        kl_ref=kl_ref, denominator=count if reduction == "sum" else None,
     )
     return loss, metrics
 
@@ -177,7 +190,8 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _metrics(*, loss, pg, keep, valid, clipped, dual, iw, kl_behaviour, kl_ref) -> dict[str, float]:
+def _metrics(*, loss, pg, keep, valid, clipped, dual, iw, kl_behaviour, kl_ref,
+             denominator=None) -> dict[str, float]:
     def mean_over(x, where):
         return (x.float() * where).sum() / where.sum().clamp(min=1)
 
@@ -195,6 +209,8 @@ def _metrics(*, loss, pg, keep, valid, clipped, dual, iw, kl_behaviour, kl_ref) 
     }
     if kl_ref is not None:
         named["kl_ref"] = mean_over(torch.where(keep, kl_ref.detach(), zero), keep)
+    if denominator is not None:
+        named["denominator"] = denominator
     # One device→host transfer for all of them instead of one sync per metric.
     values = torch.stack([v.float() for v in named.values()]).tolist()
     return dict(zip(named, values))
