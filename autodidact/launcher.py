@@ -251,6 +251,10 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
                                  log_path=logs / "replay.log"))
             stats = wait_for_replay(cfg, timeout_s=60)
             console.print(f"  replay  {cfg.replay.address}  ({stats.get('groups', 0)} groups)")
+            if cfg.actor.num_actors == 0 or cfg.redis.bind:  # actors run on other nodes
+                from autodidact.node_cli import worker_hint
+
+                console.print(worker_hint(cfg, run_dir), highlight=False)
             return train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume)
         except TransportTimeout:
             console.print(f"[red]replay server did not answer; see {logs / 'replay.log'}[/]")
@@ -316,6 +320,10 @@ def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) 
         try:
             code = supervise(cfg, run_dir, control, roles, redis_watch, feeder, mirror)
         finally:
+            # Worker nodes (autodidact node) stop their roles on this; "done" comes only
+            # after the final evaluation, moments before Redis goes away with the launcher.
+            with contextlib.suppress(redis.RedisError):
+                control.set_state(phase="finishing")
             roles.stop()
         summary["restarts"] = {**roles.restarts(), "redis": redis_watch.restarts}
         learner_rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]

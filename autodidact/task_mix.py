@@ -8,6 +8,7 @@ Redis, which explorers keep growing; the feeder picks up new ones at every epoch
 from __future__ import annotations
 
 import random
+import time
 
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
@@ -46,7 +47,20 @@ class TaskFeeder:
         self.control, self.share = control, share
         self.original, self.synthetic = original, []
         self.rng = random.Random(cfg.seed)
-        self.low_water = 4 * cfg.actor.num_actors * cfg.actor.groups_in_flight
+        # Sized for every actor drawing from the queue: this machine's and, counted from their
+        # heartbeats, other nodes' (autodidact node); at least one.
+        self.per_actor = 4 * cfg.actor.groups_in_flight
+        self.local_actors = cfg.actor.num_actors
+        self.low_water = self.per_actor * max(self.local_actors, 1)
+        self._counted_at = float("-inf")
+
+    def count_actors(self, every_s: float = 10.0) -> None:
+        now = time.monotonic()
+        if now - self._counted_at < every_s:
+            return
+        self._counted_at = now
+        live = sum(h.get("role") == "actor" for h in self.control.alive())
+        self.low_water = self.per_actor * max(self.local_actors, live, 1)
 
     def refresh(self) -> int:
         """Take in tasks the explorers added since the last call; returns the pool size."""
@@ -54,6 +68,7 @@ class TaskFeeder:
         return len(self.synthetic)
 
     def top_up(self) -> None:
+        self.count_actors()
         if self.control.task_queue_len() >= self.low_water:
             return
         self.refresh()

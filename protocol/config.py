@@ -132,7 +132,8 @@ class EnvConfig:
 @dataclass
 class ActorConfig:
     num_actors: int = 2
-    """Actor processes started by ``autodidact run``."""
+    """Actor processes started by ``autodidact run``; 0 = none on this machine (a head node
+    whose actors run elsewhere, with ``autodidact node``; see docs/multinode.md)."""
 
     backend: str = "transformers"
     """Inference backend: ``transformers`` (CPU or GPU) or ``vllm`` (GPU, the [vllm] extra)."""
@@ -170,8 +171,9 @@ class ActorConfig:
     group starts from the same prompt, so a group costs about one prefill)."""
 
     def check(self):
-        for name in ("num_actors", "group_size", "groups_in_flight", "max_action_tokens",
-                     "torch_threads"):
+        if self.num_actors < 0:
+            raise ConfigError(f"num_actors must be >= 0, got {self.num_actors}")
+        for name in ("group_size", "groups_in_flight", "max_action_tokens", "torch_threads"):
             _positive(self, name)
         _positive(self, "gpu_memory_utilization")
         _at_most(self, "gpu_memory_utilization", 1.0)

@@ -11,7 +11,7 @@ from autodidact.cli import main
 from protocol.config import RunConfig, load_config
 
 COMMANDS = ["run", "config", "replay", "actor", "learner", "judge", "explore", "eval", "tasks",
-            "keys"]
+            "keys", "node", "status", "report"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -86,7 +86,7 @@ ZERO_OK = {
     "explore.min_valid_fraction", "explore.dedup_jaccard", "tasks.synthetic_share",
     "tasks.grader_repetition_cap", "experience.min_similarity", "experience.share",
     "experience.update_every", "experience.dedup_similarity", "experience.warmstart_share",
-    "judge.workers", "judge.temperature",
+    "judge.workers", "judge.temperature", "actor.num_actors",  # 0: a head node (multinode)
 }
 
 
