@@ -213,13 +213,17 @@ def main(cfg: RunConfig, run_dir: Path, actor_id: str) -> None:
     torch.set_num_threads(cfg.actor.torch_threads)
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     replay = ReplayClient.for_run(cfg)
-    actor = Actor(cfg, run_dir, control, replay, make_backend(cfg), actor_id)
+    serve(Actor(cfg, run_dir, control, replay, make_backend(cfg), actor_id))
+
+
+def serve(actor: Actor) -> None:
+    """Run ``actor`` until SIGTERM/SIGINT (it finishes its turn), then release what it holds."""
     signal.signal(signal.SIGTERM, actor.request_stop)
     signal.signal(signal.SIGINT, actor.request_stop)
     try:
         actor.run()
     finally:
-        replay.close()
+        actor.replay.close()
         actor.backend.close()
         actor.metrics.close()
         actor.outbox.close()
