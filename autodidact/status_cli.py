@@ -288,10 +288,16 @@ def _replay(run_dir, cfg, records, live, replay_alive, timeout_s, notes):
     return fill, backlog
 
 
+# Written by the launcher about a stage (held-out evaluations), not by a role's process.
+RECORDS_WITHOUT_PROCESS = ("eval",)
+
+
 def _roles(records, pids, heartbeats, state, summary, now, ttl):
     """One row per role instance seen in pids.json, heartbeats or metrics."""
     last_by_id: dict[str, dict] = {}
     for rec in records:
+        if rec.get("role") in RECORDS_WITHOUT_PROCESS:
+            continue
         member = rec.get("id") or rec.get("role")
         if member:
             last_by_id[str(member)] = rec
