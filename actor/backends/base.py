@@ -10,7 +10,9 @@ on exactly the ids that were sampled, with the log-probs the sampler saw.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # imported only for annotations; constraint.py does not import us back
@@ -91,6 +93,27 @@ class Generation:
     version: int
     # Engine-specific extras (timings, ...); never needed by the learner.
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def check_prompts(prompts: list[list[int]], constraints: list | None, vocab: int | None) -> None:
+    """Refuse what no backend can generate from: a constraint count that does not match, an
+    empty prompt, ids outside ``[0, vocab)`` (``vocab`` None: only negatives are refused)."""
+    if constraints is not None and len(constraints) != len(prompts):
+        raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        if min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
+            raise ValueError(f"prompt {i} has ids outside [0, {vocab})")
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """A safetensors file, or the ``*.safetensors`` shards of a folder (sorted)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"no safetensors weights at {path}")
+    return files
 
 
 class InferenceBackend(abc.ABC):

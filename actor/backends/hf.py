@@ -11,13 +11,19 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actor.backends.base import FinishReason, Generation, InferenceBackend, SamplingParams
+from actor.backends.base import (
+    FinishReason,
+    Generation,
+    InferenceBackend,
+    SamplingParams,
+    check_prompts,
+    safetensors_files,
+)
 from actor.backends.constraint import TokenConstraint
 
 StateDictOrPath = dict[str, torch.Tensor] | str | os.PathLike
@@ -44,12 +50,8 @@ def _read_state_dict(source: StateDictOrPath) -> dict[str, torch.Tensor]:
         return source
     from safetensors.torch import load_file
 
-    path = Path(source)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path}")
     state: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in safetensors_files(source):
         state.update(load_file(str(file), device="cpu"))
     return state
 
@@ -121,7 +123,7 @@ class TransformersBackend(InferenceBackend):
         constraints: list[TokenConstraint | None] | None = None,
     ) -> list[Generation]:
         model = self._live_model()
-        self._check_inputs(prompts, constraints)
+        check_prompts(prompts, constraints, self._vocab)
         if not prompts:
             return []
         constraints = constraints or [None] * len(prompts)
@@ -341,17 +343,6 @@ class TransformersBackend(InferenceBackend):
             if name in accepted:
                 return {name: 1}
         return {}
-
-    def _check_inputs(
-        self, prompts: list[list[int]], constraints: list[TokenConstraint | None] | None
-    ) -> None:
-        if constraints is not None and len(constraints) != len(prompts):
-            raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= self._vocab:
-                raise ValueError(f"prompt {i} has ids outside [0, {self._vocab})")
 
     def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
         ids = set(params.stop_token_ids)

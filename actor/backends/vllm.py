@@ -71,7 +71,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actor.backends.base import FinishReason, Generation, InferenceBackend, SamplingParams
+from actor.backends.base import (
+    FinishReason,
+    Generation,
+    InferenceBackend,
+    SamplingParams,
+    check_prompts,
+    safetensors_files,
+)
 
 if TYPE_CHECKING:  # annotations only: a vLLM worker imports this module for the extension
     import torch
@@ -259,15 +266,6 @@ class WeightLoaderExtension:
         return counted[0]
 
 
-def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """A safetensors file, or the ``*.safetensors`` shards of a folder (sorted)."""
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise FileNotFoundError(f"no safetensors weights at {path}")
-    return files
-
-
 def _file_shapes(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes from safetensors headers (no tensor data is read)."""
     from safetensors import safe_open
@@ -445,7 +443,7 @@ class VLLMBackend(InferenceBackend):
         constraints: list[TokenConstraint | None] | None = None,
     ) -> list[Generation]:
         engine = self._live()
-        self._check_inputs(prompts, constraints)
+        check_prompts(prompts, constraints, self._vocab)
         if not prompts:
             return []
         self._note_mode(params)
@@ -588,13 +586,3 @@ class VLLMBackend(InferenceBackend):
             raise RuntimeError(f"backend unusable: {self._failed}")
         return self._engine
 
-    def _check_inputs(
-        self, prompts: list[list[int]], constraints: list[TokenConstraint | None] | None
-    ) -> None:
-        if constraints is not None and len(constraints) != len(prompts):
-            raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or (self._vocab is not None and max(prompt) >= self._vocab):
-                raise ValueError(f"prompt {i} has ids outside [0, {self._vocab})")
