@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 console = Console(stderr=True, soft_wrap=True)
 
 
-def write_resolved_config(cfg: RunConfig, run_dir: Path) -> Path:
-    """``config.yaml`` for the roles; mode 0600, since ``redis.url`` carries the password."""
-    path = run_dir / "config.yaml"
+def write_resolved_config(cfg: RunConfig, run_dir: Path, name: str = "config.yaml") -> Path:
+    """``<run_dir>/<name>`` for the roles; mode 0600, since ``redis.url`` carries the
+    password."""
+    path = run_dir / name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # a config.yaml from before may be world-readable
     with os.fdopen(fd, "w") as f:

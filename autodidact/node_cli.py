@@ -22,11 +22,9 @@ Logs go to ``<run-dir>/logs/<id>.log``.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,7 +101,7 @@ def run_node(cfg, run_dir: Path, name: str, actors: int, judges: int, gpus: int,
     """Start, supervise and stop this node's roles; returns a process exit code."""
     import redis
 
-    from autodidact.launcher import prepare_model, role_argv
+    from autodidact.launcher import prepare_model, role_argv, write_resolved_config
     from autodidact.supervisor import Supervisor
     from protocol.control import ControlPlane, redact
 
@@ -111,7 +109,8 @@ def run_node(cfg, run_dir: Path, name: str, actors: int, judges: int, gpus: int,
         cfg.model.path = prepare_model(cfg, run_dir)  # deterministic: the head's base model
     if gpus and cfg.actor.backend == "transformers":
         cfg.actor.device = "cuda"
-    config_path = write_node_config(cfg, run_dir, name)
+    # Named per node: the run dir may be shared.
+    config_path = write_resolved_config(cfg, run_dir, f"node-{name}.yaml")
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     stopping: list[str] = []
@@ -134,28 +133,14 @@ def run_node(cfg, run_dir: Path, name: str, actors: int, judges: int, gpus: int,
             try:
                 return supervise_node(name, roles, watch, stopping, progress_s, head_gone_s)
             finally:
-                stop_all(roles)
+                # All producers, no order to keep; one shared grace period, since an actor
+                # may be mid-fetch of weights, or retrying Redis, from a head already gone.
+                # SIGKILL after it loses nothing: the outboxes are on disk.
+                roles.stop(grace_s=STOP_GRACE_S, together=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         client.close()
-
-
-def stop_all(roles) -> None:
-    """SIGTERM every role at once (they are all producers: no order to keep), then wait for
-    each with one shared grace period; an actor may be mid-fetch of weights, or retrying
-    Redis, from a head already gone."""
-    for run in roles.roles.values():
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for name, run in roles.roles.items():
-        try:
-            run.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:  # SIGKILL loses nothing: the outbox is on disk
-            say(f"{name} did not stop in {STOP_GRACE_S:.0f}s; killing it")
-            run.proc.kill()
-            run.proc.wait()
 
 
 def node_roles(name, actors, judges, gpus, run_dir, config_path, logs, role_argv) -> list:
@@ -272,21 +257,6 @@ def progress_line(name, roles, watch, elapsed_s) -> str:
     return (f"[{elapsed_s:5.0f}s] node {name}: {up}/{len(roles.roles)} roles up, "
             f"{len(beats)} heartbeating, run version {version}, actor versions "
             f"{versions or '-'}, groups {groups}, restarts {len(roles.restart_log)}")
-
-
-def write_node_config(cfg, run_dir: Path, name: str) -> Path:
-    """``node-<name>.yaml``: the resolved config this node's roles read; mode 0600, since
-    ``redis.url`` carries the password. Named per node: the run dir may be shared."""
-    import yaml
-
-    from protocol.config import to_dict
-
-    path = run_dir / f"node-{name}.yaml"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return path
 
 
 def say(message: str) -> None:

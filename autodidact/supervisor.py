@@ -112,14 +112,23 @@ class Supervisor:
     def exited(self, name: str) -> int | None:
         return self.roles[name].proc.poll()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 10.0, together: bool = False) -> None:
         """Stop roles in reverse start order, so producers (actors) flush to their consumers
-        (replay) before those go away."""
-        for name, run in reversed(list(self.roles.items())):
-            if run.proc.poll() is None:
-                _signal(run, signal.SIGTERM)
+        (replay) before those go away. ``together``: SIGTERM them all at once and wait under
+        one shared grace period (roles that are all producers, such as a worker node's)."""
+        runs = list(reversed(self.roles.items()))
+        if together:
+            for _, run in runs:
+                if run.proc.poll() is None:
+                    _signal(run, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, run in runs:
+            if not together:
+                if run.proc.poll() is None:
+                    _signal(run, signal.SIGTERM)
+                deadline = time.monotonic() + grace_s
             try:
-                run.proc.wait(timeout=grace_s)
+                run.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in %.0fs; killing it", name, grace_s)
                 _signal(run, signal.SIGKILL)
