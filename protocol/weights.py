@@ -73,7 +73,7 @@ def verify(data: bytes, ann: WeightsAnnouncement, chunk_bytes: int = CHUNK_BYTES
     chunk in order (stopping at the first bad one), then the whole-file digest, in one pass."""
     if len(data) != ann.total_bytes:
         return f"has {len(data)} bytes, {ann.total_bytes} announced"
-    if not ann.num_chunks == len(ann.chunk_sha256) == -(-max(len(data), 1) // chunk_bytes):
+    if not consistent(ann, chunk_bytes):
         return "announcement inconsistent with its chunk count"
     view, whole = memoryview(data), hashlib.sha256()
     for i, want in enumerate(ann.chunk_sha256):
