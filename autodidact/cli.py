@@ -297,6 +297,7 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
 
 
 def _register_tasks():
+    from autodidact.ablation import ablation
     from autodidact.eval_cli import eval_command
     from autodidact.keys_cli import keys
     from autodidact.node_cli import node
@@ -310,6 +311,7 @@ def _register_tasks():
     main.add_command(node)
     main.add_command(status)
     main.add_command(report)
+    main.add_command(ablation)
 
 
 _register_tasks()

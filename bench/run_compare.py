@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import protocol.messages  # noqa: E402,F401  (registers the message types)
+from autodidact.ablation import run_argv  # noqa: E402
 from protocol import codec  # noqa: E402
 from replay.store import Store  # noqa: E402
 
@@ -40,10 +41,8 @@ def run(out: Path, name: str, config: Path, updates: int, sets: list[str], reuse
     run_dir = out / name
     if reuse and (run_dir / "summary.json").exists():
         return run_dir
-    args = [sys.executable, "-m", "autodidact.cli", "run", "-c", str(config),
-            "--run-dir", str(run_dir), "--max-updates", str(updates),
-            "--set", f"name=bench-{name}", "--set", "learner.max_minutes=30",
-            "--set", "eval.num_tasks=100", *[a for s in sets for a in ("--set", s)]]
+    args = run_argv(config, run_dir, updates, [f"name=bench-{name}", "learner.max_minutes=30",
+                                                "eval.num_tasks=100", *sets])
     print(f"[bench] {name}: {' '.join(args[2:])}", flush=True)
     subprocess.run(args, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return run_dir

@@ -1,0 +1,500 @@
+"""``autodidact ablation``: AgentEvolver's ablation table at our scale, on the built-in env.
+
+Every arm trains only on synthetic (self-questioned) tasks and is scored on the env's held-out
+*original* tasks, from the same seeds and with the same update budget::
+
+    zero-shot                the model before any training (each run's first evaluation)
+    +questioning             synthetic tasks, warm-start on their verified references, RL with
+                             the outcome reward only (GRPO, no judge, no experience)
+    +questioning+navigating  ... and retrieved experiences in half the rollouts (stripped in
+                             training)
+    +questioning+attributing ... and step labels from the judge (composite advantage)
+    full                     all three
+
+For each arm and seed the command runs ``autodidact run`` as a user would (its own processes and
+run directory under ``--out``), one after another, so runs never compete for the cores. Finished
+runs are reused when asked again with the same settings, so an interrupted ablation goes on
+where it stopped. Then it prints the table (mean ± std over seeds of avg@k and best@k, and each
+arm's change against +questioning paired by seed), writes it with a plot into the doc
+(``docs/ablation.md`` by default) between markers, keeping any text outside them, and overlays
+the seed-0 runs in ``OUT/report`` with ``autodidact report``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What every arm shares: training on self-questioned tasks only, held-out scored with k=8.
+COMMON = ("tasks.synthetic_share=1.0", "eval.k=8")
+
+ARMS: dict[str, tuple[str, ...] | None] = {
+    "zero-shot": None,  # not a run: the base model each trained run evaluates first
+    "+questioning": ("experience.enabled=false", "learner.advantage=grpo", "judge.workers=0"),
+    "+questioning+navigating": ("experience.enabled=true", "learner.advantage=grpo",
+                                "judge.workers=0"),
+    "+questioning+attributing": ("experience.enabled=false", "learner.advantage=composite",
+                                 "judge.workers=1"),
+    "full": ("experience.enabled=true", "learner.advantage=composite", "judge.workers=1"),
+}
+REFERENCE = "+questioning"  # the arm the others are compared with, seed by seed
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one arm may spend; the same for every arm and seed."""
+
+    updates: int
+    """Learner updates of RL after the warm-start."""
+
+    sets: tuple[str, ...] = ()
+    """Further config overrides that set the budget (warm-start steps, evaluated tasks)."""
+
+
+DEFAULT_BUDGET = Budget(100, ("eval.num_tasks=100",))
+QUICK_BUDGET = Budget(16, ("eval.num_tasks=40", "warmstart.steps=100", "learner.batch_groups=8",
+                           "explore.seeds=12"))
+
+
+@dataclass
+class Result:
+    """One arm at one seed: the held-out evaluations its ``summary.json`` holds."""
+
+    arm: str
+    seed: int
+    run_dir: Path | None
+    base: dict = field(default_factory=dict)   # before any training (the zero-shot model)
+    warm: dict = field(default_factory=dict)   # after the warm-start
+    final: dict = field(default_factory=dict)  # after RL: the arm's number
+    updates: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    reused: bool = False  # read from a finished run of an earlier call
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm.strip('+').replace('+', '-')}-s{seed}"
+
+
+def run_argv(config: Path | None, run_dir: Path, updates: int, sets: list[str]) -> list[str]:
+    """``autodidact run`` for one run directory, with ``sets`` applied in order."""
+    argv = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
+            "--max-updates", str(updates)]
+    if config is not None:
+        argv += ["-c", str(config)]
+    return argv + [a for s in sets for a in ("--set", s)]
+
+
+def run_once(argv: list[str], log_path: Path) -> int:
+    """Run ``argv`` from the repository root with its output in ``log_path``; the exit code."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        return subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def finished(run_dir: Path, argv: list[str]) -> bool:
+    """Whether ``run_dir`` holds a completed run made by exactly ``argv``."""
+    stamp = run_dir / "ablation-argv.json"
+    summary = run_dir / "summary.json"
+    if not (stamp.exists() and summary.exists()):
+        return False
+    return (json.loads(stamp.read_text()) == argv[1:]
+            and json.loads(summary.read_text()).get("success_rl") is not None)
+
+
+def read_result(arm: str, seed: int, run_dir: Path, seconds: float = 0.0) -> Result:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    learner = summary.get("learner") or {}
+    return Result(arm, seed, run_dir, base=summary.get("success_base") or {},
+                  warm=summary.get("success_warm") or {}, final=summary.get("success_rl") or {},
+                  updates=int(learner.get("learner/updates", 0)),
+                  seconds=seconds or float(summary.get("ablation_seconds", 0.0)))
+
+
+def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
+            sets: list[str], fresh: bool) -> Result:
+    """One trained arm at one seed: reused when finished before with the same argv."""
+    run_dir = (out / run_name(arm, seed)).resolve()
+    group = f"{out.name}/{arm}"
+    argv = run_argv(config, run_dir, budget.updates,
+                    [*COMMON, *budget.sets, *sets, *ARMS[arm], f"seed={seed}",
+                     f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
+    if not fresh and finished(run_dir, argv):
+        result = read_result(arm, seed, run_dir)
+        result.reused = True
+        return result
+    shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished run is not resumed: same start
+    t0 = time.monotonic()
+    code = run_once(argv, out / f"{run_dir.name}.log")
+    seconds = time.monotonic() - t0
+    summary = run_dir / "summary.json"
+    if code != 0 or not summary.exists():
+        return Result(arm, seed, run_dir, seconds=seconds,
+                      error=f"exit code {code}; see {out / (run_dir.name + '.log')}")
+    data = json.loads(summary.read_text())
+    data["ablation_seconds"] = seconds
+    summary.write_text(json.dumps(data, indent=2, default=str))
+    (run_dir / "ablation-argv.json").write_text(json.dumps(argv[1:]))
+    return read_result(arm, seed, run_dir, seconds)
+
+
+def zero_shot(results: list[Result], seed: int) -> Result:
+    """The zero-shot arm at ``seed``: the base-model evaluation of that seed's trained runs.
+
+    Every run of a seed builds the same base model and evaluates it on the same tasks with the
+    same sampling seed, so the runs agree; should they not, their mean is taken."""
+    bases = [r.base for r in results if r.seed == seed and r.base]
+    if not bases:
+        return Result("zero-shot", seed, None, error="no trained run of this seed finished")
+    final = {key: sum(b[key] for b in bases) / len(bases)
+             for key in ("avg", "best", "greedy") if all(key in b for b in bases)}
+    return Result("zero-shot", seed, None, base=bases[0], final=final)
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    if not values:
+        return math.nan, math.nan
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def paired_change(results: list[Result], arm: str, key: str = "avg") -> list[float]:
+    """``arm`` minus the reference arm on the same seed, for every seed both finished."""
+    ref = {r.seed: r.final[key] for r in results if r.arm == REFERENCE and key in r.final}
+    return [r.final[key] - ref[r.seed] for r in results
+            if r.arm == arm and key in r.final and r.seed in ref]
+
+
+def verdict(changes: list[float]) -> str:
+    """A plain reading of paired changes: a direction is claimed only when every seed agrees
+    and the mean change is larger than its spread."""
+    if len(changes) < 2:
+        return "too few seeds to say"
+    mean, std = mean_std(changes)
+    same_sign = all(c > 0 for c in changes) or all(c < 0 for c in changes)
+    if same_sign and abs(mean) > std:
+        return ("helps" if mean > 0 else "hurts") + f" on all {len(changes)} seeds"
+    return "no consistent effect"
+
+
+def summarize(results: list[Result], k: int) -> list[dict]:
+    """One row per arm: mean ± std over seeds, and the change against the reference arm."""
+    rows = []
+    for arm in dict.fromkeys(r.arm for r in results):
+        done = [r for r in results if r.arm == arm and r.final]
+        row = {"arm": arm, "seeds": len(done)}
+        for key in ("avg", "best", "greedy"):
+            row[key] = mean_std([r.final[key] for r in done if key in r.final])
+        row["warm"] = mean_std([r.warm["avg"] for r in done if "avg" in r.warm])
+        row["updates"] = mean_std([float(r.updates) for r in done if r.run_dir])
+        row["minutes"] = mean_std([r.seconds / 60 for r in done if r.seconds])
+        if arm != REFERENCE and arm != "zero-shot":
+            changes = paired_change(results, arm)
+            row["change"] = mean_std(changes)
+            row["verdict"] = verdict(changes)
+        rows.append(row)
+    return rows
+
+
+def _pm(pair: tuple[float, float], scale: float = 100.0, spec: str = ".1f") -> str:
+    mean, std = pair
+    if math.isnan(mean):
+        return "–"
+    return f"{mean * scale:{spec}} ± {std * scale:{spec}}"
+
+
+def _signed(pair: tuple[float, float]) -> str:
+    mean, std = pair
+    return "–" if math.isnan(mean) else f"{mean * 100:+.1f} ± {std * 100:.1f}"
+
+
+def table(rows: list[dict], k: int) -> str:
+    """The markdown table: success in percent, mean ± std over seeds."""
+    lines = [f"| setting | seeds | avg@{k} | best@{k} | greedy | Δ avg@{k} vs {REFERENCE} "
+             f"(paired) | reading | after warm-start avg@{k} | RL updates | minutes per run |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        trained = row["arm"] != "zero-shot"
+        lines.append(" | ".join([
+            f"| {row['arm']}", str(row["seeds"]), _pm(row["avg"]), _pm(row["best"]),
+            _pm(row["greedy"]), _signed(row["change"]) if "change" in row else "",
+            row.get("verdict", "reference" if row["arm"] == REFERENCE else ""),
+            _pm(row["warm"]) if trained else "",
+            _pm(row["updates"], 1.0, ".0f") if trained else "",
+            _pm(row["minutes"], 1.0) if trained else ""]) + " |")
+    return "\n".join(lines)
+
+
+def per_seed_table(results: list[Result], k: int) -> str:
+    seeds = sorted({r.seed for r in results})
+    lines = ["| setting | " + " | ".join(f"seed {s} avg@{k} / best@{k}" for s in seeds) + " |",
+             "|---|" + "---|" * len(seeds)]
+    for arm in dict.fromkeys(r.arm for r in results):
+        cells = []
+        for s in seeds:
+            r = next((r for r in results if r.arm == arm and r.seed == s), None)
+            if r is None or not r.final:
+                cells.append(f"failed: {r.error}" if r and r.error else "–")
+            else:
+                cells.append(f"{r.final['avg']:.1%} / {r.final['best']:.1%}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --- the plot --------------------------------------------------------------------------------
+
+
+def plot(results: list[Result], rows: list[dict], k: int, path: Path) -> Path:
+    """Left: held-out avg@k and best@k per arm (bars: mean over seeds, whiskers: std, dots:
+    seeds). Right: avg@k before training, after the warm-start and after RL, per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [row["arm"] for row in rows]
+    fig, (bars, stages) = plt.subplots(1, 2, figsize=(13, 4.8),
+                                       gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.38
+    for offset, key, colour in ((-width / 2, "avg", "tab:blue"), (width / 2, "best", "tab:orange")):
+        means = [row[key][0] * 100 for row in rows]
+        stds = [row[key][1] * 100 for row in rows]
+        xs = [i + offset for i in range(len(arms))]
+        bars.bar(xs, means, width, yerr=stds, capsize=4, color=colour, alpha=0.75,
+                 label=f"{key}@{k}")
+        for x, arm in zip(xs, arms):
+            ys = [r.final[key] * 100 for r in results if r.arm == arm and key in r.final]
+            bars.scatter([x] * len(ys), ys, color="black", s=10, zorder=3)
+    bars.set_xticks(range(len(arms)), [a.replace("+", "\n+").strip() for a in arms], fontsize=8)
+    bars.set_ylabel("held-out success (%)")
+    bars.set_title("held-out original tasks, mean ± std over seeds (dots: seeds)")
+    bars.legend()
+    for arm in arms[1:] if arms and arms[0] == "zero-shot" else arms:
+        done = [r for r in results if r.arm == arm and r.final and r.warm]
+        if done:
+            ys = [mean_std([r.base.get("avg", math.nan) for r in done])[0] * 100,
+                  mean_std([r.warm["avg"] for r in done])[0] * 100,
+                  mean_std([r.final["avg"] for r in done])[0] * 100]
+            stages.plot([0, 1, 2], ys, marker="o", label=arm)
+    stages.set_xticks([0, 1, 2], ["zero-shot", "warm-start", "after RL"])
+    stages.set_ylabel(f"held-out avg@{k} (%)")
+    stages.set_title("where the gain comes from")
+    stages.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- the doc ---------------------------------------------------------------------------------
+
+BEGIN = "<!-- ablation:begin (written by `autodidact ablation`; text outside is kept) -->"
+END = "<!-- ablation:end -->"
+
+
+def section(results: list[Result], rows: list[dict], k: int, command: str, plot_name: str,
+            budget: Budget, sets: list[str]) -> str:
+    seeds = sorted({r.seed for r in results})
+    failed = [r for r in results if r.error]
+    minutes = sum(r.seconds for r in results) / 60
+    lines = [
+        BEGIN, "",
+        f"Made by `{command}` on {date.today().isoformat()}: {len(seeds)} seed(s) "
+        f"({', '.join(map(str, seeds))}), {budget.updates} RL updates per run, "
+        f"{minutes:.0f} min of runs in all on {_machine()}, one run at a time.",
+        "",
+        "Every arm trains only on tasks the agent wrote itself (`tasks.synthetic_share=1.0`) "
+        "and is scored on the built-in env's held-out original tasks: success in percent, "
+        f"avg@{k} and best@{k} over {k} sampled episodes per task, greedy with temperature 0. "
+        f"Settings shared by every run: `{' '.join([*COMMON, *budget.sets, *sets])}`.",
+        "", table(rows, k), "",
+        f"The change against {REFERENCE} is paired by seed (the same seed builds the same base "
+        "model, explores the same way and evaluates the same tasks); the reading claims a "
+        "direction only when every seed agrees and the mean change exceeds its spread.",
+        "", "Per seed:", "", per_seed_table(results, k), "",
+        f"![ablation]({plot_name})", ""]
+    if failed:
+        lines += ["Runs that failed: " + "; ".join(f"{r.arm} seed {r.seed} ({r.error})"
+                                                    for r in failed), ""]
+    return "\n".join([*lines, END])
+
+
+def _machine() -> str:
+    import os
+
+    return f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"
+
+
+def write_doc(doc: Path, body: str) -> None:
+    """Replace the generated section of ``doc`` (or create the doc), keeping the rest."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    old = doc.read_text() if doc.exists() else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + body + rest.split(END, 1)[1]
+    else:
+        new = (old.rstrip() + "\n\n" if old else "# Ablation\n\n") + body + "\n"
+    doc.write_text(new)
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise click.BadParameter("give at least one seed, each once")
+    return seeds
+
+
+def controlled_keys() -> set[str]:
+    """Config keys the ablation sets itself: what defines an arm, the score and the seed."""
+    keys = {s.split("=", 1)[0] for arm_sets in ARMS.values() if arm_sets for s in arm_sets}
+    return keys | {s.split("=", 1)[0] for s in COMMON} | {"seed", "name", "tracking.group"}
+
+
+def check_sets(sets: list[str]) -> None:
+    taken = sorted({s.split("=", 1)[0].strip() for s in sets} & controlled_keys())
+    if taken:
+        raise click.BadParameter(f"the ablation sets {', '.join(taken)} itself (they define "
+                                 "the arms, the score or the seeds)", param_hint="--set")
+
+
+def parse_arms(text: str | None) -> list[str]:
+    if not text:
+        return list(ARMS)
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise click.BadParameter(f"unknown arm(s) {', '.join(unknown)}; choose from "
+                                 f"{', '.join(ARMS)}")
+    return arms
+
+
+@click.command("ablation")
+@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Config every run starts from (default: embedded defaults).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override one config value in every run (repeatable).")
+@click.option("--seeds", default=None, metavar="0,1,2",
+              help="Seeds, one run per arm each (default 0,1,2; --quick: 0).")
+@click.option("--arms", default=None, metavar="A,B",
+              help=f"Arms to run (default all: {', '.join(ARMS)}).")
+@click.option("--updates", type=int, default=None,
+              help=f"RL updates per run (default {DEFAULT_BUDGET.updates}; --quick "
+                   f"{QUICK_BUDGET.updates}).")
+@click.option("--quick", is_flag=True,
+              help="A smaller budget and one seed: within 10 minutes on 2 cores.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the runs go (default runs/ablation, --quick runs/ablation-quick).")
+@click.option("--doc", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Markdown file the table goes into, with the plot beside it (default "
+                   "docs/ablation.md; --quick: OUT/ablation.md).")
+@click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
+def ablation(config, sets, seeds, arms, updates, quick, out, doc, fresh):
+    """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
+    held-out original tasks, and write it with a plot into docs/ablation.md.
+
+    \b
+    autodidact ablation                 3 seeds x 4 trained arms (about an hour on 2 cores)
+    autodidact ablation --quick         1 seed, small budget (under 10 minutes)
+    autodidact ablation --seeds 0,1,2,3,4 --updates 200 --out runs/abl-long
+    """
+    budget = QUICK_BUDGET if quick else DEFAULT_BUDGET
+    if updates is not None:
+        if updates < 1:
+            raise click.BadParameter("must be at least 1", param_hint="--updates")
+        budget = Budget(updates, budget.sets)
+    seed_list = parse_seeds(seeds or ("0" if quick else "0,1,2"))
+    arm_list = parse_arms(arms)
+    check_sets(list(sets))
+    out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
+    doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
+    results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh)
+    k = 8
+    rows = summarize(results, k)
+    click.echo("\n" + table(rows, k))
+    plot_path = plot(results, rows, k, doc.with_suffix(".png"))
+    command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
+        else "autodidact ablation"
+    write_doc(doc, section(results, rows, k, command.strip(), plot_path.name, budget,
+                           list(sets)))
+    doc.with_suffix(".json").write_text(json.dumps(
+        {"budget": {"updates": budget.updates, "sets": [*COMMON, *budget.sets, *sets]},
+         "run_seconds": sum(r.seconds for r in results), "rows": rows,
+         "runs": [{**r.__dict__, "run_dir": str(r.run_dir) if r.run_dir else None}
+                  for r in results]}, indent=1, default=str))
+    overlay(results, out)
+    click.echo(f"table and plot written to {doc} and {plot_path}")
+    if any(r.error for r in results):
+        raise SystemExit(1)
+
+
+def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, budget: Budget,
+            sets: list[str], fresh: bool) -> list[Result]:
+    trained = [(arm, seed) for seed in seeds for arm in arms if ARMS[arm] is not None]
+    if not trained:
+        trained = [(REFERENCE, seed) for seed in seeds]  # zero-shot alone still needs a base
+    out.mkdir(parents=True, exist_ok=True)
+    click.echo(f"ablation: {len(trained)} runs ({len(seeds)} seed(s) x "
+               f"{len({a for a, _ in trained})} trained arm(s), {budget.updates} RL updates "
+               f"each) into {out}")
+    t0 = time.monotonic()
+    results = []
+    for i, (arm, seed) in enumerate(trained, 1):
+        click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: running "
+                   f"(log {out / (run_name(arm, seed) + '.log')})")
+        result = run_arm(arm, seed, out, config, budget, sets, fresh)
+        results.append(result)
+        elapsed = time.monotonic() - t0
+        eta = elapsed / i * (len(trained) - i)
+        if result.error:
+            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: FAILED, {result.error}")
+        else:
+            reused = " (reused)" if result.reused else ""
+            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: held-out avg@8 "
+                       f"{result.base.get('avg', math.nan):.1%} -> warm-start "
+                       f"{result.warm.get('avg', math.nan):.1%} -> RL "
+                       f"{result.final['avg']:.1%} (best@8 {result.final['best']:.1%}), "
+                       f"{result.updates} updates, {result.seconds / 60:.1f} min{reused}; "
+                       f"about {eta / 60:.0f} min left")
+    shown = [r for r in results if r.arm in arms]
+    if "zero-shot" in arms:
+        shown = [zero_shot(results, s) for s in seeds] + shown
+    return shown
+
+
+def overlay(results: list[Result], out: Path) -> None:
+    """``autodidact report`` of the first seed's runs, overlaid, in ``OUT/report``."""
+    from autodidact.report import make_report
+
+    first = min((r.seed for r in results), default=None)
+    runs = [r for r in results if r.seed == first and r.run_dir and r.final]
+    if len(runs) < 1:
+        return
+    path = make_report([r.run_dir for r in runs], [r.arm for r in runs], out / "report")
+    click.echo(f"training curves of seed {first}, overlaid: {path / 'report.md'}")

@@ -1,0 +1,183 @@
+"""``autodidact ablation``: the table's arithmetic on known numbers, the doc it rewrites, and one
+real tiny ablation (two trained arms and zero-shot, each a whole ``autodidact run``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from autodidact.ablation import (
+    ARMS,
+    BEGIN,
+    END,
+    REFERENCE,
+    Result,
+    ablation,
+    check_sets,
+    mean_std,
+    paired_change,
+    parse_arms,
+    parse_seeds,
+    summarize,
+    table,
+    verdict,
+    write_doc,
+    zero_shot,
+)
+from autodidact.metrics import read_metrics
+
+
+def _result(arm, seed, avg, best=None, base=0.02, warm=0.3):
+    return Result(arm, seed, Path(f"/runs/{arm}-{seed}"), base={"avg": base, "best": 0.1},
+                  warm={"avg": warm}, final={"avg": avg, "best": best or avg + 0.1},
+                  updates=100, seconds=240.0)
+
+
+def test_mean_std_is_the_sample_deviation():
+    mean, std = mean_std([0.1, 0.2, 0.3])
+    assert mean == pytest.approx(0.2) and std == pytest.approx(0.1)
+    assert mean_std([0.4]) == (0.4, 0.0)
+    assert all(math.isnan(x) for x in mean_std([]))
+
+
+def test_changes_are_paired_by_seed_and_skip_unfinished_seeds():
+    results = [_result(REFERENCE, 0, 0.40), _result(REFERENCE, 1, 0.20),
+               _result("full", 0, 0.45), _result("full", 1, 0.30), _result("full", 2, 0.9)]
+    # Seed 2 has no reference run: it is left out rather than compared with another seed.
+    assert paired_change(results, "full") == pytest.approx([0.05, 0.10])
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ([0.05, 0.04, 0.06], "helps on all 3 seeds"),
+    ([-0.05, -0.04, -0.06], "hurts on all 3 seeds"),
+    ([0.05, -0.04, 0.06], "no consistent effect"),
+    ([0.10, 0.001, 0.002], "no consistent effect"),  # same sign, but spread > mean
+    ([0.05], "too few seeds to say"),
+])
+def test_verdict_claims_a_direction_only_when_every_seed_agrees(changes, expected):
+    assert verdict(changes) == expected
+
+
+def test_summary_rows_and_table():
+    results = [zero_shot([_result(REFERENCE, s, 0.3)], s) for s in (0, 1)]
+    results += [_result(REFERENCE, 0, 0.40), _result(REFERENCE, 1, 0.20),
+                _result("full", 0, 0.45), _result("full", 1, 0.30)]
+    rows = {r["arm"]: r for r in summarize(results, 8)}
+    assert list(rows) == ["zero-shot", REFERENCE, "full"]
+    assert rows["zero-shot"]["avg"] == (pytest.approx(0.02), 0.0)
+    assert rows[REFERENCE]["avg"][0] == pytest.approx(0.30)
+    assert rows["full"]["change"][0] == pytest.approx(0.075)
+    assert rows["full"]["verdict"] == "helps on all 2 seeds"
+    assert "change" not in rows[REFERENCE] and "change" not in rows["zero-shot"]
+    text = table(list(rows.values()), 8)
+    lines = text.splitlines()
+    assert lines[0].startswith("| setting | seeds | avg@8 | best@8 |")
+    assert "| full | 2 | 37.5 ± 10.6 | 47.5 ± 10.6 |" in text
+    assert "+7.5 ± 3.5" in text and "| reference |" in text
+    assert lines[2].startswith("| zero-shot | 2 | 2.0 ± 0.0 | 10.0 ± 0.0 |")
+
+
+def test_zero_shot_is_the_base_model_of_the_seeds_runs():
+    runs = [_result(REFERENCE, 0, 0.4, base=0.03), _result("full", 0, 0.5, base=0.03),
+            _result(REFERENCE, 1, 0.4, base=0.05)]
+    zs = zero_shot(runs, 0)
+    assert zs.arm == "zero-shot" and zs.final["avg"] == pytest.approx(0.03)
+    assert zero_shot(runs, 7).error  # no run of that seed finished
+
+
+def test_doc_keeps_text_outside_the_generated_section(tmp_path):
+    doc = tmp_path / "ablation.md"
+    write_doc(doc, f"{BEGIN}\nfirst\n{END}")
+    assert doc.read_text().startswith("# Ablation\n")
+    doc.write_text("# Ablation\n\nintro by hand\n\n" + f"{BEGIN}\nfirst\n{END}" +
+                   "\n\n## Reading\n\nwritten by hand\n")
+    write_doc(doc, f"{BEGIN}\nsecond\n{END}")
+    text = doc.read_text()
+    assert "intro by hand" in text and "written by hand" in text
+    assert "second" in text and "first" not in text
+    assert text.count(BEGIN) == 1
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(click.BadParameter):
+        parse_seeds("0,x")
+    with pytest.raises(click.BadParameter):
+        parse_seeds("1,1")
+    with pytest.raises(click.BadParameter, match="unknown arm"):
+        parse_arms("full,+navigating")
+    assert parse_arms(None) == list(ARMS)
+    with pytest.raises(click.BadParameter, match="judge.workers"):
+        check_sets(["judge.workers=3"])  # would make the arms all the same
+    with pytest.raises(click.BadParameter, match="eval.k"):
+        check_sets(["eval.k=2"])
+    check_sets(["actor.num_actors=1"])
+    result = CliRunner().invoke(ablation, ["--updates", "0"])
+    assert result.exit_code == 2 and "--updates" in result.output
+
+
+# --- a real tiny ablation ---------------------------------------------------------------------
+
+# Two trained arms (outcome-only and full) at one seed, each a whole `autodidact run` with a
+# short exploration, a 10-step warm-start, 3 RL updates and 4 held-out tasks.
+TINY = ["explore.seeds=4", "warmstart.steps=10", "eval.num_tasks=4", "eval.greedy=false",
+        "learner.batch_groups=2", "actor.group_size=4", "actor.num_actors=1",
+        "tracking.wandb=offline"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_tiny_ablation_end_to_end(tmp_path):
+    out = tmp_path / "abl"
+    doc = tmp_path / "docs" / "ablation.md"
+    args = ["--arms", f"zero-shot,{REFERENCE},full", "--seeds", "3", "--updates", "3",
+            "--out", str(out), "--doc", str(doc), *[a for s in TINY for a in ("--set", s)]]
+    result = CliRunner().invoke(ablation, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+
+    ref, full = out / "questioning-s3", out / "full-s3"
+    configs = {d: yaml.safe_load((d / "config.yaml").read_text()) for d in (ref, full)}
+    for cfg in configs.values():
+        assert cfg["seed"] == 3 and cfg["tasks"]["synthetic_share"] == 1.0
+        assert cfg["eval"]["k"] == 8
+    assert configs[ref]["tracking"]["group"] == f"abl/{REFERENCE}"
+    assert configs[full]["tracking"]["group"] == "abl/full"
+    # The arms differ in exactly what they claim to.
+    assert (configs[ref]["learner"]["advantage"], configs[ref]["judge"]["workers"],
+            configs[ref]["experience"]["enabled"]) == ("grpo", 0, False)
+    assert (configs[full]["learner"]["advantage"], configs[full]["judge"]["workers"],
+            configs[full]["experience"]["enabled"]) == ("composite", 1, True)
+    assert not read_metrics(ref, "judge") and read_metrics(full, "judge")
+
+    data = json.loads(doc.with_suffix(".json").read_text())
+    runs = {r["arm"]: r for r in data["runs"]}
+    assert set(runs) == {"zero-shot", REFERENCE, "full"}
+    for arm in (REFERENCE, "full"):
+        summary = json.loads((Path(runs[arm]["run_dir"]) / "summary.json").read_text())
+        # Trained: the learner reached its budget, and the table's number is the run's own.
+        assert runs[arm]["updates"] == summary["learner"]["learner/updates"] == 3
+        assert runs[arm]["final"] == summary["success_rl"]
+        assert summary["success_rl"]["tasks"] == 4
+    # Same seed, same base model, same tasks: zero-shot is both runs' first evaluation.
+    assert runs["zero-shot"]["base"] == runs[REFERENCE]["base"] == runs["full"]["base"]
+    assert runs["zero-shot"]["final"]["avg"] == runs[REFERENCE]["base"]["avg"]
+
+    text = doc.read_text()
+    assert BEGIN in text and END in text and "![ablation](ablation.png)" in text
+    for arm in ("zero-shot", REFERENCE, "full"):
+        assert f"| {arm} | 1 |" in text
+    assert doc.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert (out / "report" / "report.md").exists()
+
+    # Asked again: the finished runs are reused, not run again, and the doc is rewritten.
+    stamp = (ref / "summary.json").stat().st_mtime_ns
+    again = CliRunner().invoke(ablation, args)
+    assert again.exit_code == 0, (again.output, again.exception)
+    assert again.output.count("(reused)") == 2
+    assert (ref / "summary.json").stat().st_mtime_ns == stamp
+    assert doc.read_text().count(BEGIN) == 1
