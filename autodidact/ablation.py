@@ -207,6 +207,8 @@ def summarize(results: list[Result], k: int) -> list[dict]:
         for key in ("avg", "best", "greedy"):
             row[key] = mean_std([r.final[key] for r in done if key in r.final])
         row["warm"] = mean_std([r.warm["avg"] for r in done if "avg" in r.warm])
+        row["rl_gain"] = mean_std([r.final["avg"] - r.warm["avg"] for r in done
+                                   if "avg" in r.warm and "avg" in r.final])
         row["updates"] = mean_std([float(r.updates) for r in done if r.run_dir])
         row["minutes"] = mean_std([r.seconds / 60 for r in done if r.seconds])
         if arm != REFERENCE and arm != "zero-shot":
@@ -232,8 +234,9 @@ def _signed(pair: tuple[float, float]) -> str:
 def table(rows: list[dict], k: int) -> str:
     """The markdown table: success in percent, mean ± std over seeds."""
     lines = [f"| setting | seeds | avg@{k} | best@{k} | greedy | Δ avg@{k} vs {REFERENCE} "
-             f"(paired) | reading | after warm-start avg@{k} | RL updates | minutes per run |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"(paired) | reading | after warm-start avg@{k} | RL gain (after RL − warm-start) "
+             "| RL updates | minutes per run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         trained = row["arm"] != "zero-shot"
         lines.append(" | ".join([
@@ -241,6 +244,7 @@ def table(rows: list[dict], k: int) -> str:
             _pm(row["greedy"]), _signed(row["change"]) if "change" in row else "",
             row.get("verdict", "reference" if row["arm"] == REFERENCE else ""),
             _pm(row["warm"]) if trained else "",
+            _signed(row["rl_gain"]) if trained else "",
             _pm(row["updates"], 1.0, ".0f") if trained else "",
             _pm(row["minutes"], 1.0) if trained else ""]) + " |")
     return "\n".join(lines)
@@ -281,8 +285,9 @@ def plot(results: list[Result], rows: list[dict], k: int, path: Path) -> Path:
         means = [row[key][0] * 100 for row in rows]
         stds = [row[key][1] * 100 for row in rows]
         xs = [i + offset for i in range(len(arms))]
-        bars.bar(xs, means, width, yerr=stds, capsize=4, color=colour, alpha=0.75,
-                 label=f"{key}@{k}")
+        drawn = bars.bar(xs, means, width, yerr=stds, capsize=4, color=colour, alpha=0.75,
+                         label=f"{key}@{k}")
+        bars.bar_label(drawn, fmt="%.1f", fontsize=7, padding=2)
         for x, arm in zip(xs, arms):
             ys = [r.final[key] * 100 for r in results if r.arm == arm and key in r.final]
             bars.scatter([x] * len(ys), ys, color="black", s=10, zorder=3)
@@ -348,7 +353,6 @@ def _machine() -> str:
 
 def write_doc(doc: Path, body: str) -> None:
     """Replace the generated section of ``doc`` (or create the doc), keeping the rest."""
-    doc.parent.mkdir(parents=True, exist_ok=True)
     old = doc.read_text() if doc.exists() else ""
     if BEGIN in old and END in old:
         head, rest = old.split(BEGIN, 1)
@@ -438,6 +442,7 @@ def ablation(config, sets, seeds, arms, updates, quick, out, doc, fresh):
     k = 8
     rows = summarize(results, k)
     click.echo("\n" + table(rows, k))
+    doc.parent.mkdir(parents=True, exist_ok=True)
     plot_path = plot(results, rows, k, doc.with_suffix(".png"))
     command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
         else "autodidact ablation"
@@ -445,13 +450,32 @@ def ablation(config, sets, seeds, arms, updates, quick, out, doc, fresh):
                            list(sets)))
     doc.with_suffix(".json").write_text(json.dumps(
         {"budget": {"updates": budget.updates, "sets": [*COMMON, *budget.sets, *sets]},
-         "run_seconds": sum(r.seconds for r in results), "rows": rows,
-         "runs": [{**r.__dict__, "run_dir": str(r.run_dir) if r.run_dir else None}
-                  for r in results]}, indent=1, default=str))
+         "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
+         "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results]},
+        indent=1, default=str))
     overlay(results, out)
     click.echo(f"table and plot written to {doc} and {plot_path}")
     if any(r.error for r in results):
         raise SystemExit(1)
+
+
+def _no_nan(value):
+    """``value`` with NaN (a statistic of nothing) as None: JSON has no NaN."""
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def _shown_path(path: Path | None) -> str | None:
+    """``path`` relative to the working directory when inside it (for a committed doc)."""
+    if path is None:
+        return None
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, budget: Budget,

@@ -74,6 +74,7 @@ def test_summary_rows_and_table():
     assert rows[REFERENCE]["avg"][0] == pytest.approx(0.30)
     assert rows["full"]["change"][0] == pytest.approx(0.075)
     assert rows["full"]["verdict"] == "helps on all 2 seeds"
+    assert rows["full"]["rl_gain"][0] == pytest.approx(0.075)  # from 0.30 warm-start
     assert "change" not in rows[REFERENCE] and "change" not in rows["zero-shot"]
     text = table(list(rows.values()), 8)
     lines = text.splitlines()
@@ -154,7 +155,8 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
             configs[full]["experience"]["enabled"]) == ("composite", 1, True)
     assert not read_metrics(ref, "judge") and read_metrics(full, "judge")
 
-    data = json.loads(doc.with_suffix(".json").read_text())
+    data = json.loads(doc.with_suffix(".json").read_text(),
+                      parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     runs = {r["arm"]: r for r in data["runs"]}
     assert set(runs) == {"zero-shot", REFERENCE, "full"}
     for arm in (REFERENCE, "full"):
