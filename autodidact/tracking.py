@@ -34,7 +34,11 @@ class WandbMirror:
         self._defined: set[str] = set()
         self._counts: dict[str, int] = {}
         self._t0: float | None = None
-        self._synced = 0  # records logged so far: metrics.jsonl's first ``_synced`` records
+        self._synced = 0  # records passed to sync so far: metrics.jsonl's first ``_synced``
+        # A resumed run (same wandb id) has already mirrored this many of the file's records;
+        # the launcher's tail reads the file from its start again, and those are not re-logged.
+        self._cursor = self.run_dir / "wandb" / "mirrored"
+        self._mirrored = _read_count(self._cursor)
         if mode == "disabled":
             return
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -65,8 +69,13 @@ class WandbMirror:
             return
         try:
             for rec in records:
-                self.run.log(self._values(rec))
+                values = self._values(rec)  # counted either way: the x-axes carry on
+                if self._synced >= self._mirrored:
+                    self.run.log(values)
                 self._synced += 1
+            if records and self._synced > self._mirrored:
+                self._mirrored = self._synced
+                self._cursor.write_text(str(self._mirrored))
         except Exception as exc:  # a wandb failure must not stop the launcher's loop
             log.warning("wandb log failed: %s", exc)
 
@@ -114,6 +123,13 @@ class WandbMirror:
             wandb.teardown()
         except Exception as exc:
             log.warning("wandb teardown: %s", exc)
+
+
+def _read_count(path: Path) -> int:
+    try:
+        return max(int(path.read_text().strip()), 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -202,9 +203,10 @@ def test_wandb_offline_run_has_every_metric_config_and_group(run_dir):
     for r in records:
         if r.WhichOneof("record_type") == "summary":
             summary.update(_items(r.summary.update))
-    # the launcher closes the mirror before the final evaluation: base and warm are there
-    assert summary["heldout/base_avg"] == json.loads(
-        (run_dir / "summary.json").read_text())["success_base"]["avg"]
+    # the launcher closes the mirror after the final evaluation: every stage is there
+    result = json.loads((run_dir / "summary.json").read_text())
+    assert summary["heldout/base_avg"] == result["success_base"]["avg"]
+    assert summary["heldout/rl_avg"] == result["success_rl"]["avg"]
     assert "heldout/warm_avg" in summary
 
 
@@ -244,3 +246,33 @@ def test_wandb_mirror_flushes_late_records_and_writes_the_summary(tmp_path):
     assert (summary["heldout/base_avg"], summary["heldout/rl_avg"],
             summary["heldout/rl_greedy"]) == (0.25, 0.75, 0.5)
     assert (summary["restarts/learner"], summary["restarts/total"]) == (1, 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_does_not_mirror_its_old_records_again(tmp_path):
+    """``autodidact run --resume`` reads metrics.jsonl from its start again; the wandb run (the
+    same id) gets only the records it has not had, with the x-axes carrying on."""
+    if importlib.util.find_spec("wandb") is None:
+        pytest.skip("wandb is not installed in this environment")
+    from autodidact.metrics import MetricsTail, MetricsWriter
+    from autodidact.tracking import WandbMirror
+
+    config = {"name": "r", "env": {"name": "files"}}
+    judge = MetricsWriter(tmp_path, "judge", "j0")
+    first = WandbMirror(tmp_path, "offline", config, "r")
+    for value in (1.0, 2.0):
+        judge.log({"groups_per_s": value})
+    first.sync(MetricsTail(tmp_path).read_new())
+    first.close({})
+    judge.log({"groups_per_s": 3.0})  # after the restart
+    time.sleep(1.1)  # wandb names an offline run by the second it starts: two distinct folders
+    second = WandbMirror(tmp_path, "offline", config, "r")
+    second.sync(MetricsTail(tmp_path).read_new())  # the whole file, as the launcher's tail does
+    second.close({})
+    histories = []
+    for path in sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb")):
+        histories.append([_items(r.history.item) for r in _wandb_records(path)
+                          if r.WhichOneof("record_type") == "history"])
+    assert len(histories) == 2
+    assert [h["judge/groups_per_s"] for h in histories[0]] == [1.0, 2.0]
+    assert [(h["judge/groups_per_s"], h["judge/step"]) for h in histories[1]] == [(3.0, 3)]
