@@ -95,9 +95,10 @@ class Generation:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def check_prompts(prompts: list[list[int]], constraints: list | None, vocab: int | None) -> None:
+def check_prompts(prompts: list[list[int]], constraints: list | None, vocab: int | None) -> list:
     """Refuse what no backend can generate from: a constraint count that does not match, an
-    empty prompt, ids outside ``[0, vocab)`` (``vocab`` None: only negatives are refused)."""
+    empty prompt, ids outside ``[0, vocab)`` (``vocab`` None: only negatives are refused).
+    Returns one constraint per prompt (``constraints`` None: all unconstrained)."""
     if constraints is not None and len(constraints) != len(prompts):
         raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
     for i, prompt in enumerate(prompts):
@@ -105,6 +106,7 @@ def check_prompts(prompts: list[list[int]], constraints: list | None, vocab: int
             raise ValueError(f"prompt {i} is empty")
         if min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
             raise ValueError(f"prompt {i} has ids outside [0, {vocab})")
+    return list(constraints) if constraints is not None else [None] * len(prompts)
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:

@@ -123,10 +123,9 @@ class TransformersBackend(InferenceBackend):
         constraints: list[TokenConstraint | None] | None = None,
     ) -> list[Generation]:
         model = self._live_model()
-        check_prompts(prompts, constraints, self._vocab)
+        constraints = check_prompts(prompts, constraints, self._vocab)
         if not prompts:
             return []
-        constraints = constraints or [None] * len(prompts)
         rng = torch.Generator(device=self._device)
         if params.seed is None:
             rng.seed()

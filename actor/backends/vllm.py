@@ -443,11 +443,10 @@ class VLLMBackend(InferenceBackend):
         constraints: list[TokenConstraint | None] | None = None,
     ) -> list[Generation]:
         engine = self._live()
-        check_prompts(prompts, constraints, self._vocab)
+        constraints = check_prompts(prompts, constraints, self._vocab)
         if not prompts:
             return []
         self._note_mode(params)
-        constraints = constraints or [None] * len(prompts)
         rows = [_Row() for _ in prompts]
         stepping = {i for i, c in enumerate(constraints) if c is not None}
         step = 0
