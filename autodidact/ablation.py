@@ -37,8 +37,9 @@ import click
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What every arm shares: training on self-questioned tasks only, held-out scored with k=8.
-COMMON = ("tasks.synthetic_share=1.0", "eval.k=8")
+K = 8  # episodes per held-out task: the table's avg@K and best@K, as in AgentEvolver's
+# What every arm shares: training on self-questioned tasks only, held-out scored with K.
+COMMON = ("tasks.synthetic_share=1.0", f"eval.k={K}")
 
 ARMS: dict[str, tuple[str, ...] | None] = {
     "zero-shot": None,  # not a run: the base model each trained run evaluates first
@@ -117,13 +118,15 @@ def finished(run_dir: Path, argv: list[str]) -> bool:
             and json.loads(summary.read_text()).get("success_rl") is not None)
 
 
-def read_result(arm: str, seed: int, run_dir: Path, seconds: float = 0.0) -> Result:
-    summary = json.loads((run_dir / "summary.json").read_text())
+def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None) -> Result:
+    """The result of a finished run, from its ``summary.json`` (or ``summary``, its contents)."""
+    if summary is None:
+        summary = json.loads((run_dir / "summary.json").read_text())
     learner = summary.get("learner") or {}
     return Result(arm, seed, run_dir, base=summary.get("success_base") or {},
                   warm=summary.get("success_warm") or {}, final=summary.get("success_rl") or {},
                   updates=int(learner.get("learner/updates", 0)),
-                  seconds=seconds or float(summary.get("ablation_seconds", 0.0)))
+                  seconds=float(summary.get("ablation_seconds", 0.0)))
 
 
 def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
@@ -150,7 +153,7 @@ def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
     data["ablation_seconds"] = seconds
     summary.write_text(json.dumps(data, indent=2, default=str))
     (run_dir / "ablation-argv.json").write_text(json.dumps(argv[1:]))
-    return read_result(arm, seed, run_dir, seconds)
+    return read_result(arm, seed, run_dir, data)
 
 
 def zero_shot(results: list[Result], seed: int) -> Result:
@@ -439,14 +442,13 @@ def ablation(config, sets, seeds, arms, updates, quick, out, doc, fresh):
     out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
     doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
     results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh)
-    k = 8
-    rows = summarize(results, k)
-    click.echo("\n" + table(rows, k))
+    rows = summarize(results, K)
+    click.echo("\n" + table(rows, K))
     doc.parent.mkdir(parents=True, exist_ok=True)
-    plot_path = plot(results, rows, k, doc.with_suffix(".png"))
+    plot_path = plot(results, rows, K, doc.with_suffix(".png"))
     command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
         else "autodidact ablation"
-    write_doc(doc, section(results, rows, k, command.strip(), plot_path.name, budget,
+    write_doc(doc, section(results, rows, K, command.strip(), plot_path.name, budget,
                            list(sets)))
     doc.with_suffix(".json").write_text(json.dumps(
         {"budget": {"updates": budget.updates, "sets": [*COMMON, *budget.sets, *sets]},
@@ -500,10 +502,10 @@ def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, b
             click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: FAILED, {result.error}")
         else:
             reused = " (reused)" if result.reused else ""
-            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: held-out avg@8 "
+            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: held-out avg@{K} "
                        f"{result.base.get('avg', math.nan):.1%} -> warm-start "
                        f"{result.warm.get('avg', math.nan):.1%} -> RL "
-                       f"{result.final['avg']:.1%} (best@8 {result.final['best']:.1%}), "
+                       f"{result.final['avg']:.1%} (best@{K} {result.final['best']:.1%}), "
                        f"{result.updates} updates, {result.seconds / 60:.1f} min{reused}; "
                        f"about {eta / 60:.0f} min left")
     shown = [r for r in results if r.arm in arms]
