@@ -83,11 +83,23 @@ class Store:
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=MAX_DBS, subdir=True,
                              readonly=readonly, create=not readonly)
         try:
-            self.db = {name: self.env.open_db(name.encode(), create=not readonly)
-                       for name in _SUBDBS}
+            self.db = self._open_dbs(readonly)
         except lmdb.Error:
             self.env.close()
             raise
+
+    def _open_dbs(self, readonly: bool) -> dict:
+        def open_all() -> dict:
+            return {name: self.env.open_db(name.encode(), create=not readonly)
+                    for name in _SUBDBS}
+
+        try:
+            return open_all()
+        except lmdb.MapResizedError:
+            # A reader beside a live writer whose map outgrew the size this env was opened
+            # with: size 0 adopts the writer's current size (LMDB's documented answer).
+            self.env.set_mapsize(0)
+            return open_all()
 
     def close(self) -> None:
         self.env.close()

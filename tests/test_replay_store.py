@@ -57,6 +57,35 @@ def test_read_stats_ignores_groups_without_generated_tokens(tmp_path):
     assert stats["groups"] == 1 and stats["newest_version"] is None
 
 
+def _grow_the_map(run_dir: str, map_size: int) -> None:
+    """A writer (another process, as the replay server is) that grows the map and commits."""
+    store = Store(run_dir, map_size=map_size)
+    with store.env.begin(write=True) as txn:
+        store.put_group(txn, "big", b"x" * (2 << 20), GroupRecord(0, "t", 0, 0, 1))
+    store.close()
+
+
+def test_a_reader_adopts_the_map_a_live_writer_grew(tmp_path):
+    """status and read_stats open the store read-only beside the server; a map the server grew
+    after the reader's env was opened must not fail the reader (MDB_MAP_RESIZED)."""
+    import multiprocessing as mp
+
+    store = Store(tmp_path, map_size=1 << 20)
+    store.close()
+    reader = Store(tmp_path, map_size=1 << 20, readonly=True)
+    try:
+        writer = mp.get_context("spawn").Process(target=_grow_the_map,
+                                                 args=(str(tmp_path), 64 << 20))
+        writer.start()
+        writer.join(60)
+        assert writer.exitcode == 0
+        reader.db = reader._open_dbs(readonly=True)  # what Store() does right after opening
+        with reader.env.begin() as txn:
+            assert txn.get(b"big", db=reader.db["groups"]) == b"x" * (2 << 20)
+    finally:
+        reader.close()
+
+
 @pytest.fixture
 def server(tmp_path):
     srv = ReplayServer(tmp_path, ReplayConfig(), "tcp://127.0.0.1:*")
