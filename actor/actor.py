@@ -26,38 +26,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actor.backends.base import InferenceBackend, SamplingParams
-from actor.envs.base import env_maker
-from actor.navigator import make_navigator
 from actor.outbox import Outbox
-from actor.reward import outcome_reward
-from actor.rollout import RolloutSettings, make_codec, rollout, start_episodes, to_groups
-from autodidact.metrics import MetricsWriter, RateMeter
+from environments.base import env_maker
+from episodes.reward import outcome_reward
+from episodes.rollout import make_codec, rollout, rollout_settings, start_episodes, to_groups
+from inference.backends.base import InferenceBackend, SamplingParams
+from inference.engines import make_backend
+from metrics.jsonl import MetricsWriter, RateMeter
+from navigating.navigator import make_navigator
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
+from protocol.replay_client import ReplayClient
 from protocol.weights import WeightSubscriber
-from replay.client import ReplayClient
 
 log = logging.getLogger(__name__)
-
-
-def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBackend:
-    """The engine ``actor.backend`` names; both sit behind the same interface."""
-    path = model_path or cfg.model.path
-    if cfg.actor.backend == "vllm":
-        from actor.backends.vllm import VLLMBackend
-
-        return VLLMBackend(path, gpu_memory_utilization=cfg.actor.gpu_memory_utilization,
-                           enable_prefix_caching=cfg.actor.prefix_caching, seed=cfg.seed)
-    from actor.backends.hf import TransformersBackend
-
-    return TransformersBackend(path, device=cfg.actor.device)
-
-
-def rollout_settings(cfg: RunConfig) -> RolloutSettings:
-    return RolloutSettings(max_turns=cfg.env.max_turns, max_context=cfg.env.max_context,
-                           max_action_tokens=cfg.actor.max_action_tokens,
-                           constrained=cfg.actor.constrained)
 
 
 class Actor:

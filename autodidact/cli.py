@@ -15,7 +15,8 @@ from pathlib import Path
 
 import click
 
-from protocol.config import RunConfig, load_config, to_dict
+from autodidact.resolve import resolve_config
+from protocol.config import RunConfig, to_dict
 from protocol.errors import ConfigError
 
 CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
@@ -34,7 +35,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _load(config: str | None, sets: tuple[str, ...]) -> RunConfig:
     try:
-        return load_config(config, list(sets))
+        return resolve_config(config, list(sets))
     except (ConfigError, OSError) as exc:
         raise click.UsageError(f"config: {exc}") from None
 
@@ -256,7 +257,7 @@ def explore(config, run_dir, sets, env_name, redis_url, rounds, proposer_url, pr
     """
     import signal
 
-    from actor import task_factory
+    from questioning import factory as task_factory
 
     cfg = _load(config, sets)
     if env_name and env_name != cfg.env.name:
@@ -271,7 +272,7 @@ def explore(config, run_dir, sets, env_name, redis_url, rounds, proposer_url, pr
         _default_prefix(cfg)
     path = resolve_run_dir(cfg, run_dir)
     if profile_only:
-        from actor.profile import render_toc
+        from questioning.profile import render_toc
 
         profile = task_factory.profile_only(cfg, path)
         click.echo(json.dumps(profile, indent=1) if as_json else render_toc(profile))

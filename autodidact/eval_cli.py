@@ -73,7 +73,7 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
 
 
 def _use_env(cfg: RunConfig, name: str, env_defaults: bool) -> None:
-    from actor.envs import env_class
+    from environments import env_class
 
     cls = env_class(name)
     if name != cfg.env.name:
@@ -89,10 +89,10 @@ def _use_env(cfg: RunConfig, name: str, env_defaults: bool) -> None:
 def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, k: int,
              temperature: float | None, policy: str, limit: int, batch_tasks: int,
              out: str | None) -> dict:
-    from actor.actor import rollout_settings
-    from actor.envs.base import env_maker
-    from actor.evaluate import evaluate
     from autodidact.launcher import prepare_model, write_split
+    from environments.base import env_maker
+    from episodes.evaluate import evaluate
+    from episodes.rollout import rollout_settings
 
     make_env = env_maker(cfg.env)
     env = make_env()
@@ -122,7 +122,7 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
                           seed=cfg.seed, policy=policy, progress=progress,
                           tokenizer=AutoTokenizer.from_pretrained(model_path))
     else:
-        from actor.actor import make_backend
+        from inference.engines import make_backend
 
         with make_backend(cfg, model_path) as backend:
             result = evaluate(backend, tasks, make_env, settings, temperature=temperature, k=k,

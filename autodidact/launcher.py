@@ -29,11 +29,11 @@ import yaml
 from rich.console import Console
 
 from autodidact.embedded_redis import EmbeddedRedis
-from autodidact.metrics import MetricsTail, MetricsWriter, read_metrics
 from autodidact.recovery import RedisWatch, restore_synthetic
 from autodidact.supervisor import RoleSpec, Supervisor
 from autodidact.task_mix import TaskFeeder, synthetic_share, warmstart_tasks
 from autodidact.tracking import WandbMirror
+from metrics.jsonl import MetricsTail, MetricsWriter, read_metrics
 from protocol.config import RunConfig, to_dict
 from protocol.control import ControlPlane, default_prefix, redact
 from protocol.errors import RemoteError, TransportTimeout
@@ -78,7 +78,7 @@ def learner_argv(cfg: RunConfig, run_dir: Path, config_path: Path, *extra: str) 
 
 
 def wait_for_replay(cfg: RunConfig, timeout_s: float) -> dict:
-    from replay.client import ReplayClient
+    from protocol.replay_client import ReplayClient
 
     client = ReplayClient.for_run(cfg, retry_after_s=0.5, timeout_s=timeout_s)
     try:
@@ -91,9 +91,9 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
     """The base model path: cfg.model.path, or a tiny model fitted to the env's vocabulary."""
     if cfg.model.path:
         return cfg.model.path
-    from actor.envs import env_class
-    from actor.navigator import policy_vocabulary
-    from actor.tiny_model import make_tiny_model
+    from environments import env_class
+    from inference.tiny_model import make_tiny_model
+    from navigating.navigator import policy_vocabulary
 
     m = cfg.model
     words, special = policy_vocabulary(env_class(cfg.env.name))
@@ -131,10 +131,10 @@ def held_out_success(cfg: RunConfig, model_path: str, label: str) -> dict | None
     """avg@k and best@k (sampled) and greedy success on held-out tasks."""
     if cfg.eval.num_tasks == 0:
         return None
-    from actor.actor import rollout_settings
-    from actor.backends.hf import TransformersBackend
-    from actor.envs.base import env_maker
-    from actor.evaluate import evaluate
+    from environments.base import env_maker
+    from episodes.evaluate import evaluate
+    from episodes.rollout import rollout_settings
+    from inference.backends.hf import TransformersBackend
 
     make_env = env_maker(cfg.env)
     tasks = make_env().tasks("test")
@@ -156,7 +156,7 @@ def held_out_success(cfg: RunConfig, model_path: str, label: str) -> dict | None
 
 def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,
                      tasks: list | None = None) -> str:
-    from actor.actor import rollout_settings
+    from episodes.rollout import rollout_settings
     from learner.warmstart import warm_start
 
     out = run_dir / "policy_init"
@@ -181,7 +181,7 @@ def experience_stage(cfg: RunConfig, run_dir: Path) -> dict | None:
     if not (cfg.experience.enabled and cfg.experience.init_from_explorations):
         return None
     from judge.experience_worker import make_extractor, seed_from_explorations
-    from replay.experiences import open_pool
+    from navigating.pool import open_pool
 
     pool = open_pool(cfg, run_dir=run_dir)
     counts = seed_from_explorations(pool, run_dir, make_extractor(cfg))
@@ -194,7 +194,7 @@ def explore_stage(cfg: RunConfig, run_dir: Path, control: ControlPlane, policy_p
                   share: float) -> dict | None:
     """Explore before training when the config asks for it; the pool in Redis mirrors the
     durable task store either way (a fresh Redis gets the stored tasks back)."""
-    from actor.task_factory import run_explore
+    from questioning.factory import run_explore
 
     restore_synthetic(run_dir, control)
     stored = control.synthetic_len()
@@ -268,7 +268,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
 def train(cfg, run_dir, control, roles, redis_watch, logs, max_updates, resume) -> int:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
-    from actor.envs.base import env_maker
+    from environments.base import env_maker
 
     base = prepare_model(cfg, run_dir)
     env = env_maker(cfg.env)()
@@ -378,7 +378,7 @@ class ReplayMonitor:
     """Logs the replay server's stats (sizes, rejections) and ingest rate as ``replay/...``."""
 
     def __init__(self, run_dir: Path, cfg: RunConfig):
-        from replay.client import ReplayClient
+        from protocol.replay_client import ReplayClient
 
         self.client = ReplayClient.for_run(cfg, timeout_s=5.0)
         self.metrics = MetricsWriter(run_dir, "replay")

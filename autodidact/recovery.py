@@ -48,7 +48,7 @@ def restore_control_plane(cfg: RunConfig, run_dir: Path, control: ControlPlane,
 
 
 def restore_synthetic(run_dir: Path, control: ControlPlane) -> int:
-    from replay.tasks import TaskStore, exists
+    from questioning.task_store import TaskStore, exists
 
     if not exists(run_dir):
         return 0
@@ -62,7 +62,7 @@ def restore_synthetic(run_dir: Path, control: ControlPlane) -> int:
 
 
 def restore_experiences(cfg: RunConfig, run_dir: Path) -> int:
-    from replay.experiences import DURABLE_FILE, ExperiencePool
+    from navigating.pool import DURABLE_FILE, ExperiencePool
 
     path = Path(run_dir) / DURABLE_FILE
     if not cfg.experience.enabled or not path.exists():

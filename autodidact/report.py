@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from autodidact.metrics import read_metrics
+from metrics.jsonl import read_metrics
 
 
 @dataclass

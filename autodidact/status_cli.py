@@ -86,8 +86,8 @@ def query_redis(url: str, prefix: str, ttl_s: float) -> dict:
 def query_replay(cfg: dict, timeout_s: float = 2.0) -> dict:
     """The replay server's own stats; ``{"error": ...}`` when it does not answer in time."""
     from protocol.config import SecurityConfig
+    from protocol.replay_client import ReplayClient
     from protocol.security import curve_for
-    from replay.client import ReplayClient
 
     address = (cfg.get("replay") or {}).get("address") or ""
     if not address:

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from protocol.messages import Task
-from replay.tasks import TaskStore
+from questioning.task_store import TaskStore
 
 # Same texts as autodidact.cli's; not imported from there because cli.py imports this module
 # (and runs as __main__ under the launcher), which would make the import circular.
@@ -131,10 +131,10 @@ def export(run_dir, out, fmt):
 
 
 def _verifier():
-    import actor.envs.base as base
+    import environments.base as base
 
     if not hasattr(base, "verify_task"):
-        raise click.ClickException("this build has no actor.envs.base.verify_task")
+        raise click.ClickException("this build has no environments.base.verify_task")
     return base.env_class, base.verify_task
 
 

@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from autodidact.metrics import MetricsTail
+from metrics.jsonl import MetricsTail
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autodidact.metrics import read_metrics  # noqa: E402
+from metrics.jsonl import read_metrics  # noqa: E402
 
 
 def run_mode(name: str, root: Path, seed_dir: Path, updates: int, staleness: int,

@@ -32,7 +32,7 @@ from run_compare import (
     updates_to_reach,
 )
 
-from autodidact.metrics import read_metrics
+from metrics.jsonl import read_metrics
 
 ARMS = {
     "outcome": ["learner.advantage=grpo", "judge.workers=0"],

@@ -136,7 +136,7 @@ def make_group(size: int) -> Group:
 
 
 def _push(address: str, client: int, seconds: float, size: int, window: int, out) -> None:
-    from replay.client import ReplayClient
+    from protocol.replay_client import ReplayClient
 
     template = make_group(size)
     replay = ReplayClient(address, retry_after_s=30)

@@ -7,7 +7,7 @@ talking over real ZeroMQ and Redis. The only stand-in is the policy:
 
 - **fixed-policy actors** are the real :class:`actor.actor.Actor` loop (admission against the
   staleness bound in Redis, tasks popped from the Redis queue, outbox on disk, pushes through
-  :class:`replay.client.ReplayClient`, retried until acknowledged, weights followed between
+  :class:`protocol.replay_client.ReplayClient`, retried until acknowledged, weights followed between
   turns), with ``roll`` replaced: instead of running a model, each group takes a fixed
   ``--group-seconds`` of wall time (a wait standing in for generation on the actor's own
   accelerator, spent listening for replay's acks) and comes out as a real ``Group`` of
@@ -61,14 +61,14 @@ from autodidact.launcher import (  # noqa: E402
     wait_for_replay,
     write_resolved_config,
 )
-from autodidact.metrics import read_metrics  # noqa: E402
 from autodidact.supervisor import RoleSpec, Supervisor  # noqa: E402
 from autodidact.task_mix import TaskFeeder  # noqa: E402
+from metrics.jsonl import read_metrics  # noqa: E402
 from protocol.config import RunConfig, load_config  # noqa: E402
 from protocol.control import ControlPlane, default_prefix  # noqa: E402
 from protocol.messages import Group, Step, Trajectory  # noqa: E402
+from protocol.replay_client import ReplayClient  # noqa: E402
 from protocol.transport import local_address  # noqa: E402
-from replay.client import ReplayClient  # noqa: E402
 
 DOCS = ROOT / "docs"
 ROLE_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -101,7 +101,7 @@ class TimedReplayClient(ReplayClient):
 
 
 def _fixed_backend_class():
-    from actor.backends.base import InferenceBackend
+    from inference.backends.base import InferenceBackend
 
     class FixedBackend(InferenceBackend):
         """No model: the tiny policy's tokenizer (for the actor's codec and the token ids), and
@@ -254,8 +254,8 @@ def actor_main(cfg: RunConfig, run_dir: Path, actor_id: str, group_seconds: floa
 def _fixed_learner_class():
     import torch
 
-    from autodidact.metrics import MetricsWriter
     from learner.learner import Learner
+    from metrics.jsonl import MetricsWriter
     from protocol.weights import WeightPublisher
 
     class FixedCostLearner(Learner):
@@ -438,7 +438,7 @@ def measure(n: int, args, work: Path, model_path: str, say) -> dict:
             start("learner", role_argv("learner", run_dir, config_path))
         else:
             start("learner", role_cmd("learner", run_dir, config_path, args))
-        from actor.envs.base import env_maker
+        from environments.base import env_maker
 
         feeder = TaskFeeder(cfg, control, env_maker(cfg.env)().tasks("train"), 0.0)
         feeder.top_up()

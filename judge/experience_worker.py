@@ -20,8 +20,8 @@ import signal
 import time
 from pathlib import Path
 
-from autodidact.metrics import MetricsWriter
-from judge.experience_extraction import ExperienceExtractor, LLMExtractor
+from metrics.jsonl import MetricsWriter
+from navigating.extraction import ExperienceExtractor, LLMExtractor
 from protocol import codec
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
@@ -38,14 +38,14 @@ def make_extractor(cfg: RunConfig) -> ExperienceExtractor:
         return ExperienceExtractor()
     if not cfg.llm.url:
         raise ValueError("experience.extractor=llm needs llm.url (an OpenAI-compatible endpoint)")
-    from judge.llm import OpenAIChat
+    from inference.llm import OpenAIChat
 
     return ExperienceExtractor(LLMExtractor(OpenAIChat.from_config(cfg.llm)))
 
 
 def seed_from_explorations(pool, run_dir: Path, extractor: ExperienceExtractor) -> dict:
     """Lessons from the explore stage's trajectories; nothing when it did not run."""
-    from actor.task_factory import read_explorations
+    from questioning.factory import read_explorations
 
     exps = [e for record in read_explorations(run_dir)
             for e in extractor.from_exploration(record)]
@@ -117,7 +117,7 @@ class ExperienceWorker:
 
 
 def main(cfg: RunConfig, run_dir: Path) -> None:
-    from replay.experiences import open_pool
+    from navigating.pool import open_pool
 
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     pool = open_pool(cfg, run_dir=run_dir)

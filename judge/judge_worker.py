@@ -22,13 +22,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from autodidact.metrics import MetricsWriter
 from judge.step_judges import Judgement, LLMJudge, ReferenceJudge, StepJudge, agreement
+from metrics.jsonl import MetricsWriter
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
 from protocol.messages import Group, StepLabels
-from replay.client import ReplayClient
+from protocol.replay_client import ReplayClient
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
 
     The cross-check is the reference judge, for LLM judges with ``judge.cross_check``; the
     hook makes the policy judge follow the learner's published weights."""
-    from actor.envs.base import env_maker
+    from environments.base import env_maker
 
     reference = ReferenceJudge(env_maker(cfg.env))
     backend = cfg.judge.resolved_backend(cfg.llm.url)
@@ -169,12 +169,12 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
         return reference, None, None
     hook = None
     if backend == "endpoint":
-        from judge.llm import OpenAIChat
+        from inference.llm import OpenAIChat
 
         chat = OpenAIChat.from_config(cfg.llm)
     else:
-        from actor.actor import make_backend
-        from actor.policy_chat import PolicyChat
+        from inference.engines import make_backend
+        from inference.policy_chat import PolicyChat
 
         chat = PolicyChat(make_backend(cfg), max_context=cfg.env.max_context, seed=cfg.seed)
         if control is not None:

@@ -27,8 +27,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actor.envs.base import Environment, described_only
-from judge.llm import ChatModel, LLMError, clip_text
+from environments.base import Environment, described_only
+from inference.llm import ChatModel, LLMError, clip_text
 from protocol.messages import Task, Trajectory
 
 log = logging.getLogger(__name__)

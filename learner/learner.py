@@ -35,16 +35,16 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from autodidact.metrics import MetricsWriter
 from learner.batching import build_batch
 from learner.distributed import SINGLE, Ranks
 from learner.logprobs import token_logprobs
 from learner.losses import navigation_terms, policy_loss
+from metrics.jsonl import MetricsWriter
 from protocol.config import LearnerConfig, RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
+from protocol.replay_client import ReplayClient
 from protocol.weights import WeightPublisher
-from replay.client import ReplayClient
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actor.envs.base import env_maker
-from actor.rollout import Codec, RolloutSettings, make_codec, scripted_episode, to_groups
+from environments.base import env_maker
+from episodes.rollout import Codec, RolloutSettings, make_codec, scripted_episode, to_groups
 from learner.batching import build_batch
 from learner.logprobs import token_logprobs
 from protocol.config import RunConfig
@@ -54,9 +54,9 @@ def with_experience(cfg: RunConfig, groups: list[Group], codec: Codec,
     xc = cfg.experience
     if not (xc.enabled and xc.warmstart_share > 0 and groups and cfg.redis.url):
         return groups
-    from actor.navigator import Navigator
-    from judge.experience_extraction import from_success
-    from replay.experiences import open_pool
+    from navigating.extraction import from_success
+    from navigating.navigator import Navigator
+    from navigating.pool import open_pool
 
     pool = open_pool(cfg, prefix=f"{cfg.redis.prefix}:warmstart")
     pool.add([e for g in groups for e in from_success(g.task, g.trajectories[0], -1)])

@@ -8,7 +8,6 @@ types and impossible values are refused at start with a message naming the key.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import typing
 from dataclasses import dataclass, field
@@ -112,7 +111,7 @@ class ModelConfig:
 @dataclass
 class EnvConfig:
     name: str = "files"
-    """Environment registry name (``actor.envs``)."""
+    """Environment registry name (``environments``)."""
 
     max_turns: int = 5
     """Actions per episode before it is cut off."""
@@ -770,7 +769,6 @@ class RunConfig:
         if self.actor.max_action_tokens >= self.env.max_context:
             raise ConfigError(f"actor.max_action_tokens ({self.actor.max_action_tokens}) must "
                               f"be < env.max_context ({self.env.max_context}): no action fits")
-        _check_env_options(self.env)
         if self.judge.backend == "endpoint" and not self.llm.url:
             raise ConfigError("judge.backend=endpoint needs llm.url (an OpenAI-compatible "
                               "endpoint)")
@@ -821,11 +819,11 @@ def _from_dict(cls, raw, where: str):
         raise ConfigError(f"unknown key {_join(where, unknown[0])} (known here: {known})")
     kwargs = {}
     for name, value in raw.items():
-        kwargs[name] = _coerce(hints[name], value, _join(where, name))
+        kwargs[name] = coerce(hints[name], value, _join(where, name))
     return cls(**kwargs)
 
 
-def _coerce(hint, value, key: str):
+def coerce(hint, value, key: str):
     if hint in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")
@@ -838,7 +836,7 @@ def _coerce(hint, value, key: str):
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         (inner,) = typing.get_args(hint)
-        return [_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool):
@@ -857,39 +855,6 @@ def _join(where: str, name: str) -> str:
 def _at_most(section, name: str, hi) -> None:
     if not getattr(section, name) <= hi:
         raise ConfigError(f"{name} must be at most {hi}, got {getattr(section, name)!r}")
-
-
-def _check_env_options(env: EnvConfig) -> None:
-    """``env.name`` names a known environment and ``env.options`` only its constructor's
-    keyword arguments (of the declared type where that is a plain one). A plugin
-    (``module:name``) is imported only when an env is made, so it is not checked here."""
-    if ":" in env.name:
-        return
-    try:
-        from actor.envs.base import env_class, env_names
-
-        cls = env_class(env.name)
-    except KeyError:
-        raise ConfigError(f"env.name: unknown environment {env.name!r}; known: "
-                          f"{', '.join(env_names())}") from None
-    except ImportError:  # this machine lacks the env's extra; the role that makes it will say
-        return
-    params = inspect.signature(cls.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    known = [n for n, p in params.items() if n != "self"
-             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                            inspect.Parameter.KEYWORD_ONLY)]
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # annotations this interpreter cannot evaluate: check names only
-        hints = {}
-    for key, value in env.options.items():
-        if key not in known:
-            raise ConfigError(f"env.options.{key}: unknown option of environment {env.name!r} "
-                              f"(known: {', '.join(known) or 'none'})")
-        if hints.get(key) in (int, float, str, bool):
-            _coerce(hints[key], value, f"env.options.{key}")
 
 
 def _positive(section, name: str) -> None:

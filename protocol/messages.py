@@ -53,7 +53,7 @@ def _check_sha256(value: str, name: str) -> None:
 @message("task")
 class Task:
     task_id: str  # stable id; many groups may roll out the same task
-    env: str  # environment registry name (actor.envs), e.g. "files"
+    env: str  # environment registry name (environments), e.g. "files"
     query: str  # natural-language instruction shown to the agent
     seed: int  # world seed passed to env.reset: same seed, same initial state
     goal: dict = field(default_factory=dict)  # env-specific checkable condition on the state

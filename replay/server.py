@@ -44,9 +44,9 @@ from protocol.messages import (
     StatsRequest,
     StepLabels,
 )
+from protocol.run_dir import single_writer_lock
 from protocol.security import CurveKeys, curve_for
 from protocol.transport import Incoming, RouterServer, local_address
-from replay.lock import single_writer_lock
 from replay.store import (
     EVICTED,
     EVICTED_STALE,

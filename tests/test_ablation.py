@@ -30,7 +30,7 @@ from autodidact.ablation import (
     write_doc,
     zero_shot,
 )
-from autodidact.metrics import read_metrics
+from metrics.jsonl import read_metrics
 
 
 def _result(arm, seed, avg, best=None, base=0.02, warm=0.3):

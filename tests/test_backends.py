@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from actor.backends import ActionTrie, Generation, SamplingParams, TransformersBackend
-from actor.tiny_model import make_tiny_model, parameter_count
+from inference.backends import ActionTrie, Generation, SamplingParams, TransformersBackend
+from inference.tiny_model import make_tiny_model, parameter_count
 
 WORDS = "go north south east west take drop key door open look lamp box red blue inventory".split()
 MARKERS = ["<exp>", "</exp>"]
@@ -298,7 +298,7 @@ def test_default_dtype_is_float32_on_every_device():
     """bf16 on GPU broke the equal-log-probs assumption (docs/gpu_check.md)."""
     import torch
 
-    from actor.backends.hf import _resolve_dtype
+    from inference.backends.hf import _resolve_dtype
 
     for device in ("cpu", "cuda"):
         assert _resolve_dtype(None, torch.device(device)) is torch.float32

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 pytest.importorskip("bfcl_eval")
 
-from actor.envs import make_env, verify_task  # noqa: E402
-from actor.envs.base import ARG_TYPES  # noqa: E402
-from actor.envs.bfcl import CATEGORIES, BFCLEnv, _data, split_ids  # noqa: E402
-from actor.explorer import Explorer, ExploreSettings, seed_tasks  # noqa: E402
-from actor.synthesis import HindsightSynthesizer, Preferences  # noqa: E402
+from environments import make_env, verify_task  # noqa: E402
+from environments.base import ARG_TYPES  # noqa: E402
+from environments.bfcl import CATEGORIES, BFCLEnv, _data, split_ids  # noqa: E402
 from protocol.messages import Task  # noqa: E402
+from questioning.explorer import Explorer, ExploreSettings, seed_tasks  # noqa: E402
+from questioning.synthesis import HindsightSynthesizer, Preferences  # noqa: E402
 
 ENV = BFCLEnv()
 ALL_TASKS = ENV.tasks("train") + ENV.tasks("test")

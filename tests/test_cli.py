@@ -46,7 +46,7 @@ def test_replay_stats_on_missing_store(tmp_path):
 
 
 def test_replay_stats_prints_one_json_object(tmp_path):
-    from replay.client import ReplayClient
+    from protocol.replay_client import ReplayClient
     from tests.helpers_replay import ServerProc, make_group, push_all
 
     with ServerProc(tmp_path) as server:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from actor.backends.base import SamplingParams
-from actor.backends.hf import TransformersBackend
-from actor.codecs import ChatCodec, MarkerCodec, make_codec
-from actor.envs.files import FilesEnv
-from actor.rollout import RolloutSettings, rollout, start_episodes
-from actor.tiny_model import make_tiny_chat_model
+from environments.files import FilesEnv
+from episodes.rollout import RolloutSettings, rollout, start_episodes
+from inference.backends.base import SamplingParams
+from inference.backends.hf import TransformersBackend
+from inference.codecs import ChatCodec, MarkerCodec, make_codec
+from inference.tiny_model import make_tiny_chat_model
 
 CORPUS = ["[ls(a=True)] cd docs mv notes.txt docs error : no such file Move the file "
           "tool_response system user assistant You are a tool user."] * 40

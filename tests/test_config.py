@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from protocol.config import RunConfig, load_config
+from autodidact.resolve import resolve_config
+from protocol.config import RunConfig
 from protocol.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,15 +21,15 @@ def test_there_are_shipped_configs():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_parses(path):
-    assert isinstance(load_config(path), RunConfig)
+    assert isinstance(resolve_config(path), RunConfig)
 
 
 def test_default_yaml_matches_embedded_defaults():
-    assert load_config(ROOT / "configs" / "default.yaml") == RunConfig()
+    assert resolve_config(ROOT / "configs" / "default.yaml") == RunConfig()
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(overrides=["replay.max_groups=12", "redis.heartbeat_ttl_s=3", "name=x"])
+    cfg = resolve_config(overrides=["replay.max_groups=12", "redis.heartbeat_ttl_s=3", "name=x"])
     assert (cfg.replay.max_groups, cfg.redis.heartbeat_ttl_s, cfg.name) == (12, 3.0, "x")
 
 
@@ -44,7 +45,7 @@ def test_overrides_apply_with_types():
 ])
 def test_bad_config_is_refused_naming_the_key(override, names):
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=[override])
+        resolve_config(overrides=[override])
     assert names in str(info.value)
 
 
@@ -52,7 +53,7 @@ def test_unknown_key_in_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("replay:\n  max_grups: 3\n")
     with pytest.raises(ConfigError, match="replay.max_grups"):
-        load_config(path)
+        resolve_config(path)
 
 
 # --- every field, by introspection: a new field without a check fails here ------------------------
@@ -93,7 +94,7 @@ ZERO_OK = {
 def _load(raw: dict, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return load_config(path)
+    return resolve_config(path)
 
 
 def _nested(key: str, value) -> dict:
@@ -221,4 +222,4 @@ def test_overrides_name_the_key_too():
                         ("replay.max_groups=-1", "replay.max_groups"),
                         ("env.options.bogus=1", "env.options.bogus")]:
         with pytest.raises(ConfigError, match=names):
-            load_config(overrides=[item])
+            resolve_config(overrides=[item])

@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 import torch
 
-from actor.tiny_model import make_tiny_model
-from autodidact.metrics import read_metrics
+from inference.tiny_model import make_tiny_model
+from metrics.jsonl import read_metrics
 from protocol.config import RunConfig
 from protocol.messages import Group, Task, Trajectory
 
@@ -161,8 +161,8 @@ def check_fsdp_resume(learner, run_dir: Path, model: str, sets: dict, ranks, con
 def spy_and_run_cli(spy_dir: Path, argv: list[str]) -> None:
     """``autodidact <argv>``, recording who called what that only rank 0 may call."""
     from autodidact import cli
+    from protocol.replay_client import ReplayClient
     from protocol.weights import WeightPublisher
-    from replay.client import ReplayClient
 
     calls: dict[str, list] = {"publisher": [], "publish": [], "save": [], "hello": [],
                               "commit": [], "batch": []}
@@ -360,7 +360,7 @@ def test_learner_under_torchrun_draws_shares_and_rank_0_alone_commits(tmp_path, 
     from autodidact.launcher import write_resolved_config
     from protocol.config import load_config
     from protocol.control import ControlPlane
-    from replay.client import ReplayClient
+    from protocol.replay_client import ReplayClient
     from replay.store import LAST_BATCH, Store
 
     run_dir, spy_dir = tmp_path / "run", tmp_path / "spy"

@@ -1,6 +1,6 @@
 """Arbitrary model text through every registered environment, along the actor's own path.
 
-Each example goes through ``actor.rollout.apply_action`` (the codec's decoded action, then
+Each example goes through ``episodes.rollout.apply_action`` (the codec's decoded action, then
 ``env.step``, then the Step the actor records and pushes) in a fresh episode, while a
 process-wide audit hook watches what runs. For every input, however hostile (huge, binary,
 NUL bytes, lone surrogates, 10k-deep brackets, ``__import__('os').system(...)``, dunder
@@ -31,8 +31,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actor.envs import env_class, env_names
-from actor.rollout import Episode, RolloutSettings, apply_action
+from environments import env_class, env_names
+from episodes.rollout import Episode, RolloutSettings, apply_action
 from protocol import codec
 from protocol.messages import Group, Task
 
@@ -96,7 +96,7 @@ def _tasks(name: str) -> list[Task]:
     if name == "bfcl":
         # A synthetic task (one user turn, state usable after errors) on an entry with the
         # file system and the math API: the tools with the most to abuse.
-        from actor.envs.bfcl import _data
+        from environments.bfcl import _data
 
         data = _data()
         seed = next(i for i, eid in enumerate(data.order)
@@ -290,8 +290,8 @@ def test_runaway_math_is_refused_before_it_runs(call):
     a billion digits of precision) would hang the actor: such arguments are refused by the
     parser, so nothing runs. Checked on the decoder alone, so a regression fails fast instead
     of hanging the test run."""
-    from actor.envs.base import ActionError
-    from actor.envs.bfcl import BFCLEnv
+    from environments.base import ActionError
+    from environments.bfcl import BFCLEnv
 
     env = BFCLEnv()
     with pytest.raises(ActionError) as err:
@@ -320,16 +320,16 @@ def codecs():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from actor.codecs import ChatCodec, MarkerCodec
-    from actor.envs.files import FilesEnv
-    from actor.navigator import policy_vocabulary
-    from actor.tiny_model import (
+    from environments.files import FilesEnv
+    from inference.codecs import ChatCodec, MarkerCodec
+    from inference.tiny_model import (
         CHAT_SPECIALS,
         CHATML_TEMPLATE,
         SPECIAL_TOKENS,
         _make_tokenizer,
         _vocabulary,
     )
+    from navigating.navigator import policy_vocabulary
 
     words, special = policy_vocabulary(FilesEnv)
     marker = MarkerCodec(_make_tokenizer(_vocabulary(words, special),

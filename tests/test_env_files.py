@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actor.envs import (
+from environments import (
     ActionError,
     ArgSpec,
     Environment,
@@ -23,7 +23,7 @@ from actor.envs import (
     register_env,
     verify_reference,
 )
-from actor.envs.files import build_tasks, goal_holds, make_world
+from environments.files import build_tasks, goal_holds, make_world
 from protocol.messages import Task
 
 VOCAB = set(FilesEnv.vocabulary())
@@ -412,7 +412,7 @@ def test_registry_lookup_and_unknown_name():
     assert "files" in env_names()
     env = make_env("files", num_worlds=5)
     assert isinstance(env, FilesEnv) and env.num_worlds == 5
-    assert env_class("actor.envs.files:files") is FilesEnv  # "module:name" imports a plugin
+    assert env_class("environments.files:files") is FilesEnv  # "module:name" imports a plugin
     with pytest.raises(KeyError, match="unknown environment 'nope'.*files"):
         make_env("nope")
 

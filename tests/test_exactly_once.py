@@ -13,7 +13,7 @@ import pytest
 from helpers_replay import ServerProc, make_group
 
 from protocol import codec
-from replay.client import ReplayClient
+from protocol.replay_client import ReplayClient
 from replay.store import Store, read_stats
 
 CLIENTS = 4

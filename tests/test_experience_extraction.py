@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from llm_stub import ScriptedChatServer
 
-from actor.envs.files import FilesEnv
-from actor.explorer import Exploration, Explorer, ExploreSettings, ExploreStep, seed_tasks
-from judge.experience_extraction import (
+from environments.files import FilesEnv
+from inference.llm import OpenAIChat
+from navigating.extraction import (
     ADVICE_WORDS,
     ExperienceExtractor,
     LLMExtractor,
@@ -28,8 +28,8 @@ from judge.experience_extraction import (
     from_group,
     from_success,
 )
-from judge.llm import OpenAIChat
 from protocol.messages import Experience, Group, Step, Task, Trajectory
+from questioning.explorer import Exploration, Explorer, ExploreSettings, ExploreStep, seed_tasks
 
 TASKS = FilesEnv().tasks("train")
 READABLE = set(FilesEnv.vocabulary()) | set(ADVICE_WORDS)

@@ -18,10 +18,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from actor.embedder import Embedder
 from autodidact.embedded_redis import EmbeddedRedis
+from inference.embedder import Embedder
+from navigating.pool import ExperiencePool, _pack_entry, experience_id
 from protocol.messages import Experience
-from replay.experiences import ExperiencePool, _pack_entry, experience_id
 
 MKDIR = ("move a file into a folder that does not exist yet",
          "create the folder first with mkdir, then mv the file into it")
@@ -257,7 +257,7 @@ def test_embedder_caches_each_text(embedder, monkeypatch):
 def test_embedder_missing_model_and_cheap_import(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-model-here"):
         Embedder(str(tmp_path / "no-model-here")).encode(["x"])
-    code = ("import sys, actor.embedder; "
+    code = ("import sys, inference.embedder; "
             "assert not {'torch', 'sentence_transformers'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 

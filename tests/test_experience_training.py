@@ -16,7 +16,7 @@ from protocol.messages import Group, Step, StepLabels, Task, Trajectory
 
 LN = math.log
 
-# Token ids as actor/rollout.py's PromptCodec would lay them out.
+# Token ids as episodes/rollout.py's PromptCodec would lay them out.
 BOS, TASK, OBS, ACT, EOA, EXP, EXP_END = 1, 2, 3, 4, 5, 6, 7
 QUERY, FIRST_OBS, ADVICE = [40, 41], [50], [60, 61]
 # (action ids without <eoa>, their log-probs incl. <eoa>, version, observation ids)

@@ -13,11 +13,15 @@ from collections import Counter
 
 import pytest
 
-from actor.envs.base import VERIFY_REASONS, described_only, verify_task
-from actor.envs.files import FilesEnv, make_world
-from actor.explorer import Exploration, Explorer, ExploreSettings, ExploreStep, seed_tasks
-from actor.profile import build_profile, render_toc
-from actor.synthesis import (
+from autodidact.task_mix import TaskFeeder, synthetic_share, warmstart_tasks
+from environments.base import VERIFY_REASONS, described_only, verify_task
+from environments.files import FilesEnv, make_world
+from protocol.config import load_config
+from protocol.messages import Task
+from questioning.explorer import Exploration, Explorer, ExploreSettings, ExploreStep, seed_tasks
+from questioning.factory import TaskFactory, explorations_path, profile_path, read_explorations
+from questioning.profile import build_profile, render_toc
+from questioning.synthesis import (
     HindsightSynthesizer,
     Preferences,
     Replayer,
@@ -26,11 +30,7 @@ from actor.synthesis import (
     jaccard,
     make_task,
 )
-from actor.task_factory import TaskFactory, explorations_path, profile_path, read_explorations
-from autodidact.task_mix import TaskFeeder, synthetic_share, warmstart_tasks
-from protocol.config import load_config
-from protocol.messages import Task
-from replay.tasks import TaskStore
+from questioning.task_store import TaskStore
 
 # Seed 1's world (make_world(1)), the ground of the scripted cases below:
 #   poem.md  diary.txt

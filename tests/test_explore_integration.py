@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 from test_run_integration import QUICK, stored_groups
 
-from actor.envs import FilesEnv
-from replay.tasks import TaskStore
+from environments import FilesEnv
+from questioning.task_store import TaskStore
 
 pytestmark = pytest.mark.slow
 

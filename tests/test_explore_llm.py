@@ -2,7 +2,7 @@
 grader as outcome reward, and the task factory with a chat model.
 
 The scripted server (tests/llm_stub.py) stands in for an LLM because no real LLM is available
-on this machine. Everything else is real: judge.llm.OpenAIChat sends real HTTP requests over a
+on this machine. Everything else is real: inference.llm.OpenAIChat sends real HTTP requests over a
 loopback socket and parses the scripted replies, the ``files`` env replays and verifies every
 task, the task store is LMDB in a tmp run dir and the control plane a private redis-server.
 """
@@ -15,9 +15,15 @@ import logging
 import pytest
 from llm_stub import ScriptedChatServer
 
-from actor.envs.base import verify_task
-from actor.envs.files import FilesEnv, make_world
-from actor.explorer import (
+from environments.base import verify_task
+from environments.files import FilesEnv, make_world
+from episodes.grader import LLMGrader
+from episodes.reward import OutcomeReward, outcome_reward
+from episodes.rollout import Episode
+from inference.llm import OpenAIChat
+from protocol.config import load_config
+from protocol.messages import Step, Task
+from questioning.explorer import (
     Exploration,
     Explorer,
     ExploreSettings,
@@ -26,15 +32,9 @@ from actor.explorer import (
     first_action_line,
     seed_tasks,
 )
-from actor.reward import OutcomeReward, outcome_reward
-from actor.rollout import Episode
-from actor.synthesis import LLM_REJECTS, LLMSynthesizer, Preferences, llm_solves
-from actor.task_factory import TaskFactory
-from judge.grader import LLMGrader
-from judge.llm import OpenAIChat
-from protocol.config import load_config
-from protocol.messages import Step, Task
-from replay.tasks import TaskStore
+from questioning.factory import TaskFactory
+from questioning.synthesis import LLM_REJECTS, LLMSynthesizer, Preferences, llm_solves
+from questioning.task_store import TaskStore
 
 SEED = 1  # make_world(1): poem.md diary.txt music/ src/ games/ (see tests/test_explore.py)
 WORLD = make_world(SEED)
@@ -221,7 +221,7 @@ def test_llm_proposer_drives_the_explorer():
 
 @pytest.mark.parametrize("default", [GARBAGE, {"status": 500}])
 def test_llm_proposer_that_cannot_write_calls_falls_back_to_schema(default, caplog):
-    caplog.set_level(logging.WARNING, logger="actor.explorer")
+    caplog.set_level(logging.WARNING, logger="questioning.explorer")
     with ScriptedChatServer([], default=default) as srv:
         proposer = LLMProposer(chat(srv.url, max_retries=0), FilesEnv().tools(), "stub-llm",
                                probe=4)
@@ -231,7 +231,7 @@ def test_llm_proposer_that_cannot_write_calls_falls_back_to_schema(default, capl
     assert explorer.counts["llm_invalid"] == 4 and explorer.counts["llm_actions"] == 0
     assert explorer.counts["schema_actions"] == explorer.counts["steps"] == 20
     assert all(s.proposer == "schema" and s.valid for e in exps for s in e.steps)
-    fell_back = [r for r in caplog.records if r.name == "actor.explorer"
+    fell_back = [r for r in caplog.records if r.name == "questioning.explorer"
                  and r.levelno == logging.WARNING and "tool schemas" in r.getMessage()]
     assert len(fell_back) == 1
     assert "stub-llm produced 0/4 valid calls" in fell_back[0].getMessage()
@@ -322,7 +322,7 @@ def test_outcome_reward_llm_mode_grades_everything():
 def test_outcome_reward_without_grader(caplog):
     described = seed_task({"description": "put the poem with the sources"}, ["mv poem.md src"])
     reward = OutcomeReward("auto", None)
-    caplog.set_level(logging.WARNING, logger="actor.reward")
+    caplog.set_level(logging.WARNING, logger="episodes.reward")
     assert reward(episode(described, ["mv poem.md src"])) == 0.0
     assert reward(episode(described, [])) == 0.0
     assert reward.ungraded == 2

@@ -28,17 +28,17 @@ import redis
 import torch
 from helpers_replay import ROOT, ServerProc, make_group, push_all
 
-from actor.envs.files import FilesEnv
 from autodidact.launcher import role_argv, write_resolved_config
-from autodidact.metrics import read_metrics
 from autodidact.supervisor import RoleSpec, Supervisor
+from environments.files import FilesEnv
+from metrics.jsonl import read_metrics
 from protocol import codec
 from protocol.config import ReplayConfig, RunConfig, load_config
 from protocol.control import ControlPlane
 from protocol.messages import BatchRequest, Group, Task
+from protocol.replay_client import ReplayClient
 from protocol.transport import Incoming
 from protocol.weights import WeightPublisher, WeightSubscriber, weights_path
-from replay.client import ReplayClient
 from replay.server import ReplayServer
 from replay.store import Store
 
@@ -200,7 +200,7 @@ def scripted_groups(model_path: str, tasks: list[Task]) -> list[Group]:
     its first action alone (mostly failure), replayed through the actors' episode code."""
     from transformers import AutoTokenizer
 
-    from actor.rollout import PromptCodec, RolloutSettings, scripted_episode, to_groups
+    from episodes.rollout import PromptCodec, RolloutSettings, scripted_episode, to_groups
 
     codec_ = PromptCodec(AutoTokenizer.from_pretrained(model_path))
     env, settings = FilesEnv(), RolloutSettings(max_turns=50, max_context=10_000)

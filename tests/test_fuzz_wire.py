@@ -294,7 +294,7 @@ def test_client_given_an_error_raises_remote_error(rogue, channel):
     ("stats", Ack()), ("pull_judge_work", Stats({})), ("request_batch", Ack()),
     ("hello", Stats({})), ("submit_labels", Batch([]))])
 def test_replay_client_given_a_reply_of_the_wrong_type(rogue, call, wrong):
-    from replay.client import ReplayClient
+    from protocol.replay_client import ReplayClient
 
     client = ReplayClient(rogue.address, retry_after_s=30, timeout_s=2)
     args = {"stats": (), "pull_judge_work": ("j",), "request_batch": ("L", 1, 0),

@@ -16,12 +16,12 @@ import pytest
 from helpers_replay import ROOT, ServerProc, push_all
 from llm_stub import ScriptedChatServer
 
-from actor.envs.files import FilesEnv
-from actor.rollout import PromptCodec, RolloutSettings, scripted_episode, to_groups
+from environments.files import FilesEnv
+from episodes.rollout import PromptCodec, RolloutSettings, scripted_episode, to_groups
 from judge.judge_worker import JudgeWorker, make_judges
 from judge.step_judges import ReferenceJudge
 from protocol.config import RunConfig
-from replay.client import ReplayClient
+from protocol.replay_client import ReplayClient
 
 pytestmark = pytest.mark.slow
 

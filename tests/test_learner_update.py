@@ -9,10 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actor.backends.base import SamplingParams
-from actor.backends.hf import TransformersBackend
-from actor.envs.files import FilesEnv
-from actor.rollout import (
+from environments.files import FilesEnv
+from episodes.rollout import (
     Guidance,
     PromptCodec,
     RolloutSettings,
@@ -20,8 +18,10 @@ from actor.rollout import (
     start_episodes,
     to_groups,
 )
-from autodidact.metrics import read_metrics
+from inference.backends.base import SamplingParams
+from inference.backends.hf import TransformersBackend
 from learner.learner import Learner
+from metrics.jsonl import read_metrics
 from protocol.config import RunConfig
 
 # Large enough that the first minibatch moves some good tokens past ratio 1.28, small enough

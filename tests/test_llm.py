@@ -9,8 +9,8 @@ import sys
 import pytest
 from llm_stub import ScriptedChatServer
 
-from judge.grader import LLMGrader
-from judge.llm import LLMError, OpenAIChat, extract_json
+from episodes.grader import LLMGrader
+from inference.llm import LLMError, OpenAIChat, extract_json
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -3,7 +3,7 @@
 import json
 import math
 
-from autodidact.metrics import MetricsTail, MetricsWriter, read_metrics
+from metrics.jsonl import MetricsTail, MetricsWriter, read_metrics
 
 
 def test_records_are_namespaced_and_tailed(tmp_path):

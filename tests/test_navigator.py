@@ -9,11 +9,8 @@ import numpy as np
 import pytest
 import redis
 
-from actor.backends.base import SamplingParams
-from actor.backends.hf import TransformersBackend
-from actor.envs.files import FilesEnv
-from actor.navigator import Navigator, guided_slots
-from actor.rollout import (
+from environments.files import FilesEnv
+from episodes.rollout import (
     Guidance,
     PromptCodec,
     RolloutSettings,
@@ -21,10 +18,13 @@ from actor.rollout import (
     start_episodes,
     to_groups,
 )
+from inference.backends.base import SamplingParams
+from inference.backends.hf import TransformersBackend
 from learner.batching import strip_experience
+from navigating.navigator import Navigator, guided_slots
+from navigating.pool import ExperiencePool, experience_id
 from protocol.config import ExperienceConfig
 from protocol.messages import Experience
-from replay.experiences import ExperiencePool, experience_id
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from autodidact.embedded_redis import REMOTE_URL_FILE, EmbeddedRedis
-from autodidact.metrics import read_metrics
+from metrics.jsonl import read_metrics
 from protocol import codec
 from protocol.control import ControlPlane, default_prefix
 from replay.store import Store, read_stats
@@ -170,7 +170,7 @@ WEIGHTS_PROBE = """
 import json, sys, time
 from protocol.errors import TransportTimeout
 from protocol.security import CurveKeys
-from replay.client import ReplayClient
+from protocol.replay_client import ReplayClient
 
 replay_addr, weights_addr, keys = sys.argv[1:4]
 deadline = time.monotonic() + float(sys.argv[4])

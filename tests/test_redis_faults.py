@@ -20,12 +20,12 @@ import torch
 
 from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.recovery import RedisWatch
+from navigating.pool import ExperiencePool, open_pool
 from protocol.config import RunConfig
 from protocol.control import ControlPlane, connect_redis, redact
 from protocol.messages import Experience, Task
 from protocol.weights import WeightPublisher, WeightSubscriber
-from replay.experiences import ExperiencePool, open_pool
-from replay.tasks import TaskStore
+from questioning.task_store import TaskStore
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ from protocol.messages import (
     StepLabels,
     Task,
 )
-from replay.client import ReplayClient
+from protocol.replay_client import ReplayClient
 from replay.store import Store
 
 pytestmark = pytest.mark.slow

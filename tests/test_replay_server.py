@@ -12,8 +12,8 @@ from helpers_replay import RawPeer, ServerProc, labels_for, make_group, push_all
 from protocol import codec
 from protocol.errors import RemoteError
 from protocol.messages import Ack, Batch, BatchRequest, Error, LedgerCommit, StepLabels
+from protocol.replay_client import ReplayClient
 from protocol.transport import Incoming
-from replay.client import ReplayClient
 from replay.server import ReplayServer
 from replay.store import Store, read_stats
 

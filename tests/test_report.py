@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 from test_status import UPDATES, tiny_run
 
-from autodidact.metrics import read_metrics
 from autodidact.report import PLOTS, report
+from metrics.jsonl import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -214,8 +214,8 @@ def test_wandb_offline_run_has_every_metric_config_and_group(run_dir):
 def test_wandb_mirror_flushes_late_records_and_writes_the_summary(tmp_path):
     if importlib.util.find_spec("wandb") is None:
         pytest.skip("wandb is not installed in this environment")
-    from autodidact.metrics import MetricsTail, MetricsWriter
     from autodidact.tracking import WandbMirror
+    from metrics.jsonl import MetricsTail, MetricsWriter
 
     config = {"name": "m", "redis": {"url": "redis://:hunter2secret@127.0.0.1:1/0"},
               "env": {"name": "files"}}
@@ -254,8 +254,8 @@ def test_a_resumed_run_does_not_mirror_its_old_records_again(tmp_path):
     same id) gets only the records it has not had, with the x-axes carrying on."""
     if importlib.util.find_spec("wandb") is None:
         pytest.skip("wandb is not installed in this environment")
-    from autodidact.metrics import MetricsTail, MetricsWriter
     from autodidact.tracking import WandbMirror
+    from metrics.jsonl import MetricsTail, MetricsWriter
 
     config = {"name": "r", "env": {"name": "files"}}
     judge = MetricsWriter(tmp_path, "judge", "j0")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from autodidact.embedded_redis import EmbeddedRedis
-from autodidact.metrics import read_metrics
+from metrics.jsonl import read_metrics
 from protocol import codec
 from protocol.control import ControlPlane, default_prefix
 from protocol.messages import Group

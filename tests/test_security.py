@@ -16,8 +16,8 @@ from helpers_replay import ServerProc, make_group, push_all
 from autodidact.cli import main
 from protocol.config import ReplayConfig, RunConfig, SecurityConfig
 from protocol.errors import ConfigError, TransportTimeout
+from protocol.replay_client import ReplayClient
 from protocol.security import CurveKeys, curve_for, leaves_loopback
-from replay.client import ReplayClient
 from replay.server import ReplayServer
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from autodidact.metrics import read_metrics
 from autodidact.status_cli import status
+from metrics.jsonl import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from llm_stub import ScriptedChatServer
 
-from actor.envs.base import Environment
-from actor.envs.files import FilesEnv
-from actor.rollout import PromptCodec, RolloutSettings, apply_action, start_episodes
-from judge.llm import ChatModel, OpenAIChat
+from environments.base import Environment
+from environments.files import FilesEnv
+from episodes.rollout import PromptCodec, RolloutSettings, apply_action, start_episodes
+from inference.llm import ChatModel, OpenAIChat
 from judge.step_judges import (
     SYSTEM_PROMPT,
     Judgement,

@@ -1,4 +1,4 @@
-"""The task store (replay/tasks.py) on a real LMDB, and the `autodidact tasks` commands."""
+"""The task store (questioning/task_store.py) on real LMDB, and the `autodidact tasks` commands."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from autodidact.tasks_cli import tasks as tasks_cli
 from protocol.errors import SchemaError
 from protocol.messages import Task
-from replay.tasks import TaskStore
+from questioning.task_store import TaskStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +131,7 @@ def test_missing_store(tmp_path):
 
 READER = """
 import json, sys
-from replay.tasks import TaskStore
+from questioning.task_store import TaskStore
 with TaskStore(sys.argv[1], readonly=True) as store:
     print(json.dumps([store.count(), [t.task_id for t in store], store.get("syn/0001").query]))
 """
@@ -228,11 +228,11 @@ def test_missing_store_is_a_clear_error(tmp_path, command):
 
 
 def test_verify(run_dir):
-    import actor.envs.base as base
+    import environments.base as base
 
     if not hasattr(base, "verify_task"):
-        pytest.skip("actor.envs.base.verify_task is not there yet")
-    from actor.envs.files import build_tasks
+        pytest.skip("environments.base.verify_task is not there yet")
+    from environments.files import build_tasks
 
     good = [t for t in build_tasks(num_worlds=2) if t.reference][:3]
     broken = dataclasses.replace(good[0], task_id="syn/broken", reference=[])

@@ -1,4 +1,4 @@
-"""The vLLM backend (actor/backends/vllm.py) against a FAKE engine.
+"""The vLLM backend (inference/backends/vllm.py) against a FAKE engine.
 
 vLLM needs a CUDA GPU and cannot be installed where these tests run, so ``FakeLLM`` below stands
 in for ``vllm.LLM`` (0.32.0, the version the ``[vllm]`` extra pins): it records every call,
@@ -28,9 +28,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from actor.backends import ActionTrie, Generation, SamplingParams
-from actor.backends import vllm as vb
-from actor.tiny_model import make_tiny_model
+from inference.backends import ActionTrie, Generation, SamplingParams
+from inference.backends import vllm as vb
+from inference.tiny_model import make_tiny_model
 
 WORDS = "go north south east west take drop key door open look lamp box red blue".split()
 ACTIONS = ["go north", "go north east", "take red key", "open door", "look"]
@@ -313,7 +313,7 @@ def test_import_vllm_takes_the_three_names(monkeypatch, caplog):
 
 
 def test_make_backend_builds_the_vllm_backend(model_path, monkeypatch):
-    from actor.actor import make_backend
+    from inference.engines import make_backend
     from protocol.config import load_config
 
     monkeypatch.setattr(vb, "import_vllm", lambda: FAKE_API)
@@ -724,7 +724,7 @@ def test_close_releases_the_engine(model_path):
 @pytest.fixture(params=["transformers", "vllm-fake"])
 def any_backend(request, model_path):
     if request.param == "transformers":
-        from actor.backends.hf import TransformersBackend
+        from inference.backends.hf import TransformersBackend
 
         b = TransformersBackend(model_path)
     else:

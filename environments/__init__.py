@@ -1,0 +1,50 @@
+"""Environments: the tool-use sandbox interface, its registry, and the built-in ``files`` env.
+
+Importing this package registers every built-in environment, so ``make_env("files")`` works
+after ``import environments``. A plugin environment registers itself with ``@register_env`` when
+its module is imported (``make_env("my.module:name")`` imports it by name from config).
+"""
+
+from environments.base import (
+    MAX_ACTION_CHARS,
+    VERIFY_REASONS,
+    ActionError,
+    ArgSpec,
+    Environment,
+    GoalPart,
+    ToolCall,
+    ToolError,
+    ToolSpec,
+    check_env_options,
+    env_class,
+    env_maker,
+    env_names,
+    make_env,
+    parse_action,
+    register_env,
+    verify_reference,
+    verify_task,
+)
+from environments.files import FilesEnv  # noqa: F401  (registers "files")
+
+__all__ = [
+    "MAX_ACTION_CHARS",
+    "VERIFY_REASONS",
+    "ActionError",
+    "ArgSpec",
+    "Environment",
+    "FilesEnv",
+    "GoalPart",
+    "ToolCall",
+    "ToolError",
+    "ToolSpec",
+    "check_env_options",
+    "env_class",
+    "env_maker",
+    "env_names",
+    "make_env",
+    "parse_action",
+    "register_env",
+    "verify_reference",
+    "verify_task",
+]

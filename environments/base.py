@@ -1,0 +1,445 @@
+"""The interface every tool-use sandbox implements, its action parser, and the env registry.
+
+An environment is untrusted ground for model output: an action is text that is *parsed* into a
+declared tool and literal arguments, never evaluated. Anything that does not parse becomes an
+error observation with ``info["valid"] = False``; nothing the model writes can raise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import shlex
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from protocol.config import EnvConfig, coerce
+from protocol.errors import ConfigError
+from protocol.messages import Task
+
+MAX_ACTION_CHARS = 256  # longer text is rejected before tokenizing: bounds parser work
+MAX_OBS_WORDS = 40  # safety net on what step() returns; environments truncate sooner
+# Shell-style actions can carry str, int, float and bool; list and dict arguments exist only in
+# environments with their own call syntax (BFCL's Python calls), which override ``step``.
+ARG_TYPES = ("str", "int", "float", "bool", "list", "dict")
+
+_TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+# A literal str argument is one path-like word: no quotes, brackets, calls or spaces survive.
+_STR_LITERAL = re.compile(r"[A-Za-z0-9_.~/+-]{1,64}")
+_INT_LITERAL = re.compile(r"[+-]?[0-9]{1,9}")
+_FLOAT_LITERAL = re.compile(r"[+-]?[0-9]{1,9}(\.[0-9]{1,9})?")
+_BOOL_WORDS = {"true": True, "false": False}
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One tool argument: a name, a literal type ("str" or "int"), and whether it is required."""
+
+    name: str
+    type: str = "str"
+    description: str = ""
+    required: bool = True
+
+    def __post_init__(self):
+        if self.type not in ARG_TYPES:
+            raise ValueError(f"arg {self.name!r}: type must be one of {ARG_TYPES}")
+
+    def usage(self) -> str:
+        return self.name if self.required else f"[{self.name}]"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A declared tool: name, description and ordered args (required ones first)."""
+
+    name: str
+    description: str = ""
+    args: tuple[ArgSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        object.__setattr__(self, "args", tuple(self.args))
+        if not _TOOL_NAME.fullmatch(self.name):
+            raise ValueError(f"tool name {self.name!r} must match {_TOOL_NAME.pattern}")
+        flags = [a.required for a in self.args]
+        # Positional calls can only leave off a tail, so optional args must come last.
+        if flags != sorted(flags, reverse=True):
+            raise ValueError(f"tool {self.name!r}: required args must precede optional ones")
+
+    @property
+    def min_args(self) -> int:
+        return sum(a.required for a in self.args)
+
+    def usage(self) -> str:
+        """``mv src dst`` / ``ls [folder]``: words a prompt or an error message can show."""
+        return " ".join([self.name] + [a.usage() for a in self.args])
+
+    def to_dict(self) -> dict:
+        """JSON-able form, e.g. for a prompt or a function-calling schema."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "args": [
+                {
+                    "name": a.name,
+                    "type": a.type,
+                    "description": a.description,
+                    "required": a.required,
+                }
+                for a in self.args
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed action: a declared tool and its literal (already typed) arguments."""
+
+    tool: str
+    args: tuple = ()
+
+    def text(self) -> str:
+        return " ".join([self.tool] + [str(a) for a in self.args])
+
+
+@dataclass(frozen=True)
+class GoalPart:
+    """One change an exploration made, as goal conditions plus the environment's words for it.
+
+    Task synthesis combines a few parts into one task: their conditions become the goal (via
+    :meth:`Environment.goal_of`) and their texts the query (via :meth:`Environment.query_of`).
+    """
+
+    conditions: tuple  # env-specific, JSON-able goal conditions that pin this change
+    text: str | None = None  # the change in the env's own words; None: it cannot say it
+    entities: tuple[str, ...] = ()  # names of the entities involved (preference filters)
+
+
+class ActionError(Exception):
+    """An action that did not parse; ``observation`` is the text the agent sees."""
+
+    def __init__(self, kind: str, observation: str, tool: str | None = None):
+        super().__init__(observation)
+        self.kind = kind
+        self.observation = observation
+        self.tool = tool
+
+
+class ToolError(Exception):
+    """A well-formed call the environment refused (no such file...); the step stays valid."""
+
+    def __init__(self, kind: str, observation: str):
+        super().__init__(observation)
+        self.kind = kind
+        self.observation = observation
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+
+def parse_action(text, tools: Mapping[str, ToolSpec] | Sequence[ToolSpec]) -> ToolCall:
+    """Split ``text`` shell-style into a declared tool and literal args, or raise ActionError."""
+    specs = tools if isinstance(tools, Mapping) else {t.name: t for t in tools}
+    words = _split(text)
+    name, args = words[0], words[1:]
+    spec = specs.get(name)
+    if spec is None:
+        raise ActionError("unknown_tool", "error : unknown tool")
+    if not spec.min_args <= len(args) <= len(spec.args):
+        raise ActionError("arity", f"error : usage : {spec.usage()}", tool=name)
+    values = tuple(_literal(a, v, name) for a, v in zip(spec.args, args))
+    return ToolCall(name, values)
+
+
+def _split(text) -> list[str]:
+    if not isinstance(text, str):
+        raise ActionError("not_text", "error : action is not text")
+    if len(text) > MAX_ACTION_CHARS:
+        raise ActionError("too_long", "error : action too long")
+    # Only printable ASCII and plain whitespace: no unicode look-alikes, NULs or escapes.
+    if not text.isascii() or any(not (c.isprintable() or c in " \t\r\n") for c in text):
+        raise ActionError("bad_characters", "error : bad characters")
+    lexer = shlex.shlex(text, posix=True)
+    lexer.whitespace_split = True
+    lexer.commenters = ""  # '#' is an ordinary character, not the start of a comment
+    try:
+        words = list(lexer)
+    except ValueError:  # unbalanced quotes or a trailing escape
+        raise ActionError("syntax", "error : bad syntax") from None
+    if not words:
+        raise ActionError("empty", "error : empty action")
+    return words
+
+
+def _literal(spec: ArgSpec, word: str, tool: str):
+    if spec.type == "bool" and word.lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[word.lower()]
+    pattern = {"str": _STR_LITERAL, "int": _INT_LITERAL, "float": _FLOAT_LITERAL}.get(spec.type)
+    if pattern is None or not pattern.fullmatch(word):
+        raise ActionError("bad_argument", f"error : bad argument {spec.name}", tool=tool)
+    return {"int": int, "float": float}.get(spec.type, str)(word)
+
+
+def clip_words(text: str, limit: int = MAX_OBS_WORDS) -> str:
+    """At most ``limit`` whitespace-separated words, with ``...`` marking a cut."""
+    words = text.split()
+    return " ".join(words if len(words) <= limit else words[: limit - 1] + ["..."])
+
+
+# --- the interface ----------------------------------------------------------------------------
+
+
+class Environment(ABC):
+    """A multi-step tool sandbox: reset to a task, step with action text, evaluate the outcome.
+
+    Subclasses declare their tools and implement :meth:`execute` for one parsed call; the
+    concrete :meth:`step` does the parsing, turns refusals into error observations and reports
+    ``done`` once the current task's goal holds. The turn limit belongs to the caller.
+    """
+
+    name: str = ""  # registry name, set by @register_env
+    # False where reset()'s observation already carries the request (BFCL's user turns): the
+    # prompt then shows the observation alone instead of query + observation.
+    query_in_prompt: bool = True
+    # Rollout limits this env needs when no config sets them (``autodidact eval --env``):
+    # keys max_turns and max_context (env section) and max_action_tokens (actor section).
+    default_limits: dict = {}
+
+    def __init__(self):
+        self.task: Task | None = None
+        # Observations of successful calls this episode; goals may ask for a response (a task
+        # answered by reading, not by changing state). ``reset`` must start a new list.
+        self.responses: list[str] = []
+
+    @abstractmethod
+    def reset(self, task: Task) -> str:
+        """Build the task's initial state (from ``task.seed``), clear ``self.responses`` and
+        return the first observation."""
+
+    @abstractmethod
+    def execute(self, call: ToolCall) -> str:
+        """Apply one parsed call and return its observation; raise ToolError to refuse it."""
+
+    @abstractmethod
+    def tools(self) -> list[ToolSpec]:
+        """The declared tools; only these can be called."""
+
+    @abstractmethod
+    def state(self) -> dict:
+        """A JSON-able snapshot of the state, comparable with ``==``; goals are checked on it."""
+
+    @abstractmethod
+    def evaluate(self, task: Task) -> float:
+        """Outcome reward of the current state for ``task`` (1.0 success, 0.0 failure)."""
+
+    def instructions(self) -> str | None:
+        """The system prompt for the current task (tool documentation, output format), or None.
+
+        Chat-template prompts put it in the system message; the word-level marker prompt of
+        the tiny policy leaves it out (its vocabulary cannot spell tool documentation)."""
+        return None
+
+    def canonical_action(self, text: str) -> str:
+        """``text`` in the action syntax this env trains on. Explorers propose shell-style
+        ``tool arg ...`` text; an env with its own syntax (Python calls) rewrites it here so
+        synthesized references read like the actions the policy is asked for."""
+        return text
+
+    def goal_progress(self, task: Task) -> float:
+        """Fraction of the task's goal that holds now, in [0, 1].
+
+        Step judges compare it before and after each step to see which steps moved the state
+        toward the goal. The default knows only all-or-nothing: ``self.evaluate(task)``;
+        environments whose goals have parts override it."""
+        return self.evaluate(task)
+
+    @abstractmethod
+    def tasks(self, split: str) -> list[Task]:
+        """The environment's own tasks for ``"train"`` or ``"test"`` (held out)."""
+
+    @abstractmethod
+    def candidate_actions(self) -> list[str]:
+        """Every well-formed call the agent could make now, as action text (bounded)."""
+
+    @classmethod
+    @abstractmethod
+    def vocabulary(cls) -> list[str]:
+        """Every whitespace-separated word of any query, observation or action this env makes."""
+
+    def goal_from_states(self, before: dict, after: dict) -> dict:
+        """A goal that holds exactly where ``after`` differs from ``before`` (hindsight tasks)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot derive goals from states")
+
+    # -- hooks for self-questioning; the defaults work for any env with goal_from_states --
+
+    def describe_changes(self, before: dict, after: dict) -> list[GoalPart]:
+        """Split the change from ``before`` to ``after`` into parts a task can ask for.
+
+        The default is one part without words (the whole state difference); environments that
+        can name their changes ("move x into f") return one part per change."""
+        conditions = self.goal_from_states(before, after).get("all", [])
+        return [GoalPart(tuple(conditions))] if conditions else []
+
+    def describe_response(self, action: str, observation: str, before: dict) -> GoalPart | None:
+        """A part asking for what a read-only call answered (``before``: state at the call)."""
+        return None
+
+    def goal_of(self, conditions: Sequence) -> dict:
+        """The goal (``Task.goal``) that holds when every condition does."""
+        return {"all": list(conditions)}
+
+    def query_of(self, texts: Sequence[str]) -> str:
+        """One query asking for several parts."""
+        return " and ".join(texts)
+
+    def entities(self, state: dict) -> list[dict]:
+        """Entities in ``state`` as ``{"type", "name", "attributes"}`` (for the profile).
+
+        The default knows none; the profile then names entities by the tool arguments that
+        took them."""
+        return []
+
+    def step(self, action_text: str) -> tuple[str, bool, dict]:
+        """Parse and run one action: (observation, done, info with valid / tool / error)."""
+        if self.task is None:
+            raise RuntimeError("reset() must be called before step()")
+        try:
+            call = parse_action(action_text, {t.name: t for t in self.tools()})
+        except ActionError as err:
+            return err.observation, False, {"valid": False, "tool": err.tool, "error": err.kind}
+        try:
+            obs, error = clip_words(self.execute(call)), None
+            self.responses.append(obs)
+        except ToolError as err:
+            obs, error = clip_words(err.observation), err.kind
+        done = self.evaluate(self.task) >= 1.0
+        return obs, done, {"valid": True, "tool": call.tool, "error": error}
+
+
+VERIFY_REASONS = ("ok", "no_reference", "satisfied_at_start", "invalid_step", "goal_not_reached")
+
+
+def described_only(goal) -> bool:
+    """A goal given only in words (``{"description": ...}``): no state check can grade it; an
+    LLM grader compares the trajectory with the reference instead."""
+    return isinstance(goal, dict) and set(goal) == {"description"}
+
+
+def verify_task(env_cls: type[Environment], task: Task, **env_kwargs) -> tuple[bool, str]:
+    """Replay ``task.reference`` in a fresh env from the task's seed: (ok, reason).
+
+    A task passes when its goal does not hold at the start (else there is nothing to do), every
+    reference step is valid and error-free, and the goal holds afterwards. A goal described
+    only in words cannot be checked on the state: its reference must just run cleanly.
+    ``reason`` is one of :data:`VERIFY_REASONS`.
+    """
+    if not task.reference:
+        return False, "no_reference"
+    env = env_cls(**env_kwargs)
+    env.reset(task)
+    words_only = described_only(task.goal)
+    if not words_only and env.evaluate(task) >= 1.0:
+        return False, "satisfied_at_start"
+    for action in task.reference:
+        _, _, info = env.step(action)
+        if not info["valid"] or info["error"] is not None:
+            return False, "invalid_step"
+    if not words_only and env.evaluate(task) < 1.0:
+        return False, "goal_not_reached"
+    return True, "ok"
+
+
+def verify_reference(env_cls: type[Environment], task: Task, **env_kwargs) -> bool:
+    """Whether ``task`` passes :func:`verify_task`."""
+    return verify_task(env_cls, task, **env_kwargs)[0]
+
+
+# --- registry ---------------------------------------------------------------------------------
+
+_ENVS: dict[str, type[Environment]] = {}
+
+
+def register_env(name: str):
+    """Class decorator: make an Environment subclass constructible by ``name`` from config."""
+
+    def wrap(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"{cls!r} is not an Environment subclass")
+        old = _ENVS.get(name)
+        # A module reloaded in place re-registers the "same" class; anything else is a clash.
+        if old is not None and (old.__module__, old.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise ValueError(f"environment {name!r} already registered by {old.__qualname__}")
+        cls.name = name
+        _ENVS[name] = cls
+        return cls
+
+    return wrap
+
+
+def env_names() -> list[str]:
+    return sorted(set(_ENVS) | set(_LAZY_ENVS))
+
+
+# Built-in environments whose modules import optional packages: imported on first use only.
+_LAZY_ENVS = {"bfcl": "environments.bfcl"}
+
+
+def env_class(name: str) -> type[Environment]:
+    """The registered class for ``name``; ``"pkg.module:name"`` imports the module first."""
+    if ":" in name:
+        module, name = name.split(":", 1)
+        importlib.import_module(module)  # config-named plugin; its decorator registers it
+    elif name not in _ENVS and name in _LAZY_ENVS:
+        importlib.import_module(_LAZY_ENVS[name])
+    try:
+        return _ENVS[name]
+    except KeyError:
+        known = ", ".join(env_names()) or "none"
+        raise KeyError(f"unknown environment {name!r}; known: {known}") from None
+
+
+def env_maker(env_cfg) -> Callable[[], Environment]:
+    """A zero-argument factory for the environment an ``EnvConfig`` names."""
+    cls, options = env_class(env_cfg.name), dict(env_cfg.options)
+    return lambda: cls(**options)
+
+
+def make_env(name: str, **kwargs) -> Environment:
+    """A new instance of the environment registered as ``name``."""
+    return env_class(name)(**kwargs)
+
+
+def check_env_options(env: EnvConfig) -> None:
+    """``env.name`` names a known environment and ``env.options`` only its constructor's
+    keyword arguments (of the declared type where that is a plain one). A plugin
+    (``module:name``) is imported only when an env is made, so it is not checked here."""
+    if ":" in env.name:
+        return
+    try:
+        cls = env_class(env.name)
+    except KeyError:
+        raise ConfigError(f"env.name: unknown environment {env.name!r}; known: "
+                          f"{', '.join(env_names())}") from None
+    except ImportError:  # this machine lacks the env's extra; the role that makes it will say
+        return
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [n for n, p in params.items() if n != "self"
+             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                            inspect.Parameter.KEYWORD_ONLY)]
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # annotations this interpreter cannot evaluate: check names only
+        hints = {}
+    for key, value in env.options.items():
+        if key not in known:
+            raise ConfigError(f"env.options.{key}: unknown option of environment {env.name!r} "
+                              f"(known: {', '.join(known) or 'none'})")
+        if hints.get(key) in (int, float, str, bool):
+            coerce(hints[key], value, f"env.options.{key}")

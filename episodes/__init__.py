@@ -1,0 +1,1 @@
+"""episodes package."""

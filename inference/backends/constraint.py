@@ -1,0 +1,118 @@
+"""Grammar-constrained decoding: restrict which token ids may be sampled next.
+
+A constraint is consulted once per generated token with the ids generated so far and answers
+with the ids allowed next. The backends turn that answer into a logit mask, so the policy can
+only emit well-formed output and the reported log-probs are those of the masked distribution
+(see :class:`inference.backends.base.Generation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """Decides which token ids may come next.
+
+    ``allowed(generated_ids)`` receives the ids generated so far for one sequence (prompt
+    excluded) and returns:
+
+    * ``None``: no restriction at this step;
+    * a non-empty list of ids: only these may be sampled;
+    * an empty list: the constrained output is complete and the sequence must end now
+      (the backend finishes it with ``finish_reason="stop"``).
+
+    It must be a pure function of ``generated_ids`` (backends may call it more than once per
+    step and on several sequences in any order).
+    """
+
+    def allowed(self, generated_ids: list[int]) -> list[int] | None: ...
+
+
+class _Node:
+    """One trie node: children by token id, plus the child ids as a ready-made list."""
+
+    __slots__ = ("children", "choices")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.choices: list[int] = []
+
+
+class ActionTrie:
+    """Forces generation to be exactly one of ``actions`` followed by ``end_token_id``.
+
+    Each action string is tokenized once, up front (standalone, without special tokens), and
+    its ids plus the end id are inserted into a prefix trie. ``allowed`` then only walks the
+    trie, so a step costs O(tokens generated) dict look-ups and never re-tokenizes. Actions that
+    are prefixes of one another work: after the shorter one, both the end id and the longer
+    action's next id are allowed.
+
+    The end id should be a stop token of the sampling params (the tokenizer's EOS by default),
+    so the sequence ends as soon as an action is complete; if it is not, ``allowed`` returns
+    ``[]`` after it, which ends the sequence anyway.
+    """
+
+    def __init__(
+        self,
+        actions: Sequence[str],
+        tokenizer: Any,
+        end_token_id: int | None = None,
+    ) -> None:
+        if not actions:
+            raise ValueError("ActionTrie needs at least one action")
+        end = tokenizer.eos_token_id if end_token_id is None else end_token_id
+        if end is None:
+            raise ValueError("tokenizer has no EOS token; pass end_token_id")
+        self.end_token_id = int(end)
+        self._root = _Node()
+        self._by_ids: dict[tuple[int, ...], str] = {}
+        for action in actions:
+            ids = tuple(tokenizer.encode(action, add_special_tokens=False))
+            if not ids:
+                raise ValueError(f"action {action!r} tokenizes to nothing")
+            if self.end_token_id in ids:
+                raise ValueError(f"action {action!r} contains the end token")
+            self._by_ids.setdefault(ids, action)
+            self._insert(ids + (self.end_token_id,))
+
+    @classmethod
+    def from_token_ids(cls, sequences: Sequence[Sequence[int]], end_token_id: int) -> ActionTrie:
+        """Build from already tokenized actions (for callers that tokenize in context)."""
+        trie = cls.__new__(cls)
+        trie.end_token_id = int(end_token_id)
+        trie._root = _Node()
+        trie._by_ids = {}
+        for seq in sequences:
+            ids = tuple(int(t) for t in seq)
+            if not ids or trie.end_token_id in ids:
+                raise ValueError(f"bad action ids {ids}: empty or containing the end token")
+            trie._insert(ids + (trie.end_token_id,))
+        return trie
+
+    def _insert(self, ids: tuple[int, ...]) -> None:
+        node = self._root
+        for tok in ids:
+            child = node.children.get(tok)
+            if child is None:
+                child = node.children[tok] = _Node()
+                node.choices.append(tok)
+            node = child
+
+    def allowed(self, generated_ids: list[int]) -> list[int]:
+        """Ids that keep ``generated_ids`` on the way to a complete action; ``[]`` once done."""
+        node = self._root
+        for tok in generated_ids:
+            node = node.children.get(tok)
+            if node is None:
+                raise ValueError(f"generated ids {generated_ids} left the action trie")
+        return node.choices
+
+    def match(self, generated_ids: Sequence[int]) -> str | None:
+        """The action that ``generated_ids`` spells (end id optional), or ``None``."""
+        ids = tuple(generated_ids)
+        if ids and ids[-1] == self.end_token_id:
+            ids = ids[:-1]
+        return self._by_ids.get(ids)

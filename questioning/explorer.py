@@ -1,0 +1,346 @@
+"""Self-questioning, first half: act in an unknown environment and record what happens.
+
+The explorer visits seeds (initial states). From each it acts for ``breadth_steps`` at a high
+temperature, preferring tool x entity pairs it has not tried yet, then for ``depth_steps`` at a
+lower temperature, chaining actions on the names the last ``k`` observations showed. Actions
+come from an LLM when one is configured (an OpenAI-compatible endpoint, or the policy itself);
+a model that cannot yet write valid calls is replaced by :class:`SchemaSampler`, which samples
+well-formed calls from the declared tool schemas with arguments drawn from names seen in
+observations. Every exploration keeps its actions, observations and state snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from environments.base import ActionError, Environment, ToolSpec, parse_action
+from protocol.messages import Task
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9_.~+-]{1,64}")
+SMALL_INTS = (0, 1, 2, 3)
+SMALL_FLOATS = ("0.5", "1.0", "2.5", "10.0")
+_SHELL_TYPES = ("str", "int", "float", "bool")  # what one shell word can carry
+
+
+@dataclass
+class ExploreStep:
+    action: str  # the action text as proposed
+    observation: str  # what the environment answered
+    valid: bool  # the action parsed into a declared tool with literal arguments
+    tool: str | None  # the tool it named, when known
+    error: str | None  # the env's refusal kind (a precondition that failed), None on success
+    phase: str  # "breadth" or "depth"
+    proposer: str  # "schema" or the LLM's name
+    state: dict  # snapshot of env.state() after the action
+
+
+@dataclass
+class Exploration:
+    exploration_id: str  # "<seed>/<index>", unique within a run
+    env: str  # environment registry name
+    seed: int  # the initial state's seed
+    initial_observation: str
+    initial_state: dict
+    steps: list[ExploreStep] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Exploration:
+        steps = [ExploreStep(**s) for s in raw.get("steps", [])]
+        return cls(**{**raw, "steps": steps})
+
+
+@dataclass
+class ExploreSettings:
+    breadth_steps: int = 30
+    depth_steps: int = 20
+    breadth_temperature: float = 1.2
+    depth_temperature: float = 0.8
+    context_observations: int = 3  # ``k``: observations the depth phase builds on
+
+
+def seed_tasks(env: Environment, limit: int = 0) -> list[Task]:
+    """Initial states to explore: one per distinct seed of the env's training tasks, or a plain
+    reset state (seed 0) for an environment without tasks."""
+    by_seed = {}
+    for task in env.tasks("train"):
+        by_seed.setdefault(task.seed, task)
+    seeds = [by_seed[s] for s in sorted(by_seed)] or [Task("explore/0", env.name, "", 0)]
+    seeds = [Task(f"explore/{t.seed}", env.name, "", t.seed) for t in seeds]
+    return seeds[:limit] if limit else seeds
+
+
+# --- proposers ----------------------------------------------------------------------------------
+
+
+class SchemaSampler:
+    """Well-formed calls from the tool schemas; str arguments are names seen in observations.
+
+    Names are remembered across seeds (a name seen in one world can be new in another, which is
+    how ``mkdir``/``touch`` find names to create). Breadth prefers tool x name pairs tried least;
+    names that keep failing lose weight, names that worked gain it.
+    """
+
+    name = "schema"
+
+    def __init__(self, tools: Sequence[ToolSpec], rng: random.Random, candidates: int = 16):
+        # A required list or dict argument cannot be written as one word: such tools are left
+        # to an LLM proposer.
+        self.tools = [t for t in tools
+                      if all(a.type in _SHELL_TYPES for a in t.args if a.required)]
+        if not self.tools:
+            raise ValueError("no tool can be called with shell-word arguments")
+        self.rng = rng
+        self.candidates = candidates
+        self.names: Counter = Counter()  # name -> times seen
+        self.worked: Counter = Counter()  # name -> successful calls that used it
+        self.failed: Counter = Counter()  # name -> refused calls that used it
+        self.coverage: Counter = Counter()  # (tool, first arg) -> calls that succeeded
+        self.tool_ok: Counter = Counter()  # tool -> calls that succeeded
+        self.here: Counter = Counter()  # names seen in the current exploration
+        self.last_calls: deque[str] = deque(maxlen=4)
+        # (tool, arg position, word shape) -> [ok, refused]: learns, say, that a slot takes
+        # dotted names, without knowing what a file is.
+        self.slot_fit: dict[tuple, list[int]] = {}
+        self.effects: dict[str, list[int]] = {}  # tool -> [calls that changed state, calls]
+
+    def start(self, first_observation: str) -> None:
+        """A new exploration: forget which names belong to the current state."""
+        self.here.clear()
+        self.last_calls.clear()
+        self.observe(first_observation)
+
+    def observe(self, text: str) -> None:
+        found = names_in(text)
+        self.names.update(found)
+        self.here.update(found)
+
+    def record(self, action: str, ok: bool, changed: bool = False) -> None:
+        words = action.split()
+        if not words:
+            return
+        if ok:
+            self.coverage[(words[0], words[1] if len(words) > 1 else "")] += 1
+            self.tool_ok[words[0]] += 1
+        for slot, word in enumerate(words[1:]):
+            (self.worked if ok else self.failed)[word] += 1
+            fit = self.slot_fit.setdefault((words[0], slot, _shape(word)), [0, 0])
+            fit[0 if ok else 1] += 1
+        effect = self.effects.setdefault(words[0], [0, 0])
+        effect[0] += changed
+        effect[1] += 1
+        self.last_calls.append(action)
+
+    def propose(self, phase: str, temperature: float, recent: Sequence[str]) -> str:
+        local = [n for text in recent for n in names_in(text)]
+        # Breadth mostly uses names of this world, sometimes names from other worlds (which is
+        # where new names for creating things come from); depth uses the last observations.
+        if phase == "depth" and local:
+            pool = local
+        elif self.rng.random() < 0.3 or not self.here:
+            pool = list(self.names)
+        else:
+            pool = list(self.here)
+        latest = set(names_in(recent[-1])) if recent else set()
+        calls = [self._sample_call(pool, latest) for _ in range(self.candidates)]
+        scores = [self._score(c, phase) for c in calls]
+        return calls[_softmax_choice(scores, temperature, self.rng)]
+
+    def _sample_call(self, pool: list[str], latest: set[str]) -> str:
+        tool = self.rng.choice(self.tools)
+        words = [tool.name]
+        for slot, arg in enumerate(tool.args):
+            if arg.type not in _SHELL_TYPES or not arg.required and self.rng.random() < 0.5:
+                break
+            if arg.type == "int":
+                words.append(str(self.rng.choice(SMALL_INTS)))
+            elif arg.type == "float":
+                words.append(self.rng.choice(SMALL_FLOATS))
+            elif arg.type == "bool":
+                words.append(self.rng.choice(("true", "false")))
+            elif pool:
+                words.append(self.rng.choices(pool, self._weights(tool.name, slot, pool,
+                                                                  latest))[0])
+            else:
+                break
+        return " ".join(words)
+
+    def _weights(self, tool: str, slot: int, pool: list[str], latest: set[str]) -> list[float]:
+        """Names that worked, of a shape this slot accepted, just seen: drawn more often."""
+        out = []
+        for name in pool:
+            ok, bad = self.slot_fit.get((tool, slot, _shape(name)), [0, 0])
+            w = (1 + self.worked[name]) / (1 + self.failed[name]) * (1 + ok) / (1 + bad)
+            out.append(w * (3.0 if name in latest else 1.0))
+        return out
+
+    def _score(self, call: str, phase: str) -> float:
+        """Which candidate to pick: untried tool x entity pairs and tools first. (How likely
+        the arguments are to work already shaped the candidates, in :meth:`_weights`.)"""
+        words = call.split()
+        novelty = 1.0 / (1 + self.coverage[(words[0], words[1] if len(words) > 1 else "")])
+        novelty += 1.0 / (1 + self.tool_ok[words[0]]) ** 0.5
+        repeat = 2.0 if call in self.last_calls else 0.0
+        if phase == "breadth":
+            return 2.0 * novelty - repeat
+        # Depth chains on what it found: calls that change the state are worth more there.
+        changed, calls = self.effects.get(words[0], [0, 0])
+        return 0.5 * novelty + 2.0 * (changed + 1) / (calls + 2) - repeat
+
+
+class LLMProposer:
+    """Actions from a chat model, prompted with the profile and the recent observations.
+
+    After ``probe`` proposals it judges the model: below ``min_valid`` valid calls it is
+    switched off for the rest of the run (a tiny or untrained model cannot write calls yet) and
+    the explorer says so in its log; until then invalid proposals fall back per step.
+    """
+
+    def __init__(self, chat, tools: Sequence[ToolSpec], name: str, probe: int = 8,
+                 min_valid: float = 0.5, toc: Callable[[], str] = lambda: ""):
+        self.chat, self.tools, self.name = chat, list(tools), name
+        self.probe, self.min_valid, self.toc = probe, min_valid, toc
+        self.valid = self.invalid = 0
+        self.enabled = True
+
+    def propose(self, phase: str, temperature: float, recent: Sequence[str]) -> str | None:
+        from inference.llm import LLMError
+
+        try:
+            reply = self.chat.complete(self._messages(phase, recent), temperature=temperature,
+                                       max_tokens=48)
+        except LLMError as exc:
+            log.warning("explorer LLM failed (%s); sampling from the schema for this step", exc)
+            reply = ""
+        action = first_action_line(reply)
+        ok = action is not None and _parses(action, self.tools)
+        self.valid, self.invalid = self.valid + ok, self.invalid + (not ok)
+        tried = self.valid + self.invalid
+        if tried == self.probe and self.valid < self.min_valid * tried:
+            self.enabled = False
+            log.warning("explorer: %s produced %d/%d valid calls; sampling valid calls from the "
+                        "tool schemas with names seen in observations instead",
+                        self.name, self.valid, tried)
+        return action if ok else None
+
+    def _messages(self, phase: str, recent: Sequence[str]) -> list[dict]:
+        goal = ("try tools and entities you have not tried yet" if phase == "breadth"
+                else "build on what you just found: act on the names it showed")
+        tools = "\n".join(f"- {t.usage()}: {t.description}" for t in self.tools)
+        seen = "\n".join(f"- {o}" for o in recent) or "- (nothing yet)"
+        return [
+            {"role": "system", "content": "You explore an unknown tool environment to learn "
+             "what it contains and what its tools do. Reply with exactly one action on one "
+             "line: a tool name followed by its arguments."},
+            {"role": "user", "content": f"{self.toc()}\nTools:\n{tools}\n\nRecent observations:"
+             f"\n{seen}\n\nPhase: {phase}: {goal}.\nAction:"},
+        ]
+
+
+def first_action_line(reply: str) -> str | None:
+    """The first non-empty line of a reply, without code fences, quotes or a leading marker."""
+    for line in (reply or "").splitlines():
+        line = line.strip().strip("`").strip()
+        line = re.sub(r"^(action\s*:|[-*>]|\d+[.)])\s*", "", line, flags=re.I).strip("`'\" ")
+        if line:
+            return line
+    return None
+
+
+def _parses(action: str, tools: Sequence[ToolSpec]) -> bool:
+    try:
+        parse_action(action, tools)
+        return True
+    except ActionError:
+        return False
+
+
+def names_in(text: str) -> list[str]:
+    """Words of an observation that could be names (``docs/`` in a listing names ``docs``)."""
+    words = (w.rstrip("/") for w in text.split())
+    return [w for w in words if _NAME.fullmatch(w) and not w.isdigit()]
+
+
+def _shape(word: str) -> tuple[bool, bool]:
+    return "." in word, any(c.isdigit() for c in word)
+
+
+def _softmax_choice(scores: list[float], temperature: float, rng: random.Random) -> int:
+    top = max(scores)
+    weights = [math.exp((s - top) / max(temperature, 1e-6)) for s in scores]
+    return rng.choices(range(len(scores)), weights)[0]
+
+
+# --- the explorer -------------------------------------------------------------------------------
+
+
+class Explorer:
+    """Explores seeds one episode at a time.
+
+    ::
+
+        for each seed, for each of its explorations:
+            obs = env.reset(seed)
+            breadth_steps x: action = propose("breadth", T_breadth, recent obs); step; record
+            depth_steps x:   action = propose("depth", T_depth, last k obs); step; record
+            yield the exploration (actions, observations, state snapshots)
+    """
+
+    def __init__(self, make_env: Callable[[], Environment], settings: ExploreSettings,
+                 seed: int = 0, llm: LLMProposer | None = None):
+        self.make_env, self.settings = make_env, settings
+        self.env = make_env()
+        self.rng = random.Random(seed)
+        self.sampler = SchemaSampler(self.env.tools(), self.rng)
+        self.llm = llm
+        self.counts: Counter = Counter()
+
+    def explore(self, seed_task: Task, index: int) -> Exploration:
+        t0, env, s = time.monotonic(), self.env, self.settings
+        first = env.reset(seed_task)
+        self.sampler.start(first)
+        exp = Exploration(f"{seed_task.seed}/{index}", env.name, seed_task.seed, first,
+                          env.state())
+        recent: deque[str] = deque([first], maxlen=s.context_observations)
+        phases = [("breadth", s.breadth_temperature)] * s.breadth_steps
+        phases += [("depth", s.depth_temperature)] * s.depth_steps
+        before = exp.initial_state
+        for phase, temperature in phases:
+            action, proposer = self._propose(phase, temperature, list(recent))
+            obs, _, info = env.step(action)
+            ok = info["valid"] and info["error"] is None
+            after = env.state()
+            self.sampler.observe(obs)
+            self.sampler.record(action, ok, after != before)
+            self.counts["steps"] += 1
+            self.counts["errors" if not ok else "ok"] += 1
+            exp.steps.append(ExploreStep(env.canonical_action(action), obs, bool(info["valid"]),
+                                         info.get("tool"), info.get("error"), phase, proposer,
+                                         after))
+            recent.append(obs)
+            before = after
+        exp.seconds = time.monotonic() - t0
+        self.counts["explorations"] += 1
+        return exp
+
+    def _propose(self, phase: str, temperature: float, recent: list[str]) -> tuple[str, str]:
+        if self.llm is not None and self.llm.enabled:
+            action = self.llm.propose(phase, temperature, recent)
+            if action is not None:
+                self.counts["llm_actions"] += 1
+                return action, self.llm.name
+            self.counts["llm_invalid"] += 1
+        self.counts["schema_actions"] += 1
+        return self.sampler.propose(phase, temperature, recent), self.sampler.name

@@ -1,0 +1,291 @@
+"""The explore role: explore seeds, build the profile, synthesize and store verified tasks.
+
+Run alone (``autodidact explore``) or by ``autodidact run`` as a stage before training and,
+with ``explore.stage=alongside``, as a role that keeps adding tasks while training runs.
+Everything lands in the run directory: ``explore/explorations.jsonl`` (every action,
+observation and state snapshot), ``explore/profile.json`` and ``tasks.lmdb``; with Redis, the
+survivors are also added to the run's synthetic task pool.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from environments.base import env_class, env_maker, verify_task
+from protocol.config import RunConfig
+from protocol.messages import Task
+from questioning.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
+from questioning.profile import ProfileBuilder, build_profile, render_toc, save_profile
+from questioning.synthesis import (
+    HindsightSynthesizer,
+    LLMSynthesizer,
+    Preferences,
+    TaskDeduper,
+    llm_solves,
+)
+
+log = logging.getLogger(__name__)
+
+EXPLORE_DIR = "explore"
+
+
+def explorations_path(run_dir: Path) -> Path:
+    return Path(run_dir) / EXPLORE_DIR / "explorations.jsonl"
+
+
+def profile_path(run_dir: Path) -> Path:
+    return Path(run_dir) / EXPLORE_DIR / "profile.json"
+
+
+def append_exploration(run_dir: Path, exp: Exploration) -> None:
+    path = explorations_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab+") as f:
+        # A line a crash cut short must not swallow the next record.
+        f.seek(0, 2)
+        cut = f.tell() > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n"
+        f.write((b"\n" if cut else b"") + json.dumps(exp.to_dict()).encode() + b"\n")
+
+
+def read_explorations(run_dir: Path) -> list[Exploration]:
+    path = explorations_path(run_dir)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(Exploration.from_dict(json.loads(line)))
+        except (ValueError, TypeError):  # a line cut short by a crash: skip, keep the rest
+            log.warning("skipping a damaged line of %s", path)
+    return out
+
+
+def preferences(cfg: RunConfig) -> Preferences:
+    e = cfg.explore
+    return Preferences(min_steps=e.min_steps, max_steps=e.max_steps or cfg.env.max_turns,
+                       max_entities=e.max_entities, max_parts=e.max_parts,
+                       difficulty=e.difficulty, style=e.style)
+
+
+def explore_settings(cfg: RunConfig) -> ExploreSettings:
+    e = cfg.explore
+    return ExploreSettings(e.breadth_steps, e.depth_steps, e.breadth_temperature,
+                           e.depth_temperature, e.context_observations)
+
+
+def make_chat(cfg: RunConfig, policy_path: str | None):
+    """The proposer's chat model per ``explore.proposer``, or None for schema sampling only."""
+    choice = cfg.explore.proposer
+    if choice == "auto":
+        choice = "llm" if cfg.llm.url else ("policy" if policy_path else "schema")
+    if choice == "llm":
+        if not cfg.llm.url:
+            raise ValueError("explore.proposer=llm needs llm.url (an OpenAI-compatible endpoint)")
+        from inference.llm import OpenAIChat
+
+        chat = OpenAIChat.from_config(cfg.llm)
+        chat.name = f"llm:{cfg.llm.model}"
+        return chat
+    if choice == "policy":
+        if not policy_path:
+            raise ValueError("explore.proposer=policy needs a model (model.path)")
+        from inference.backends.hf import TransformersBackend
+        from inference.policy_chat import PolicyChat
+
+        backend = TransformersBackend(policy_path, device=cfg.actor.device)
+        return PolicyChat(backend, max_context=cfg.model.max_positions, seed=cfg.seed)
+    return None
+
+
+class TaskFactory:
+    """Explores seeds and turns every exploration into verified, de-duplicated tasks.
+
+    ::
+
+        for each round, seed, and exploration of that seed:
+            exploration = explorer.explore(seed)                 -> explorations.jsonl
+            profile.add(exploration)
+            candidates = hindsight(exploration) + llm(exploration, tasks of this seed)
+            keep, best first: verified in a fresh env, within the preferences, not a duplicate
+            store.put_many(keep); redis synthetic pool += keep
+        save profile.json; log explore/... metrics
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, store, chat=None, control=None,
+                 metrics=None, say: Callable[[str], None] = print):
+        self.cfg, self.run_dir, self.store = cfg, Path(run_dir), store
+        self.control, self.metrics, self.say = control, metrics, say
+        self.make_env = env_maker(cfg.env)
+        self.env_cls, self.env_options = env_class(cfg.env.name), dict(cfg.env.options)
+        self.prefs = preferences(cfg)
+        self.chat = chat
+        self.counts: Counter = Counter()
+        self.dedup = TaskDeduper(cfg.explore.dedup_jaccard)
+        self.by_seed: dict[int, list[Task]] = {}
+        for task in store.all():
+            self._remember(task)
+        past = read_explorations(self.run_dir)
+        self.profile = ProfileBuilder(self.make_env())
+        self.next_index: Counter = Counter()
+        for exp in past:
+            self.profile.add(exp)
+            self.next_index[exp.seed] += 1
+        e = cfg.explore
+        llm = None
+        if chat is not None:
+            llm = LLMProposer(chat, self.profile.env.tools(), getattr(chat, "name", "llm"),
+                              e.probe_calls, e.min_valid_fraction, self.toc)
+        self.explorer = Explorer(self.make_env, explore_settings(cfg), seed=cfg.seed + len(past),
+                                 llm=llm)
+        self.hindsight = HindsightSynthesizer(self.make_env, self.prefs,
+                                              e.candidates_per_exploration, seed=cfg.seed)
+        self.llm_synth = (LLMSynthesizer(chat, self.make_env, self.prefs, self.toc,
+                                         cfg.llm.temperature) if chat is not None else None)
+        self.seeds = seed_tasks(self.profile.env, e.seeds)
+
+    def toc(self) -> str:
+        return render_toc(self.profile.to_dict())
+
+    def _remember(self, task: Task) -> None:
+        self.dedup.add(task)
+        self.by_seed.setdefault(task.seed, []).append(task)
+
+    def run(self, rounds: int, stop: Callable[[], bool] = lambda: False) -> dict:
+        """Explore ``rounds`` times over the seeds (0 = until ``stop`` or ``max_tasks``)."""
+        t0, done_rounds = time.monotonic(), 0
+        self.say(f"explore: {len(self.seeds)} seeds x {self.cfg.explore.explorations_per_seed}"
+                 f" explorations, {self.store.count()} tasks stored, proposer "
+                 f"{getattr(self.chat, 'name', 'schema sampling')}")
+        while not self._finished(rounds, done_rounds, stop):
+            for i, seed in enumerate(self.seeds):
+                if self._finished(rounds, done_rounds, stop):
+                    break
+                for _ in range(self.cfg.explore.explorations_per_seed):
+                    self.explore_once(seed)
+                if (i + 1) % 10 == 0 or i + 1 == len(self.seeds):
+                    self._progress(t0, done_rounds, i + 1)
+            done_rounds += 1
+        save_profile(self.profile.to_dict(), profile_path(self.run_dir))
+        return self.summary(time.monotonic() - t0)
+
+    def _finished(self, rounds: int, done_rounds: int, stop) -> bool:
+        full = self.cfg.explore.max_tasks and self.store.count() >= self.cfg.explore.max_tasks
+        return bool(stop() or full or (rounds and done_rounds >= rounds))
+
+    def explore_once(self, seed: Task) -> list[Task]:
+        index = self.next_index[seed.seed]
+        self.next_index[seed.seed] += 1
+        exp = self.explorer.explore(seed, index)
+        append_exploration(self.run_dir, exp)
+        self.profile.add(exp)
+        candidates = self.hindsight.propose(exp)
+        if self.llm_synth is not None and self._llm_useful():
+            candidates += self.llm_synth.propose(exp, self.by_seed.get(exp.seed, []))
+        kept = self.keep(candidates)
+        if kept:
+            self.store.put_many(kept)
+            if self.control is not None:
+                self.control.add_synthetic(kept)
+        self.counts["explorations"] += 1
+        self.counts["candidates"] += len(candidates)
+        self.counts["tasks"] += len(kept)
+        return kept
+
+    def _llm_useful(self) -> bool:
+        """Stop asking a proposer whose first replies all failed (an untrained policy)."""
+        s = self.llm_synth.stats
+        asked = sum(v for k, v in s.items() if k.startswith("rejected_")) + s["proposed"]
+        return s["proposed"] > 0 or asked < self.cfg.explore.probe_calls
+
+    def keep(self, candidates: list[Task]) -> list[Task]:
+        """Verified, preferred, new: best confidence (then fewest steps) first."""
+        kept = []
+        for task in sorted(candidates, key=lambda t: (-t.meta.get("confidence", 0),
+                                                      len(t.reference))):
+            ok, reason = verify_task(self.env_cls, task, **self.env_options)
+            if not ok:
+                self.counts[f"rejected_{reason}"] += 1
+                continue
+            if not self.prefs.accepts(task):
+                self.counts["rejected_preferences"] += 1
+                continue
+            if task.meta.get("method") == "llm" and self.cfg.explore.llm_verify and not \
+                    llm_solves(self.chat, self.make_env, task, self.toc(), self.cfg.env.max_turns):
+                self.counts["rejected_llm_unsolved"] += 1
+                continue
+            # The deduper holds every stored task (same id = same seed, goal and query).
+            if not self.dedup.add(task):
+                self.counts["rejected_duplicate"] += 1
+                continue
+            self.by_seed.setdefault(task.seed, []).append(task)
+            kept.append(task)
+        return kept
+
+    def summary(self, seconds: float) -> dict:
+        stats = {**self.counts, **self.explorer.counts}
+        for source in (self.hindsight.stats, getattr(self.llm_synth, "stats", {})):
+            stats.update({f"synth_{k}": v for k, v in source.items()})
+        return {"seconds": seconds, "tasks_stored": self.store.count(), **stats}
+
+    def _progress(self, t0: float, done_rounds: int, seeds_done: int) -> None:
+        elapsed = time.monotonic() - t0
+        stored = self.store.count()
+        rejects = {k[9:]: v for k, v in self.counts.items() if k.startswith("rejected_")}
+        self.say(f"  [{elapsed:5.1f}s] round {done_rounds + 1} seed {seeds_done}/"
+                 f"{len(self.seeds)}: {self.counts['explorations']} explorations, "
+                 f"+{self.counts['tasks']} tasks ({self.counts['tasks'] / max(elapsed, 1e-9):.0f}"
+                 f"/s), {stored} stored; rejected {rejects or 'none'}")
+        if self.metrics is not None:
+            self.metrics.log({"explorations": self.counts["explorations"],
+                              "tasks": self.counts["tasks"], "tasks_stored": stored,
+                              "tasks_per_s": self.counts["tasks"] / max(elapsed, 1e-9),
+                              "llm_invalid": self.explorer.counts["llm_invalid"],
+                              **{f"rejected_{k}": v for k, v in rejects.items()}})
+
+
+def run_explore(cfg: RunConfig, run_dir: Path, rounds: int | None = None,
+                policy_path: str | None = None, say: Callable[[str], None] = print,
+                stop: Callable[[], bool] = lambda: False) -> dict:
+    """Open the task store (as its one writer), explore, and return the summary."""
+    from metrics.jsonl import MetricsWriter
+    from questioning.task_store import TaskStore
+
+    control = None
+    if cfg.redis.url:
+        from protocol.control import ControlPlane
+
+        control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
+    chat = make_chat(cfg, policy_path)
+    metrics = MetricsWriter(run_dir, "explore")
+    try:
+        with TaskStore(run_dir) as store:
+            factory = TaskFactory(cfg, run_dir, store, chat, control, metrics, say)
+            summary = factory.run(cfg.explore.rounds if rounds is None else rounds, stop)
+    finally:
+        metrics.close()
+        if hasattr(getattr(chat, "backend", None), "close"):
+            chat.backend.close()
+    say(f"explore: {summary['tasks_stored']} tasks stored (+{summary.get('tasks', 0)} in "
+        f"{summary['seconds']:.1f}s); profile in {profile_path(run_dir)}")
+    return summary
+
+
+def profile_only(cfg: RunConfig, run_dir: Path) -> dict:
+    """The profile from the stored explorations, exploring one round first if there are none."""
+    explorations = read_explorations(run_dir)
+    env = env_maker(cfg.env)()
+    if not explorations:
+        explorer = Explorer(env_maker(cfg.env), explore_settings(cfg), seed=cfg.seed)
+        for seed in seed_tasks(env, cfg.explore.seeds):
+            for index in range(cfg.explore.explorations_per_seed):
+                exp = explorer.explore(seed, index)
+                explorations.append(exp)
+                append_exploration(run_dir, exp)
+    profile = build_profile(env, explorations)
+    save_profile(profile, profile_path(run_dir))
+    return profile
