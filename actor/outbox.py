@@ -21,6 +21,7 @@ import msgpack
 from protocol import codec
 from protocol.errors import SchemaError
 from protocol.messages import Group, Task
+from protocol.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class Outbox:
     """One actor's outbox (the files in the module docstring)."""
 
     def __init__(self, run_dir: Path, actor_id: str):
-        root = Path(run_dir) / "acks"
+        root = RunDir(run_dir).acks
         self.pending_dir = root / f"{actor_id}.pending"
         self.tasks_path = root / f"{actor_id}.tasks"
         self.log_path = root / f"{actor_id}.log"

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import click
 
+from protocol.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 
 K = 8  # episodes per held-out task: the table's avg@K and best@K, as in AgentEvolver's
@@ -110,8 +112,7 @@ def run_once(argv: list[str], log_path: Path) -> int:
 
 def finished(run_dir: Path, argv: list[str]) -> bool:
     """Whether ``run_dir`` holds a completed run made by exactly ``argv``."""
-    stamp = run_dir / "ablation-argv.json"
-    summary = run_dir / "summary.json"
+    stamp, summary = RunDir(run_dir).ablation_argv, RunDir(run_dir).summary
     if not (stamp.exists() and summary.exists()):
         return False
     return (json.loads(stamp.read_text()) == argv[1:]
@@ -121,7 +122,7 @@ def finished(run_dir: Path, argv: list[str]) -> bool:
 def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None) -> Result:
     """The result of a finished run, from its ``summary.json`` (or ``summary``, its contents)."""
     if summary is None:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads(RunDir(run_dir).summary.read_text())
     learner = summary.get("learner") or {}
     return Result(arm, seed, run_dir, base=summary.get("success_base") or {},
                   warm=summary.get("success_warm") or {}, final=summary.get("success_rl") or {},
@@ -145,14 +146,14 @@ def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
     t0 = time.monotonic()
     code = run_once(argv, out / f"{run_dir.name}.log")
     seconds = time.monotonic() - t0
-    summary = run_dir / "summary.json"
+    summary = RunDir(run_dir).summary
     if code != 0 or not summary.exists():
         return Result(arm, seed, run_dir, seconds=seconds,
                       error=f"exit code {code}; see {out / (run_dir.name + '.log')}")
     data = json.loads(summary.read_text())
     data["ablation_seconds"] = seconds
     summary.write_text(json.dumps(data, indent=2, default=str))
-    (run_dir / "ablation-argv.json").write_text(json.dumps(argv[1:]))
+    RunDir(run_dir).ablation_argv.write_text(json.dumps(argv[1:]))
     return read_result(arm, seed, run_dir, data)
 
 

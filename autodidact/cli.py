@@ -8,100 +8,87 @@ launch runs the same program on more machines.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
 from pathlib import Path
 
 import click
 
-from autodidact.resolve import resolve_config
+from autodidact.ablation import ablation
+from autodidact.cli_common import (
+    check_curve,
+    config_option,
+    load,
+    load_run,
+    role_config,
+    role_options,
+    set_option,
+    setup_logging,
+)
+from autodidact.eval_cli import eval_command
+from autodidact.keys_cli import keys
+from autodidact.node_cli import node
+from autodidact.report import report
+from autodidact.resolve import Flags
+from autodidact.status_cli import status
+from autodidact.tasks_cli import tasks
 from protocol.config import RunConfig, to_dict
-from protocol.errors import ConfigError
-
-CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
-SET_HELP = "Override one config value, e.g. --set replay.max_groups=1000 (repeatable)."
-
-
-def _setup_logging(verbose: bool) -> None:
-    # Progress bars from transformers' loaders would drown the run's own progress lines.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-
-
-def _load(config: str | None, sets: tuple[str, ...]) -> RunConfig:
-    try:
-        return resolve_config(config, list(sets))
-    except (ConfigError, OSError) as exc:
-        raise click.UsageError(f"config: {exc}") from None
-
-
-def _curve(cfg: RunConfig, *addresses: str | None):
-    """CURVE keys from security.keys_dir (None: plain sockets); a plaintext address that leaves
-    this machine, or a broken keys directory, is refused here, at start."""
-    from protocol.security import curve_for
-
-    try:
-        return curve_for(cfg.security, *addresses)
-    except ConfigError as exc:
-        raise click.UsageError(f"config: {exc}") from None
-
-
-def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
-    path = Path(run_dir) if run_dir else Path("runs") / cfg.name
-    path.mkdir(parents=True, exist_ok=True)
-    return path.resolve()
+from protocol.run_dir import RunDir
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
     """Autodidact: LLM agents that teach themselves in tool-using environments."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
 
 
 @main.command()
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@config_option
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Run directory (default runs/<name>).")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option()
 @click.option("--redis-url", default=None, help="Use this Redis; none is started.")
 @click.option("--max-updates", type=int, default=None, help="Stop after this many learner updates.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in the run dir.")
-def run(config, run_dir, sets, redis_url, max_updates, resume):
+@click.option("--single-process", is_flag=True,
+              help="Replay, one actor, the judge, the experience extractor and the learner as "
+                   "threads of this process (the same classes; Redis stays a server): the "
+                   "loop to read and step through in a debugger.")
+def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
     """Run the whole job on one machine: Redis, replay, actors, learner."""
+    cfg, path = load_run(config, sets, run_dir,
+                         Flags(redis_url=redis_url, redis_prefix=True, local_services=True),
+                         make=False)
+    check_curve(cfg, cfg.replay.address)
+    path.mkdir(parents=True, exist_ok=True)
+    if single_process:
+        from autodidact.single_process import run_single_process
+
+        summary = run_single_process(cfg, path, max_updates=max_updates, resume=resume)
+        sys.exit(summary["exit_code"])
     from autodidact.launcher import launch
 
-    cfg = _load(config, sets)
-    if redis_url:
-        cfg.redis.url = redis_url
-    _curve(cfg, cfg.replay.address)
-    code = launch(cfg, resolve_run_dir(cfg, run_dir), max_updates=max_updates, resume=resume)
-    sys.exit(code)
+    sys.exit(launch(cfg, path, max_updates=max_updates, resume=resume))
 
 
 @main.command("config")
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@config_option
+@set_option()
 def show_config(config, sets):
     """Print the resolved config (defaults + file + overrides) as YAML."""
     import yaml
 
-    click.echo(yaml.safe_dump(to_dict(_load(config, sets)), sort_keys=False))
+    click.echo(yaml.safe_dump(to_dict(load(config, sets)), sort_keys=False))
 
 
 # --- replay --------------------------------------------------------------------------------------
 
 
 @main.group(invoke_without_command=True)
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@config_option
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Run directory holding replay.lmdb.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option()
 @click.option("--address", default=None, help="ZeroMQ address to bind (default: replay.address).")
 @click.pass_context
 def replay(ctx, config, run_dir, sets, address):
@@ -115,9 +102,9 @@ def replay(ctx, config, run_dir, sets, address):
         return
     from replay.server import serve
 
-    cfg = _load(config, sets)
+    cfg, path = load_run(config, sets, run_dir)
     address = address or cfg.replay.address or None
-    serve(resolve_run_dir(cfg, run_dir), cfg.replay, address, _curve(cfg, address))
+    serve(path, cfg.replay, address, check_curve(cfg, address))
 
 
 @replay.command("stats")
@@ -127,53 +114,12 @@ def replay_stats(run_dir):
     """Print one JSON object: groups stored, judged, consumed, evicted, bytes, versions."""
     from replay.store import read_stats
 
-    if not (Path(run_dir) / "replay.lmdb").exists():
-        raise click.UsageError(f"no replay store at {Path(run_dir) / 'replay.lmdb'}")
+    if not RunDir(run_dir).replay_store.exists():
+        raise click.UsageError(f"no replay store at {RunDir(run_dir).replay_store}")
     click.echo(json.dumps(read_stats(run_dir), sort_keys=True))
 
 
 # --- actor and learner ------------------------------------------------------------------------
-
-
-def _role_config(config, sets, redis_url, replay_addr, weights_addr=None) -> RunConfig:
-    cfg = _load(config, sets)
-    if redis_url:
-        cfg.redis.url = redis_url
-    if replay_addr:
-        cfg.replay.address = replay_addr
-    if weights_addr:
-        cfg.weights.address = weights_addr
-    if not cfg.redis.url or not cfg.replay.address:
-        raise click.UsageError("a role started alone needs --redis-url and --replay-addr "
-                               "(or redis.url / replay.address in its config)")
-    _curve(cfg, cfg.replay.address, cfg.weights.address)
-    _default_prefix(cfg)
-    return cfg
-
-
-def _default_prefix(cfg: RunConfig) -> None:
-    """Keys under ``autodidact:<run name>`` unless the config names a prefix."""
-    if not cfg.redis.prefix:
-        from protocol.control import default_prefix
-
-        cfg.redis.prefix = default_prefix(cfg.name)
-
-
-def role_options(f):
-    for option in reversed([
-        click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False),
-                     help=CONFIG_HELP),
-        click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory."),
-        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP),
-        click.option("--redis-url", default=None, help="Redis of the run (redis.url)."),
-        click.option("--replay-addr", default=None, help="Replay server (replay.address)."),
-        click.option("--weights-addr", default=None,
-                     help="The learner's weight server (weights.address): the learner binds "
-                          "it, actors and judges fetch weights from it. Default: read "
-                          "<run-dir>/weights/ directly."),
-    ]):
-        f = option(f)
-    return f
 
 
 @main.command()
@@ -183,8 +129,8 @@ def actor(config, run_dir, sets, redis_url, replay_addr, weights_addr, actor_id)
     """Start one actor: roll out groups and stream them to replay."""
     from actor.actor import main as actor_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
-    actor_main(cfg, resolve_run_dir(cfg, run_dir), actor_id)
+    cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
+    actor_main(cfg, path, actor_id)
 
 
 @main.command()
@@ -196,8 +142,8 @@ def learner(config, run_dir, sets, redis_url, replay_addr, weights_addr, max_upd
     """Start the learner: train on groups from replay and publish weights."""
     from learner.learner import main as learner_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
-    learner_main(cfg, resolve_run_dir(cfg, run_dir), max_updates, resume)
+    cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
+    learner_main(cfg, path, max_updates, resume)
 
 
 @main.command()
@@ -208,8 +154,8 @@ def experience(config, run_dir, sets, redis_url, replay_addr, weights_addr):
     them to the run's shared pool in Redis."""
     from judge.experience_worker import main as experience_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
-    experience_main(cfg, resolve_run_dir(cfg, run_dir))
+    cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
+    experience_main(cfg, path)
 
 
 @main.command()
@@ -220,18 +166,18 @@ def judge(config, run_dir, sets, redis_url, replay_addr, weights_addr, judge_id)
     (judge.backend: reference, an LLM endpoint or the policy) and write the labels back."""
     from judge.judge_worker import main as judge_main
 
-    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
-    judge_main(cfg, resolve_run_dir(cfg, run_dir), judge_id)
+    cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
+    judge_main(cfg, path, judge_id)
 
 
 # --- self-questioning -----------------------------------------------------------------------------
 
 
 @main.command()
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@config_option
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="Run directory (default runs/<name>): explorations, profile, tasks.lmdb.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option()
 @click.option("--redis-url", default=None,
               help="Also add tasks to this run's synthetic pool in Redis (redis.url).")
 @click.option("--env", "env_name", default=None,
@@ -259,18 +205,9 @@ def explore(config, run_dir, sets, env_name, redis_url, rounds, proposer_url, pr
 
     from questioning import factory as task_factory
 
-    cfg = _load(config, sets)
-    if env_name and env_name != cfg.env.name:
-        cfg.env.name, cfg.env.options = env_name, {}
-    if redis_url:
-        cfg.redis.url = redis_url
-    if proposer_url:
-        cfg.llm.url, cfg.llm.model = proposer_url, proposer_model or cfg.llm.model
-        if not cfg.llm.model:
-            raise click.UsageError("--proposer-url needs --proposer-model (or llm.model)")
-    if cfg.redis.url:
-        _default_prefix(cfg)
-    path = resolve_run_dir(cfg, run_dir)
+    cfg, path = load_run(config, sets, run_dir,
+                         Flags(env=env_name, redis_url=redis_url, llm_url=proposer_url,
+                               llm_model=proposer_model, redis_prefix=True))
     if profile_only:
         from questioning.profile import render_toc
 
@@ -292,30 +229,13 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
     """The policy an ``auto``/``policy`` proposer uses: the run's model, made if missing."""
     if cfg.explore.proposer not in ("auto", "policy") or cfg.llm.url:
         return None
-    from autodidact.launcher import prepare_model
+    from autodidact.stages import prepare_model
 
     return prepare_model(cfg, run_dir)
 
 
-def _register_tasks():
-    from autodidact.ablation import ablation
-    from autodidact.eval_cli import eval_command
-    from autodidact.keys_cli import keys
-    from autodidact.node_cli import node
-    from autodidact.report import report
-    from autodidact.status_cli import status
-    from autodidact.tasks_cli import tasks
-
-    main.add_command(tasks)
-    main.add_command(eval_command)
-    main.add_command(keys)
-    main.add_command(node)
-    main.add_command(status)
-    main.add_command(report)
-    main.add_command(ablation)
-
-
-_register_tasks()
+for command in (tasks, eval_command, keys, node, status, report, ablation):
+    main.add_command(command)
 
 
 if __name__ == "__main__":

@@ -30,14 +30,15 @@ from pathlib import Path
 
 import redis
 
-from protocol.control import redact
+from protocol.config import redact_url
+from protocol.run_dir import REDIS_REMOTE_URL, RunDir
 from protocol.transport import free_tcp_port
 
 log = logging.getLogger(__name__)
 
 _UNIX_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
-REMOTE_URL_FILE = "remote_url"  # under <run_dir>/redis/
+REMOTE_URL_FILE = REDIS_REMOTE_URL  # under <run_dir>/redis/
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -78,7 +79,8 @@ class EmbeddedRedis:
         self.run_dir = Path(run_dir)
         self.bind = bind  # HOST:PORT also served over TCP for other machines (redis.bind)
         self.bind_host, self.bind_port = parse_bind(bind) if bind else ("", 0)
-        self.data_dir = self.run_dir / "redis"
+        self.paths = RunDir(self.run_dir)
+        self.data_dir = self.paths.redis
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -91,9 +93,9 @@ class EmbeddedRedis:
         password = self._password()
         args = [redis_server_binary(), "--dir", str(self.data_dir), "--daemonize", "no",
                 "--appendonly", "yes", "--save", "60 1", "--loglevel", "warning",
-                "--logfile", str(self.data_dir / "redis.log"),
-                "--pidfile", str(self.data_dir / "redis.pid")]
-        sock = self.data_dir / "redis.sock"
+                "--logfile", str(self.paths.redis_log),
+                "--pidfile", str(self.paths.redis_pid)]
+        sock = self.paths.redis_socket
         # A restart keeps the port, so roles reconnect to the URL they were given.
         if self.bind:
             self.port = self.port or self.bind_port or _free_port(self.bind_host)
@@ -120,11 +122,11 @@ class EmbeddedRedis:
             atexit.register(self.stop)
             self._atexit = True
         self._wait_ready()
-        log.info("embedded redis-server (pid %d) at %s", self.proc.pid, redact(self.url))
+        log.info("embedded redis-server (pid %d) at %s", self.proc.pid, redact_url(self.url))
         if self.bind:
             self._write_remote_url()
             log.info("embedded redis-server also on tcp %s:%d for other machines (URL in %s)",
-                     self.bind_host, self.port, self.data_dir / REMOTE_URL_FILE)
+                     self.bind_host, self.port, self.paths.redis_remote_url)
         return self.url
 
     def _tcp_hosts(self, local: bool = True) -> list[str]:
@@ -153,7 +155,7 @@ class EmbeddedRedis:
                 f"{self.port}/0")
 
     def _write_remote_url(self) -> None:
-        path = self.data_dir / REMOTE_URL_FILE
+        path = self.paths.redis_remote_url
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)
@@ -163,7 +165,7 @@ class EmbeddedRedis:
 
     def _password(self) -> str:
         """The run's password: made once, kept so a restarted server takes the same one."""
-        path = self.data_dir / "password"
+        path = self.paths.redis_password
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -189,7 +191,7 @@ class EmbeddedRedis:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"redis-server exited with {self.proc.returncode}; "
-                                       f"see {self.data_dir / 'redis.log'}")
+                                       f"see {self.paths.redis_log}")
                 try:
                     if client.ping():
                         return

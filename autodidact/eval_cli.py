@@ -7,23 +7,22 @@ Writes one JSON line per task and a summary next to it, and prints a table per c
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 import click
 
+from autodidact.cli_common import config_option, load_run, set_option
+from autodidact.resolve import Flags
+from autodidact.stages import prepare_model, write_split
 from protocol.config import RunConfig
-
-# Same texts as autodidact.cli's (cli.py imports this module, so importing back is circular).
-CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
-SET_HELP = "Override one config value, e.g. --set env.max_turns=40 (repeatable)."
+from protocol.run_dir import RunDir
 
 
 @click.command("eval")
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@config_option
+@set_option("env.max_turns=40")
 @click.option("--env", "env_name", default=None,
               help="Environment (default: the config's env.name). Without -c, the env's own "
                    "rollout limits apply (bfcl: long contexts and actions).")
@@ -54,16 +53,10 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
     autodidact eval --env bfcl --policy ground-truth -k 1  the harness itself: 100%
     autodidact eval --env bfcl --model /models/Qwen2.5-7B-Instruct --device cuda -k 8
     """
-    from autodidact.cli import _load, resolve_run_dir
-
     if k < 1:
         raise click.UsageError("-k must be at least 1")
-    cfg = _load(config, sets)
-    if env_name:
-        _use_env(cfg, env_name, env_defaults=config is None)
-    if device:
-        cfg.actor.device = device
-    path = resolve_run_dir(cfg, run_dir)
+    cfg, path = load_run(config, sets, run_dir,
+                         Flags(env=env_name, env_limits=config is None, device=device))
     try:
         summary = run_eval(cfg, path, split, model_path, k, temperature, policy, limit,
                            batch_tasks, out)
@@ -72,41 +65,20 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
     click.echo(render_table(summary))
 
 
-def _use_env(cfg: RunConfig, name: str, env_defaults: bool) -> None:
-    from environments import env_class
-
-    cls = env_class(name)
-    if name != cfg.env.name:
-        cfg.env.name, cfg.env.options = name, {}
-    if env_defaults:
-        limits = dict(getattr(cls, "default_limits", {}))
-        cfg.actor.max_action_tokens = limits.pop("max_action_tokens",
-                                                 cfg.actor.max_action_tokens)
-        for key, value in limits.items():
-            setattr(cfg.env, key, value)
-
-
 def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, k: int,
              temperature: float | None, policy: str, limit: int, batch_tasks: int,
              out: str | None) -> dict:
-    from autodidact.launcher import prepare_model, write_split
+    """:func:`episodes.evaluate.evaluate_model` with ``autodidact eval``'s presentation:
+    progress lines, per-task JSONL and a summary beside it; returns the summary."""
     from environments.base import env_maker
-    from episodes.evaluate import evaluate
-    from episodes.rollout import rollout_settings
+    from episodes.evaluate import evaluate_model, select_tasks
 
-    make_env = env_maker(cfg.env)
-    env = make_env()
+    env = env_maker(cfg.env)()
     write_split(run_dir, env)
-    tasks = env.tasks(split)
-    if limit:
-        tasks = random.Random(cfg.seed).sample(tasks, min(limit, len(tasks)))
+    tasks = select_tasks(cfg, split, limit, env)
     if not tasks:
         raise ValueError(f"env {cfg.env.name!r} has no {split} tasks")
     model_path = model_path or prepare_model(cfg, run_dir)
-    settings = rollout_settings(cfg)
-    # Replayed references are never read by a model: only a sampling model needs the guard.
-    settings.max_context = (1 << 30 if policy == "ground-truth"
-                            else min(settings.max_context, _model_positions(model_path)))
     temperature = cfg.eval.temperature if temperature is None else temperature
     say(f"eval: {len(tasks)} {cfg.env.name} {split} tasks x {k} ({policy}, model {model_path}, "
         f"T={temperature}, device {cfg.actor.device})")
@@ -115,32 +87,14 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     def progress(done, total):
         say(f"eval: {done}/{total} tasks ({time.monotonic() - t0:.0f}s)")
 
-    if policy == "ground-truth":
-        from transformers import AutoTokenizer
-
-        result = evaluate(None, tasks, make_env, settings, k=k, batch_tasks=batch_tasks,
-                          seed=cfg.seed, policy=policy, progress=progress,
-                          tokenizer=AutoTokenizer.from_pretrained(model_path))
-    else:
-        from inference.engines import make_backend
-
-        with make_backend(cfg, model_path) as backend:
-            result = evaluate(backend, tasks, make_env, settings, temperature=temperature, k=k,
-                              batch_tasks=batch_tasks, seed=cfg.seed, progress=progress)
+    result = evaluate_model(cfg, model_path, split, k=k, temperature=temperature, tasks=tasks,
+                            policy=policy, batch_tasks=batch_tasks, progress=progress)
     summary = {"env": cfg.env.name, "split": split, "policy": policy, "model": model_path,
                "k": k, "temperature": temperature, "seconds": time.monotonic() - t0,
                **{key: v for key, v in result.items() if key != "per_task"}}
-    write_results(out or run_dir / "eval" / f"{cfg.env.name}-{split}-{policy}-k{k}.jsonl",
+    write_results(out or RunDir(run_dir).eval_results(cfg.env.name, split, policy, k),
                   result["per_task"], summary)
     return summary
-
-
-def _model_positions(model_path: str) -> int:
-    """The model's position limit, so the context guard never lets a prompt outgrow it."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
 
 
 def write_results(path, per_task: list[dict], summary: dict) -> None:

@@ -3,8 +3,10 @@
 The head node runs Redis, replay, the learner (``autodidact run`` with
 ``actor.num_actors=0``); every other node runs this command with the head's addresses::
 
-    cfg = the run's config + --redis-url/--replay-addr/--weights-addr (CURVE keys checked)
-    model = model.path, or the run's tiny model made here (the same one the head makes)
+    cfg = the run's config + --redis-url/--replay-addr/--weights-addr (CURVE keys checked;
+          actor.device=cuda with --gpus-per-node), resolved once (autodidact/resolve.py)
+    model = model.path, or the run's tiny model made here (the same one the head makes): a
+          new config naming it
     write <run-dir>/node-<name>.yaml (mode 0600: the Redis URL carries its password)
     wait until Redis answers and the learner has announced weights (head up, warm-start over)
     with Supervisor() as roles:
@@ -31,9 +33,14 @@ from pathlib import Path
 
 import click
 
-# Same texts as autodidact.cli's (cli.py imports this module, so importing back is circular).
-CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
-SET_HELP = "Override one config value, e.g. --set actor.backend=vllm (repeatable)."
+from autodidact.cli_common import config_option, role_config, set_option
+from autodidact.resolve import with_model
+from autodidact.roles import role_argv, write_resolved_config
+from autodidact.stages import prepare_model
+from autodidact.supervisor import RoleSpec, Supervisor
+from protocol.config import redact_url
+from protocol.run_dir import RunDir
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -42,11 +49,11 @@ def default_node_name() -> str:
 
 
 @click.command("node")
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@config_option
 @click.option("--run-dir", type=click.Path(file_okay=False),
               help="This node's run directory (default runs/<name>): logs, actor outboxes, "
                    "metrics. Need not be shared with the head when --weights-addr is set.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@set_option("actor.backend=vllm")
 @click.option("--redis-url", default=None,
               help="The run's Redis (the head's <run-dir>/redis/remote_url).")
 @click.option("--redis-url-file", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -78,8 +85,6 @@ def node(config, run_dir, sets, redis_url, redis_url_file, replay_addr, weights_
         --weights-addr tcp://head:5556 --set security.keys_dir=keys/nodes/gpu1 \\
         -c run.yaml
     """
-    from autodidact.cli import _role_config, resolve_run_dir
-
     name = node_name or default_node_name()
     if not NAME.match(name):
         raise click.UsageError(f"--node-name must be letters, digits and '_.-', got {name!r}")
@@ -89,8 +94,8 @@ def node(config, run_dir, sets, redis_url, redis_url_file, replay_addr, weights_
         redis_url = Path(redis_url_file).read_text().strip()
     if actors + judges == 0:
         raise click.UsageError("nothing to start: --actors and --judges are both 0")
-    cfg = _role_config(config, sets, redis_url, replay_addr, weights_addr)
-    path = resolve_run_dir(cfg, run_dir)
+    cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr,
+                            gpu_actors=gpus_per_node > 0)
     code = run_node(cfg, path, name, actors, judges, gpus_per_node, progress_s,
                     head_gone_s)
     sys.exit(code)
@@ -98,26 +103,25 @@ def node(config, run_dir, sets, redis_url, redis_url_file, replay_addr, weights_
 
 def run_node(cfg, run_dir: Path, name: str, actors: int, judges: int, gpus: int,
              progress_s: float = 30.0, head_gone_s: float = 60.0) -> int:
-    """Start, supervise and stop this node's roles; returns a process exit code."""
+    """Start, supervise and stop this node's roles; returns a process exit code. ``cfg`` is
+    the node's resolved config (``gpus`` pins actors to GPUs; its device is resolved with
+    ``Flags(gpu_actors=True)``)."""
     import redis
 
-    from autodidact.launcher import prepare_model, role_argv, write_resolved_config
-    from autodidact.supervisor import Supervisor
-    from protocol.control import ControlPlane, redact
+    from protocol.control import ControlPlane
 
-    if not cfg.model.path:
-        cfg.model.path = prepare_model(cfg, run_dir)  # deterministic: the head's base model
-    if gpus and cfg.actor.backend == "transformers":
-        cfg.actor.device = "cuda"
+    rd = RunDir(run_dir)
+    if not cfg.model.path:  # deterministic: the head's base model
+        cfg = with_model(cfg, prepare_model(cfg, run_dir))
     # Named per node: the run dir may be shared.
-    config_path = write_resolved_config(cfg, run_dir, f"node-{name}.yaml")
-    logs = run_dir / "logs"
+    config_path = write_resolved_config(cfg, run_dir, rd.node_config(name))
+    logs = rd.logs
     logs.mkdir(exist_ok=True)
     stopping: list[str] = []
     previous = {s: signal.signal(s, lambda signum, _: stopping.append(signal.Signals(signum).name))
                 for s in (signal.SIGTERM, signal.SIGINT)}
-    say(f"node {name}: {actors} actor(s), {judges} judge(s); redis {redact(cfg.redis.url)}, "
-        f"replay {cfg.replay.address}, weights {cfg.weights.address or run_dir / 'weights'}; "
+    say(f"node {name}: {actors} actor(s), {judges} judge(s); redis {redact_url(cfg.redis.url)}, "
+        f"replay {cfg.replay.address}, weights {cfg.weights.address or rd.weights}; "
         f"logs in {logs}")
     # The node's own watch client fails fast (the roles' clients retry for ~40 s): the loop
     # must keep restarting roles and answering signals while the head is away.
@@ -126,7 +130,7 @@ def run_node(cfg, run_dir: Path, name: str, actors: int, judges: int, gpus: int,
     try:
         if not wait_for_head(watch, stopping, progress_s):
             return 0
-        with Supervisor(pids_path=run_dir / f"pids-{name}.json") as roles:
+        with Supervisor(pids_path=rd.node_pids(name)) as roles:
             for spec in node_roles(name, actors, judges, gpus, run_dir, config_path, logs,
                                    role_argv):
                 roles.start(spec)
@@ -144,8 +148,6 @@ def run_node(cfg, run_dir: Path, name: str, actors: int, judges: int, gpus: int,
 
 
 def node_roles(name, actors, judges, gpus, run_dir, config_path, logs, role_argv) -> list:
-    from autodidact.supervisor import RoleSpec
-
     specs = []
     for kind, count, flag in (("actor", actors, "--actor-id"), ("judge", judges, "--judge-id")):
         for i in range(count):
@@ -277,13 +279,11 @@ def worker_hint(cfg, run_dir: Path, host: str | None = None) -> str:
     """The command a worker node runs against this head, for the head to print (secrets are
     named by file, never shown): Redis from ``<run-dir>/redis/remote_url``, the replay and
     weight servers at this host, keys from the node's bundle."""
-    from protocol.control import redact
-
     host = host or socket.gethostname()
     if cfg.redis.bind:
-        redis_arg = f"--redis-url-file <copy of {run_dir / 'redis' / 'remote_url'}>"
+        redis_arg = f"--redis-url-file <copy of {RunDir(run_dir).redis_remote_url}>"
     elif cfg.redis.url and not cfg.redis.url.startswith("unix:"):
-        redis_arg = f"--redis-url {redact(cfg.redis.url)}"
+        redis_arg = f"--redis-url {redact_url(cfg.redis.url)}"
     else:
         return ("  workers: none can reach this head's Redis: set redis.bind=0.0.0.0:6379 "
                 "(and replay.address/weights.address to tcp:// addresses)")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,8 @@ from pathlib import Path
 import click
 
 from metrics.jsonl import read_metrics
+from protocol.config import redacted_config, url_password
+from protocol.run_dir import RunDir
 
 
 @dataclass
@@ -123,15 +124,15 @@ class Run:
 
         run = cls(path, label, records=read_metrics(path))
         try:
-            run.summary = json.loads((path / "summary.json").read_text())
+            run.summary = json.loads(RunDir(path).summary.read_text())
         except (OSError, ValueError):
             run.summary = {}
         try:
-            run.config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            run.config = yaml.safe_load(RunDir(path).config.read_text()) or {}
         except (OSError, yaml.YAMLError):
             run.config = {}
         run.secrets = _secrets(path, run.config)
-        run.config = redacted_config(run.config)
+        run.config = redacted_config(run.config) if isinstance(run.config, dict) else {}
         times = [r["t"] for r in run.records if isinstance(r.get("t"), (int, float))]
         run.t0 = min(times) if times else 0.0
         return run
@@ -159,29 +160,16 @@ class Run:
         return [r["t"] - self.t0 for r in rows], [r[line.metric] for r in rows]
 
 
-def redacted_config(config: dict) -> dict:
-    """``config`` as ``launcher.shareable_config`` gives it: the Redis password masked."""
-    from protocol.control import redact
-
-    config = json.loads(json.dumps(config, default=str))  # a deep copy
-    rcfg = config.get("redis")
-    if isinstance(rcfg, dict) and isinstance(rcfg.get("url"), str):
-        rcfg["url"] = redact(rcfg["url"])
-    return config
-
-
 def _secrets(path: Path, config: dict) -> list[str]:
     """Strings that must never reach a report: the run's Redis password, however it is found."""
     found = []
     try:
-        found.append((path / "redis" / "password").read_text().strip())
+        found.append(RunDir(path).redis_password.read_text().strip())
     except OSError:
         pass
     url = (config.get("redis") or {}).get("url") if isinstance(config, dict) else None
     if isinstance(url, str):
-        m = re.search(r"//[^/@:]*:([^@]*)@", url)
-        if m:
-            found.append(m.group(1))
+        found.append(url_password(url))
     return [s for s in found if len(s) >= 4]
 
 
@@ -451,7 +439,7 @@ def make_report(run_dirs: list[Path], labels: list[str] | None = None,
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} run directories")
     if out is None:
-        out = run_dirs[0] / "report" / ("compare" if len(run_dirs) > 1 else "")
+        out = RunDir(run_dirs[0]).report / ("compare" if len(run_dirs) > 1 else "")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     runs = [Run.load(d, label) for d, label in zip(run_dirs, labels)]
@@ -505,7 +493,7 @@ def report(run_dirs, labels, out):
                                "directories")
     if names is not None and len(set(names)) != len(names):
         raise click.UsageError("--labels must be distinct")
-    missing = [d for d in run_dirs if not (Path(d) / "metrics.jsonl").exists()]
+    missing = [d for d in run_dirs if not RunDir(d).metrics.exists()]
     if len(missing) == len(run_dirs):
         raise click.ClickException(f"no metrics.jsonl in {', '.join(missing)}: not a run "
                                    "directory, or the run has not started its roles yet")

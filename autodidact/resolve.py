@@ -1,21 +1,157 @@
-"""A run's configuration, resolved once: the YAML file and overrides, checked as a whole.
+"""A run's configuration, resolved once: the YAML file, ``--set`` overrides, the command's own
+flags and the defaults known at start, checked as a whole.
 
 ``protocol.config`` checks what a config can check on its own (types, ranges, cross-field
 rules); the environment's options can only be checked against the environment registry, which
-lives above the protocol, so this is where the two meet. Every command loads its config here.
+lives above the protocol, so this is where the two meet. Every command loads its config here,
+and nothing assigns to the result. Precedence, lowest first::
+
+    embedded defaults < config file < --set < flags (--redis-url, --env, ...) < start defaults
+
+Start defaults fill what the config leaves empty: ``redis.prefix`` (``autodidact:<name>``) for
+commands that talk to Redis, ``replay.address`` (a socket in the run directory) for a run
+whose services start here. Values learned only later make a new checked config at an explicit
+point (:func:`with_redis_url` once the embedded Redis is up, :func:`with_model` after the
+warm-start), never a mutation.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from environments import check_env_options
-from protocol.config import RunConfig, load_config
+from protocol.config import RunConfig, load_config, with_values
+from protocol.control import default_prefix
+from protocol.errors import ConfigError
+from protocol.transport import local_address
 
 
-def resolve_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """The checked config for ``path`` plus ``section.key=value`` overrides; raises
+@dataclass(frozen=True)
+class Flags:
+    """What a command line sets beside ``--set``; ``None``/``False`` leaves the config's."""
+
+    redis_url: str | None = None
+    """--redis-url: the run's Redis (``redis.url``)."""
+
+    replay_addr: str | None = None
+    """--replay-addr: the replay server (``replay.address``)."""
+
+    weights_addr: str | None = None
+    """--weights-addr: the learner's weight server (``weights.address``)."""
+
+    env: str | None = None
+    """--env: another environment; its options are reset to that env's defaults."""
+
+    env_limits: bool = False
+    """With ``env``: also take the env's own rollout limits (``default_limits``: turns,
+    context, action tokens), for a command run without a config file."""
+
+    device: str | None = None
+    """--device: the actors' torch device (``actor.device``)."""
+
+    gpu_actors: bool = False
+    """Actors pinned to GPUs (``autodidact node --gpus-per-node``): ``actor.device=cuda`` for
+    the transformers engine."""
+
+    llm_url: str | None = None
+    """--proposer-url: an OpenAI-compatible endpoint (``llm.url``)."""
+
+    llm_model: str | None = None
+    """--proposer-model (``llm.model``)."""
+
+    redis_prefix: bool = False
+    """The command talks to Redis: ``redis.prefix`` defaults to ``autodidact:<name>``."""
+
+    local_services: bool = False
+    """Replay (and Redis) start here, in the run directory: ``replay.address`` defaults to a
+    socket in it (``autodidact run``)."""
+
+
+def resolve_config(path: str | Path | None = None, overrides: list[str] = (),
+                   flags: Flags = Flags(), run_dir: Path | None = None) -> RunConfig:
+    """The checked config for ``path`` plus ``section.key=value`` overrides, ``flags`` and
+    the start defaults (those of a run directory need ``run_dir``); raises
     :class:`~protocol.errors.ConfigError` naming the first bad key."""
     cfg = load_config(path, list(overrides))
+    values = flag_values(cfg, flags, run_dir)
+    if values:
+        cfg = with_values(cfg, values)
     check_env_options(cfg.env)
     return cfg
+
+
+def resolve_run(path: str | Path | None, overrides: list[str], run_dir: str | Path | None,
+                flags: Flags = Flags()) -> tuple[RunConfig, Path]:
+    """:func:`resolve_config` for a command working in a run directory, and that directory
+    (``runs/<name>`` unless ``run_dir``; absolute, not made here)."""
+    cfg = load_config(path, list(overrides))
+    directory = run_directory(cfg.name, run_dir)
+    values = flag_values(cfg, flags, directory)
+    if values:
+        cfg = with_values(cfg, values)
+    check_env_options(cfg.env)
+    return cfg, directory
+
+
+def run_directory(name: str, run_dir: str | Path | None = None) -> Path:
+    """``run_dir`` (default ``runs/<name>``) as an absolute path."""
+    return (Path(run_dir) if run_dir else Path("runs") / name).resolve()
+
+
+def flag_values(cfg: RunConfig, flags: Flags, run_dir: Path | None = None) -> dict[str, Any]:
+    """``{"section.key": value}`` that ``flags`` and the start defaults set on ``cfg``."""
+    values: dict[str, Any] = {}
+    if flags.env:
+        values.update(env_values(cfg, flags.env, flags.env_limits))
+    for key, value in (("redis.url", flags.redis_url), ("replay.address", flags.replay_addr),
+                       ("weights.address", flags.weights_addr), ("actor.device", flags.device)):
+        if value:
+            values[key] = value
+    if flags.gpu_actors and cfg.actor.backend == "transformers":
+        values["actor.device"] = "cuda"
+    if flags.llm_url:
+        if not (flags.llm_model or cfg.llm.model):
+            raise ConfigError("--proposer-url needs --proposer-model (or llm.model)")
+        values["llm.url"] = flags.llm_url
+        values["llm.model"] = flags.llm_model or cfg.llm.model
+    if flags.redis_prefix and not cfg.redis.prefix:
+        values["redis.prefix"] = default_prefix(cfg.name)
+    if flags.local_services:
+        if run_dir is None:
+            raise ValueError("local services need the run directory")
+        if not values.get("replay.address", cfg.replay.address):
+            values["replay.address"] = local_address(run_dir, "replay")
+    return values
+
+
+def env_values(cfg: RunConfig, name: str, limits: bool) -> dict[str, Any]:
+    """Switch to env ``name``: its options reset (another env's options mean nothing to it),
+    and with ``limits`` the env's own rollout limits (e.g. bfcl: long contexts and actions)."""
+    from environments import env_class
+
+    try:
+        cls = env_class(name)
+    except KeyError as exc:
+        raise ConfigError(f"--env: {exc.args[0]}") from None
+    values: dict[str, Any] = {}
+    if name != cfg.env.name:
+        values.update({"env.name": name, "env.options": {}})
+    if limits:
+        own = dict(getattr(cls, "default_limits", {}))
+        if "max_action_tokens" in own:
+            values["actor.max_action_tokens"] = own.pop("max_action_tokens")
+        values.update({f"env.{key}": value for key, value in own.items()})
+    return values
+
+
+def with_redis_url(cfg: RunConfig, url: str) -> RunConfig:
+    """The run's config once its Redis is known (the embedded server started): a new one."""
+    return with_values(cfg, {"redis.url": url})
+
+
+def with_model(cfg: RunConfig, path: str) -> RunConfig:
+    """The run's config with the model the roles start from (the warm-started policy, or the
+    base model made here): a new one."""
+    return with_values(cfg, {"model.path": path})

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import click
 
+from protocol.config import redact_url
+from protocol.run_dir import REPLAY_STORE, SUMMARY, RunDir
+
 TAIL_BYTES = 4 * 1024 * 1024  # the end of metrics.jsonl that status reads (a long run's is big)
 RECENT_ACTOR_RECORDS = 20  # actor success rate: mean over this many latest actor records
 RATE_WINDOW_S = 60.0  # groups/s from actor records: over this last stretch of time
@@ -35,7 +38,7 @@ def read_config(run_dir: Path) -> tuple[dict, str]:
     """``config.yaml`` as a dict (``{}`` when missing or unreadable) and a note why not."""
     import yaml
 
-    path = run_dir / "config.yaml"
+    path = RunDir(run_dir).config
     try:
         values = yaml.safe_load(path.read_text()) or {}
         return (values, "") if isinstance(values, dict) else ({}, f"{path} is not a mapping")
@@ -52,7 +55,7 @@ def redis_target(run_dir: Path, cfg: dict) -> tuple[str, str]:
     rcfg = cfg.get("redis") or {}
     url = rcfg.get("url") or ""
     if not url:  # config.yaml not written yet: the embedded server's socket and password
-        sock, password = run_dir / "redis" / "redis.sock", run_dir / "redis" / "password"
+        sock, password = RunDir(run_dir).redis_socket, RunDir(run_dir).redis_password
         if sock.exists() and password.exists():
             url = f"unix://:{password.read_text().strip()}@{sock}"
     prefix = rcfg.get("prefix") or default_prefix(cfg.get("name") or run_dir.name)
@@ -109,8 +112,8 @@ def query_replay(cfg: dict, timeout_s: float = 2.0) -> dict:
 
 def store_stats(run_dir: Path) -> dict:
     """Counts read from ``replay.lmdb`` directly (read-only; safe while the server runs)."""
-    if not (run_dir / "replay.lmdb").exists():
-        return {"error": "no replay.lmdb"}
+    if not RunDir(run_dir).replay_store.exists():
+        return {"error": f"no {REPLAY_STORE}"}
     try:
         from replay.store import read_stats
 
@@ -122,11 +125,11 @@ def store_stats(run_dir: Path) -> dict:
 def read_pids(run_dir: Path) -> dict[str, int]:
     pids = {}
     try:
-        pids = {str(k): int(v) for k, v in json.loads((run_dir / "pids.json").read_text()).items()}
+        pids = {str(k): int(v) for k, v in json.loads(RunDir(run_dir).pids.read_text()).items()}
     except (OSError, ValueError, TypeError, AttributeError):
         pass
     try:
-        pids["redis"] = int((run_dir / "redis" / "redis.pid").read_text())
+        pids["redis"] = int(RunDir(run_dir).redis_pid.read_text())
     except (OSError, ValueError):
         pass
     return pids
@@ -156,7 +159,7 @@ def process_running(pid: int) -> bool | None:
 
 def read_metrics_tail(run_dir: Path, max_bytes: int = TAIL_BYTES) -> tuple[list[dict], float]:
     """The records in the last ``max_bytes`` of metrics.jsonl, and the time of its first."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return [], math.nan
     with open(path, "rb") as f:
@@ -185,8 +188,6 @@ def _parse(line: bytes) -> dict | None:
 
 def collect(run_dir: Path, replay_timeout_s: float = 2.0) -> dict:
     """Everything ``status`` shows, as one JSON-able dict."""
-    from protocol.control import redact
-
     now = time.time()
     cfg, cfg_note = read_config(run_dir)
     notes = [cfg_note] if cfg_note else []
@@ -197,7 +198,7 @@ def collect(run_dir: Path, replay_timeout_s: float = 2.0) -> dict:
     if not redis_ok:
         notes.append(f"Redis not reachable ({live['error']}): Redis values are missing, the rest "
                      "comes from the run directory")
-    summary = _read_json(run_dir / "summary.json")
+    summary = _read_json(RunDir(run_dir).summary)
     records, t_first = read_metrics_tail(run_dir)
     pids = read_pids(run_dir)
     learner = _last(records, "learner", "learner/loss")
@@ -207,7 +208,7 @@ def collect(run_dir: Path, replay_timeout_s: float = 2.0) -> dict:
     snap = {
         "run_dir": str(run_dir), "name": cfg.get("name") or run_dir.name,
         "phase": phase, "finished": done or phase == "done",
-        "redis": {"url": redact(url) if url else "", "prefix": prefix,
+        "redis": {"url": redact_url(url) if url else "", "prefix": prefix,
                   "reachable": redis_ok, **({"error": live["error"]} if not redis_ok else {})},
         "started_at": state.get("started_at"),
         "version": live.get("version") if redis_ok else learner.get("learner/version"),
@@ -265,7 +266,7 @@ def _replay(run_dir, cfg, records, live, replay_alive, timeout_s, notes):
         if "error" in stats:
             stats = {}
         else:
-            source = "replay.lmdb"
+            source = REPLAY_STORE
     last = _last(records, "replay", "replay/groups")
     if not stats and last:
         stats = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("replay/")}
@@ -305,7 +306,7 @@ def _roles(records, pids, heartbeats, state, summary, now, ttl):
     if isinstance(state.get("restarts"), dict):
         restarts, source = state["restarts"], "Redis"
     elif isinstance(summary.get("restarts"), dict):
-        restarts, source = summary["restarts"], "summary.json"
+        restarts, source = summary["restarts"], SUMMARY
     else:
         restarts, source = {}, None
     names = list(pids) + [n for n in beats if n not in pids] + \

@@ -7,6 +7,7 @@ their sockets), then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -152,3 +153,18 @@ def _signal(run: _Running, sig: int) -> None:
             run.proc.send_signal(sig)
     except ProcessLookupError:
         pass
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt():
+    """SIGTERM (a scheduler, ``kill``) stops a run as Ctrl-C does: every role stops, the learner
+    checkpoints. SIGINT is re-armed too: a shell starting us in the background ignores it."""
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

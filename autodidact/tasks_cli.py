@@ -13,13 +13,11 @@ from pathlib import Path
 
 import click
 
+from autodidact.cli_common import config_option, load, set_option
 from protocol.messages import Task
+from protocol.run_dir import RunDir
 from questioning.task_store import TaskStore
 
-# Same texts as autodidact.cli's; not imported from there because cli.py imports this module
-# (and runs as __main__ under the launcher), which would make the import circular.
-CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
-SET_HELP = "Override one config value, e.g. --set env.options.num_worlds=8 (repeatable)."
 SHOW_FAILED = 5  # failing task ids listed per reason by `verify`
 
 COLUMNS = ("task_id", "seed", "method", "steps", "difficulty", "query")
@@ -107,7 +105,7 @@ def show(task_id, run_dir):
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from None
     if task is None:
-        raise click.ClickException(f"no task {task_id!r} in {Path(run_dir) / 'tasks.lmdb'}")
+        raise click.ClickException(f"no task {task_id!r} in {RunDir(run_dir).task_store}")
     click.echo(_json(_as_dict(task), indent=2))
 
 
@@ -153,17 +151,15 @@ def _verify_one(task: Task, cfg, env_class, verify_task) -> str:
 
 
 @tasks.command("verify")
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@config_option
+@set_option("env.options.num_worlds=8")
 @run_dir_option
 def verify(config, sets, run_dir):
     """Replay each task's reference in a fresh env: the goal must hold after it, not before.
 
     Exits 1 when any task fails.
     """
-    from autodidact.cli import _load
-
-    cfg = _load(config, sets)
+    cfg = load(config, sets)
     stored = _read_all(run_dir)
     env_class, verify_task = _verifier()
     failed: dict[str, list[str]] = {}

@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 
 from metrics.jsonl import MetricsTail
+from protocol.config import redacted_config
+from protocol.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,12 @@ class WandbMirror:
         self._synced = 0  # records passed to sync so far: metrics.jsonl's first ``_synced``
         # A resumed run (same wandb id) has already mirrored this many of the file's records;
         # the launcher's tail reads the file from its start again, and those are not re-logged.
-        self._cursor = self.run_dir / "wandb" / "mirrored"
+        self._cursor = RunDir(self.run_dir).wandb_cursor
         self._mirrored = _read_count(self._cursor)
         if mode == "disabled":
             return
         os.environ.setdefault("WANDB_SILENT", "true")
-        config = _redacted(config)
+        config = redacted_config(config)  # whoever calls: no password reaches wandb
         tags = [t for t in (_env_name(config),) if t]
         try:
             import wandb
@@ -133,7 +135,7 @@ def _read_count(path: Path) -> int:
 
 
 def read_summary(run_dir: Path) -> dict:
-    path = Path(run_dir) / "summary.json"
+    path = RunDir(run_dir).summary
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -161,17 +163,6 @@ def summary_values(summary: dict) -> dict[str, float]:
             out[f"restarts/{role}"] = n
         out["restarts/total"] = sum(n for n in restarts.values() if isinstance(n, int))
     return out
-
-
-def _redacted(config: dict) -> dict:
-    """``config`` with ``redis.url``'s password masked (the launcher passes it redacted
-    already; this keeps a password out of wandb whoever calls)."""
-    from protocol.control import redact
-
-    redis_cfg = config.get("redis") if isinstance(config, dict) else None
-    if isinstance(redis_cfg, dict) and isinstance(redis_cfg.get("url"), str):
-        config = {**config, "redis": {**redis_cfg, "url": redact(redis_cfg["url"])}}
-    return config
 
 
 def _env_name(config: dict) -> str:

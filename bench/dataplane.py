@@ -164,7 +164,7 @@ def bench_full(run_dir: Path, seconds: float, size: int, clients: int, window: i
                batch: int) -> tuple[Result, int, dict]:
     sets = [f"replay.map_size={MAP_SIZE}", f"replay.max_bytes={MAP_SIZE}",
             "replay.max_groups=100000000", f"replay.write_batch={batch}"]
-    cmd = [sys.executable, "-m", "replay.server", "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "autodidact.cli", "replay", "--run-dir", str(run_dir),
            "--address", f"ipc://{run_dir}/replay.sock"]
     for item in sets:
         cmd += ["--set", item]

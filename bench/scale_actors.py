@@ -54,15 +54,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actor.actor import serve  # noqa: E402
+from autodidact.coordinator import Coordinator  # noqa: E402
 from autodidact.embedded_redis import EmbeddedRedis  # noqa: E402
-from autodidact.launcher import (  # noqa: E402
-    prepare_model,
-    role_argv,
-    wait_for_replay,
-    write_resolved_config,
-)
+from autodidact.roles import role_argv, wait_for_replay, write_resolved_config  # noqa: E402
+from autodidact.stages import prepare_model  # noqa: E402
 from autodidact.supervisor import RoleSpec, Supervisor  # noqa: E402
-from autodidact.task_mix import TaskFeeder  # noqa: E402
 from metrics.jsonl import read_metrics  # noqa: E402
 from protocol.config import RunConfig, load_config  # noqa: E402
 from protocol.control import ControlPlane, default_prefix  # noqa: E402
@@ -421,7 +417,10 @@ def measure(n: int, args, work: Path, model_path: str, say) -> dict:
     with EmbeddedRedis(run_dir) as url, Supervisor(pids_path=run_dir / "pids.json") as roles:
         cfg.redis.url = url
         config_path = write_resolved_config(cfg, run_dir)
-        control = ControlPlane.connect(url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
+        # The run's coordinator, as the launcher's: admission opened, the task queue kept full.
+        coordinator = Coordinator.connect(cfg, run_dir)
+        coordinator.start()
+        control = coordinator.control
 
         def start(name: str, argv: list[str]) -> None:
             roles.start(RoleSpec(name, argv, restart=False, env=ROLE_ENV,
@@ -440,8 +439,8 @@ def measure(n: int, args, work: Path, model_path: str, say) -> dict:
             start("learner", role_cmd("learner", run_dir, config_path, args))
         from environments.base import env_maker
 
-        feeder = TaskFeeder(cfg, control, env_maker(cfg.env)().tasks("train"), 0.0)
-        feeder.top_up()
+        coordinator.feed(env_maker(cfg.env)().tasks("train"), 0.0)
+        coordinator.tick()
         for i in range(n):
             start(f"actor-{i}", role_cmd("actor", run_dir, config_path, args, f"actor-{i}"))
         pids = {name: r.proc.pid for name, r in roles.roles.items()}
@@ -454,21 +453,21 @@ def measure(n: int, args, work: Path, model_path: str, say) -> dict:
             while len([h for h in control.alive() if h["role"] == "actor"
                        and h.get("groups", 0) > 0]) < n:
                 check()
-                feeder.top_up()
+                coordinator.tick()
                 if time.monotonic() - t_ready > 180:
                     raise RuntimeError(f"actors did not start in 180 s; see {run_dir / 'logs'}")
                 time.sleep(0.2)
             t_ready = time.monotonic() - t_ready
             end = time.monotonic() + args.warmup
             while time.monotonic() < end:
-                feeder.top_up()
+                coordinator.tick()
                 time.sleep(0.2)
             first = snapshot(replay, control, pids)
             end, last_say, next_sample = first["t"] + args.seconds, first["t"], first["t"]
             backlog = []  # groups stored and not yet drawn by the learner, once a second
             while time.monotonic() < end:
                 check()
-                feeder.top_up()
+                coordinator.tick()
                 time.sleep(min(0.2, max(0.0, end - time.monotonic())))
                 if time.monotonic() >= next_sample and end - time.monotonic() > 0.5:
                     next_sample += 1.0

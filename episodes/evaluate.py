@@ -1,29 +1,94 @@
 """Held-out evaluation: k episodes per task through the training rollout code; avg@k, best@k.
 
-``policy="model"`` samples actions from the backend; ``policy="ground-truth"`` replays each
-task's reference actions through the same episode code (a check of the environment and the
-harness: it should score 100%).
+:func:`evaluate_model` is the one evaluation of a model folder on a config's environment:
+``autodidact run`` (before and after warm-start, after RL) and ``autodidact eval`` both call
+it and only present its result differently. :func:`evaluate` is the loop underneath, over any
+backend. ``policy="model"`` samples actions from the backend; ``policy="ground-truth"``
+replays each task's reference actions through the same episode code (a check of the
+environment and the harness: it should score 100%).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections import defaultdict
 from collections.abc import Callable
 
-from environments.base import Environment
+from environments.base import Environment, env_maker
 from episodes.rollout import (
     Episode,
     RolloutSettings,
     apply_action,
     make_codec,
     rollout,
+    rollout_settings,
     start_episodes,
 )
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec
+from protocol.config import RunConfig
 from protocol.messages import Task
 
 POLICIES = ("model", "ground-truth")
+
+
+def select_tasks(cfg: RunConfig, split: str = "test", limit: int = 0,
+                 env: Environment | None = None) -> list[Task]:
+    """The ``split`` tasks of the config's env (or of ``env``, one already made); with
+    ``limit``, that many of them drawn with ``cfg.seed`` (the same draw every time, so runs and
+    evaluations of one config share their tasks)."""
+    tasks = (env or env_maker(cfg.env)()).tasks(split)
+    if limit:
+        tasks = random.Random(cfg.seed).sample(tasks, min(limit, len(tasks)))
+    return tasks
+
+
+def evaluate_model(cfg: RunConfig, model_path: str, split: str = "test", k: int = 1,
+                   temperature: float = 0.0, *, limit: int = 0, tasks: list[Task] | None = None,
+                   greedy: bool = False, policy: str = "model", batch_tasks: int = 64,
+                   progress: Callable[[int, int], None] | None = None) -> dict:
+    """avg@k and best@k of the model folder ``model_path`` on ``tasks`` (default:
+    :func:`select_tasks` of ``split`` and ``limit``), with the config's env and rollout limits
+    and the engine ``actor.backend`` names (:func:`inference.engines.make_backend`).
+
+    The context guard is the smaller of ``env.max_context`` and the model's position limit, so
+    no prompt outgrows the model. With ``greedy``, ``"greedy"`` is also the avg success at
+    temperature 0 on the same tasks, with the same engine. ``policy="ground-truth"`` replays
+    the references (no engine; the model folder's tokenizer lays the episodes out). Returns
+    :func:`evaluate`'s result: ``tasks``, ``avg``, ``best``, ``categories``, ``per_task``.
+    """
+    from inference.engines import make_backend
+
+    if tasks is None:
+        tasks = select_tasks(cfg, split, limit)
+    make_env = env_maker(cfg.env)
+    settings = rollout_settings(cfg)
+    # Replayed references are never read by a model: only a sampling model needs the guard.
+    settings = dataclasses.replace(settings, max_context=(
+        1 << 30 if policy == "ground-truth"
+        else min(settings.max_context, model_positions(model_path))))
+    if policy == "ground-truth":
+        from transformers import AutoTokenizer
+
+        return evaluate(None, tasks, make_env, settings, k=k, batch_tasks=batch_tasks,
+                        seed=cfg.seed, policy=policy, progress=progress,
+                        tokenizer=AutoTokenizer.from_pretrained(model_path))
+    with make_backend(cfg, model_path) as backend:
+        result = evaluate(backend, tasks, make_env, settings, temperature=temperature, k=k,
+                          batch_tasks=batch_tasks, seed=cfg.seed, progress=progress)
+        if greedy:
+            result["greedy"] = evaluate(backend, tasks, make_env, settings, temperature=0.0,
+                                        batch_tasks=batch_tasks, seed=cfg.seed)["avg"]
+    return result
+
+
+def model_positions(model_path: str) -> int:
+    """The model's position limit (``max_position_embeddings``; unbounded when it has none)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
 
 
 def evaluate(backend: InferenceBackend | None, tasks: list[Task],

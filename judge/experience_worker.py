@@ -3,14 +3,16 @@
     once, before training: lessons from the explore stage's explorations (if any)
     while not stopped:
         wait until the learner has made update_every more updates (0 = frozen: stop here)
-        groups = replay groups stored since the last pass (read-only LMDB, oldest first)
+        groups = replay groups stored since the last pass (GroupsSince, oldest first)
         experiences = extract(groups)            # rules, or the llm endpoint
         pool.add(experiences)                    # drops empty, too long, near-duplicates
         metrics experience/*
 
-It reads the replay store directly (LMDB allows readers beside the one writer) instead of
-asking the replay server, so extraction never competes with the learner's batches; where it
-has read up to is kept in Redis, so a restarted worker does not extract the same groups twice.
+It asks the replay server for the groups (``ReplayClient.groups_since``: read-only, in ingest
+order, evicted ones skipped, in pages), so it needs no file system in common with it and takes
+nothing from the learner: reading marks no group delivered. Where it has read up to (the next
+ingest sequence number) is kept in Redis, so a restarted worker does not extract the same
+groups twice.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from pathlib import Path
 
 from metrics.jsonl import MetricsWriter
 from navigating.extraction import ExperienceExtractor, LLMExtractor
-from protocol import codec
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
-from protocol.errors import SchemaError
-from replay.store import Store, store_path
+from protocol.errors import TransportTimeout
+from protocol.replay_client import ReplayClient
 
 log = logging.getLogger(__name__)
+
+PAGE_GROUPS = 256  # groups asked for per GroupsSince request
 
 def make_extractor(cfg: RunConfig) -> ExperienceExtractor:
     choice = cfg.experience.extractor
@@ -54,12 +57,14 @@ def seed_from_explorations(pool, run_dir: Path, extractor: ExperienceExtractor) 
 
 class ExperienceWorker:
     def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane, pool,
-                 extractor: ExperienceExtractor | None = None):
+                 extractor: ExperienceExtractor | None = None,
+                 replay: ReplayClient | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.control = control
         self.pool = pool
         self.extractor = extractor or make_extractor(cfg)
+        self.replay = replay or ReplayClient.for_run(cfg)
         self.metrics = MetricsWriter(run_dir, "experience", "experience")
         self.malformed = 0
         self._stop = False
@@ -76,8 +81,11 @@ class ExperienceWorker:
         while not self._stop:
             version = self.control.get_version()
             if version - done_at >= every:
-                self.extract_once(version)
-                done_at = version
+                try:
+                    self.extract_once(version)
+                    done_at = version
+                except TransportTimeout as exc:  # replay away: the same pass, next time round
+                    log.warning("experience: replay did not answer (%s); retrying", exc)
             time.sleep(poll_s)
 
     def extract_once(self, version: int) -> dict:
@@ -97,23 +105,23 @@ class ExperienceWorker:
         return counts
 
     def _new_groups(self):
-        start = self.control.experience_cursor()
-        if not store_path(self.run_dir).exists():
-            return [], start
-        store = Store(self.run_dir, readonly=True)
-        groups, next_seq = [], start
-        try:
-            with store.env.begin() as txn:
-                for seq, group_id, body in store.iter_since(txn, start):
-                    next_seq = seq + 1
-                    try:
-                        groups.append(codec.decode_body("group", bytes(body)))
-                    except SchemaError as exc:  # stored by an older schema: skip, count
-                        self.malformed += 1
-                        log.warning("experience: skipping group %s: %s", group_id, exc)
-        finally:
-            store.close()
-        return groups, next_seq
+        """Every group stored since the cursor, oldest first, and the cursor after them."""
+        next_seq = self.control.experience_cursor()
+        groups = []
+        while True:
+            page = self.replay.groups_since(next_seq, PAGE_GROUPS)
+            groups += page.groups
+            if page.malformed:  # stored by an older schema: skipped by replay, counted here
+                self.malformed += page.malformed
+                log.warning("experience: %d stored groups no longer decode; skipped",
+                            page.malformed)
+            if not page.more or page.next_seq <= next_seq:  # read to the end (or no progress)
+                return groups, max(next_seq, page.next_seq)
+            next_seq = page.next_seq
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.replay.close()
 
 
 def main(cfg: RunConfig, run_dir: Path) -> None:
@@ -128,4 +136,4 @@ def main(cfg: RunConfig, run_dir: Path) -> None:
     try:
         worker.run()
     finally:
-        worker.metrics.close()
+        worker.close()

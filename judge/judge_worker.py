@@ -44,7 +44,11 @@ class JudgeWorker:
         self.judge_id = judge_id
         self.control = control
         self.between_pulls = between_pulls  # e.g. the policy judge loading newer weights
-        self.pool = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix=judge_id)
+        # One local model serves every request of the policy judge: concurrent calls would
+        # only contend for it.
+        local = cfg.judge.resolved_backend(cfg.llm.url) == "policy"
+        self.pool = ThreadPoolExecutor(1 if local else self.cfg.concurrency,
+                                       thread_name_prefix=judge_id)
         self.metrics = MetricsWriter(run_dir, "judge", judge_id)
         self.window = JudgeWindow()
         self.totals = {"groups": 0, "steps": 0, "duplicates": 0}
@@ -191,9 +195,6 @@ def main(cfg: RunConfig, run_dir: Path, judge_id: str = "judge-0") -> None:
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     replay = ReplayClient.for_run(cfg)
     judge, cross_check, hook = make_judges(cfg, control, judge_id)
-    if cfg.judge.resolved_backend(cfg.llm.url) == "policy":
-        # One local model serves every request: concurrent calls would only contend for it.
-        cfg.judge.concurrency = 1
     worker = JudgeWorker(cfg, run_dir, replay, judge, cross_check, judge_id, control, hook)
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)

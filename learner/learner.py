@@ -3,7 +3,8 @@
     hello(replay, ledger from checkpoint)           # a resume neither repeats nor skips
     while updates < max_updates and within budget:
         groups, labels = draw batch_groups / N      # oldest first, within the staleness bound;
-                                                    # judged ones, or past judge.deadline_s
+                                                    # judged ones, or past judge.deadline_s;
+                                                    # replay holds the request until it has some
         batch = build_batch(groups, labels, α(u))   # masks, step advantages (or plain GRPO)
         strip injected experience (experience.train_context=discard)
         proximal = logprobs under current params    # decoupled PPO
@@ -44,11 +45,14 @@ from protocol.config import LearnerConfig, RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
 from protocol.replay_client import ReplayClient
+from protocol.run_dir import RunDir
 from protocol.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoints/latest.pt"
+# How long replay may hold a batch request it cannot serve yet (BatchRequest.timeout_s): it
+# answers as soon as a group is there, so this only bounds how late a stop is noticed.
+BATCH_WAIT_S = 1.0
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "updates", "version", "consumed",
                    "torch_rng", "numpy_rng", "python_rng")
 
@@ -164,7 +168,7 @@ class Learner:
     def resume(self) -> bool:
         """Restore the latest checkpoint if there is one (every rank reads it, so all start
         from the same weights, optimizer, RNG and ledger)."""
-        path = self.run_dir / CHECKPOINT
+        path = RunDir(self.run_dir).checkpoint
         if not path.exists():
             return False
         state = load_checkpoint(path)
@@ -186,7 +190,7 @@ class Learner:
         optimizer = self.ranks.optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_main:
             return
-        path = self.run_dir / CHECKPOINT
+        path = RunDir(self.run_dir).checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {"model": model, "optimizer": optimizer,
                  "scheduler": self.scheduler.state_dict(),
@@ -251,18 +255,19 @@ class Learner:
         while len(groups) < self.share:
             if self.stopping(deadline, max_updates):
                 return None, None, 0.0
+            # Replay holds the request until it has a group (or a stale skip) to report: no
+            # polling here, and no wait past the run's time budget.
+            wait = min(BATCH_WAIT_S, max(deadline - time.monotonic(), 0.0))
             try:
                 batch = self.replay.request_batch(
                     self.learner_id, self.share - len(groups), self.version,
                     self.cfg.max_staleness, require_labels=want_labels,
-                    label_deadline_s=self.judge_deadline_s)
+                    label_deadline_s=self.judge_deadline_s, timeout_s=wait)
             except TransportTimeout:
                 log.warning("replay did not answer a batch request; retrying")
                 continue
             if batch.stale_skipped:  # frees their admission slots (protocol/control.py)
-                self.control.incr("learner/stale_skipped", batch.stale_skipped)
-            if not batch.groups:
-                time.sleep(0.05)  # nothing fresh (or judged) yet
+                self.control.free_stale_slots(batch.stale_skipped)
             self.judge_timeouts += batch.judge_timeouts
             labels.update((lab.group_id, lab) for lab in batch.labels)
             for g in batch.groups:
@@ -483,7 +488,7 @@ def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
         # directory they would start from different states, and the lockstep would break.
         if not ranks.agree(f"{learner.updates}/{learner.version}/{len(learner.consumed)}"):
             raise SystemExit(f"learner: the ranks resumed from different checkpoints; every "
-                             f"rank must see {Path(run_dir) / CHECKPOINT}")
+                             f"rank must see {RunDir(run_dir).checkpoint}")
         learner.run(max_updates)
     finally:
         replay.close()

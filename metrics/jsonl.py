@@ -14,10 +14,12 @@ import os
 import time
 from pathlib import Path
 
+from protocol.run_dir import RunDir
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, role: str, member: str = ""):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self.role = role
         self.member = member or role
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -46,7 +48,7 @@ def _finite_or_none(value):
 
 
 def read_metrics(run_dir: Path, role: str | None = None) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return []
     out = []
@@ -65,7 +67,7 @@ class MetricsTail:
     written waits for the next call), so long runs never re-read the whole file."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self.offset = 0
 
     def read_new(self) -> list[dict]:

@@ -2,7 +2,8 @@
 
 Experiences live in Redis so that actors on any machine read and count the same pool, and
 survive restarts through Redis's append-only file (the embedded server runs with it on and
-saves on SIGTERM). Layout (``P`` is the run prefix, as in :mod:`protocol.control`)::
+saves on SIGTERM). The keys are :class:`protocol.control.ExperienceKeys` (listed with every
+other key in :mod:`protocol.control`; ``P`` is the run prefix)::
 
     P:exp:log        list   append-only; one entry per experience, oldest first
     P:exp:ids        set    exp_ids in the log, so two writers never append the same id
@@ -48,8 +49,9 @@ import numpy as np
 import redis
 
 from protocol.codec import decode_body, encode_body
-from protocol.control import connect_redis
+from protocol.control import ExperienceKeys, connect_redis
 from protocol.messages import Experience
+from protocol.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +62,6 @@ _TIE_DECIMALS = 6  # similarities equal to this many decimals count as a tie
 
 class TextEmbedder(Protocol):
     def encode(self, texts: Sequence[str]) -> np.ndarray: ...
-
-
-class ExperienceKeys:
-    """Key names of one run's pool."""
-
-    def __init__(self, prefix: str):
-        self.log = f"{prefix}:exp:log"
-        self.ids = f"{prefix}:exp:ids"
-        self.uses = f"{prefix}:exp:uses"
-        self.successes = f"{prefix}:exp:successes"
 
 
 # KEYS: log, ids. ARGV: max_pool, then exp_id, entry pairs.
@@ -460,9 +452,6 @@ def _prepared(exp: Experience) -> Experience:
         created_at=exp.created_at or time.time(), uses=0, successes=0)
 
 
-DURABLE_FILE = "experiences.log"
-
-
 def open_pool(cfg, prefix: str | None = None, embedder=None,
               run_dir: str | Path | None = None) -> ExperiencePool:
     """The pool of a run (``RunConfig``): its Redis, its prefix (or ``prefix``), its settings.
@@ -474,4 +463,4 @@ def open_pool(cfg, prefix: str | None = None, embedder=None,
                                   embedder or Embedder(xc.embedder_path),
                                   dedup_similarity=xc.dedup_similarity, max_chars=xc.max_chars,
                                   max_pool=xc.max_pool,
-                                  durable_path=Path(run_dir) / DURABLE_FILE if run_dir else None)
+                                  durable_path=RunDir(run_dir).experiences if run_dir else None)

@@ -3,13 +3,20 @@
 A run is described by one YAML file (``configs/default.yaml``) whose top-level keys are the
 role sections below; ``--set section.key=value`` overrides single values. Unknown keys, wrong
 types and impossible values are refused at start with a message naming the key.
+
+A checked config is never assigned to: a value learned later (the embedded Redis URL, the
+warm-started model) makes a new checked config with :func:`with_values`. What may be shown
+(trackers, reports, logs) is :func:`redacted_config`, with the secrets masked.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -797,6 +804,58 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def with_values(cfg: RunConfig, values: Mapping[str, Any]) -> RunConfig:
+    """A new checked config: ``cfg`` with ``{"section.key": value}`` (or a top-level
+    ``"key"``) replaced, typed as ``load_config`` types them; ``cfg`` itself is not touched.
+    Sections left alone are shared with ``cfg`` (nothing assigns to a checked config)."""
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, value in values.items():
+        section, _, name = key.rpartition(".")
+        if "." in section:
+            raise ConfigError(f"cannot set {key}: nested sections are not supported")
+        owner = getattr(cfg, section, None) if section else cfg
+        if not (dataclasses.is_dataclass(owner)
+                and any(f.name == name for f in dataclasses.fields(owner))):
+            raise ConfigError(f"unknown key {key}")
+        typed = coerce(typing.get_type_hints(type(owner))[name], value, key)
+        (sections.setdefault(section, {}) if section else top)[name] = typed
+    changes = {**top, **{s: dataclasses.replace(getattr(cfg, s), **kv)
+                         for s, kv in sections.items()}}
+    new = dataclasses.replace(cfg, **changes)
+    new.check()
+    return new
+
+
+# --- what may be shown ---------------------------------------------------------------------------
+
+_URL_PASSWORD = re.compile(r"(//[^/@:]*:)([^@]*)@")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced, for logs, progress lines and reports."""
+    return _URL_PASSWORD.sub(r"\1***@", url)
+
+
+def url_password(url: str) -> str:
+    """The password in ``url`` (``""`` when it has none)."""
+    m = _URL_PASSWORD.search(url)
+    return m.group(2) if m else ""
+
+
+def redacted_config(config: RunConfig | Mapping) -> dict:
+    """``config`` (a RunConfig, or one read back from config.yaml as a dict) as it may be
+    shown to trackers, reports and logs: a deep copy with the secrets masked. The only secret
+    a config holds is the Redis password in ``redis.url`` (API keys are read from the
+    environment, never stored)."""
+    values = to_dict(config) if dataclasses.is_dataclass(config) else copy.deepcopy(
+        dict(config))
+    rcfg = values.get("redis")
+    if isinstance(rcfg, dict) and isinstance(rcfg.get("url"), str):
+        rcfg["url"] = redact_url(rcfg["url"])
+    return values
 
 
 def _set_path(raw: dict, keys: list[str], value) -> None:

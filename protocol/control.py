@@ -3,18 +3,35 @@
 Layout (``P`` is the prefix, ``autodidact:<run name>`` by default)::
 
     P:tasks                 list   task queue (encoded Task bodies); LPUSH in, BRPOP out
+    P:synthetic             list   every verified synthetic task, in order (read by index)
     P:version               string current policy version published by the learner
     P:weights               string encoded WeightsAnnouncement of the current version
     P:hb:<role>:<id>        string heartbeat JSON, expires after the heartbeat TTL
-    P:counters              hash   named integer counters (``actor/groups``, ...)
+    P:counters              hash   named integer counters for metrics (``actor/groups``, ...)
     P:acks:<version>        set    actor ids that loaded weights ``version``
+    P:admission             hash   the staleness bound's own counters: ``admitted``, ``stale``
+                                   and ``ready`` (present only once they were initialised)
     P:claims                hash   groups each actor was admitted for that replay has not acked
     P:state                 hash   run state (phase, started_at, ...)
+    P:exp:cursor            string next replay seq the experience worker extracts from
+    P:exp:log               list   the experience pool (navigating/pool.py), oldest first
+    P:exp:ids               set    exp_ids in ``P:exp:log``
+    P:exp:uses              hash   exp_id -> rollouts it was injected into
+    P:exp:successes         hash   exp_id -> of those, how many succeeded
+    P:warmstart:exp:*       ...    the warm-start's scratch pool (:func:`warmstart_prefix`)
 
-Admission (the staleness bound) is one atomic script over ``P:counters``: an actor may start
+Admission (the staleness bound) is one atomic script over ``P:admission``: an actor may start
 ``n`` more groups while ``admitted - stale + n <= (max_staleness + version + 1) * batch``, where
-``admitted`` counts every group ever admitted (finished or running) and ``stale`` every group the
-learner had to skip as too old, so skipped groups free their slots instead of wedging the run.
+``admitted`` counts every group ever admitted (finished or running, less slots given back) and
+``stale`` every group the learner had to skip as too old, so skipped groups free their slots
+instead of wedging the run. These counters are written only by :class:`ControlPlane`'s
+admission methods, never through :meth:`ControlPlane.incr`: a metric can be renamed freely.
+
+A Redis that lost its data must not start over at ``admitted = 0`` while the version (restored
+from the weights files) says 50: that would grant the whole window at once. So the script
+grants nothing until ``ready`` is set, which only :meth:`ControlPlane.init_admission` does,
+with counters rebuilt from durable state (``autodidact/recovery.py``, at the start of every
+run and after a loss of Redis).
 
 Redis holds coordination state only; anything that must survive a loss of Redis also lives in
 a durable store (LMDB, checkpoints) from which it can be restored.
@@ -24,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 
 import redis
@@ -47,9 +63,11 @@ class Keys:
         self.version = f"{prefix}:version"
         self.weights = f"{prefix}:weights"
         self.counters = f"{prefix}:counters"
+        self.admission = f"{prefix}:admission"
         self.claims = f"{prefix}:claims"
         self.state = f"{prefix}:state"
         self.experience_cursor = f"{prefix}:exp:cursor"  # next replay seq to extract from
+        self.experience = ExperienceKeys(prefix)  # the run's experience pool
 
     def heartbeat(self, role: str, member: str) -> str:
         return f"{self.prefix}:hb:{role}:{member}"
@@ -61,22 +79,54 @@ class Keys:
         return f"{self.prefix}:acks:{version}"
 
 
+class ExperienceKeys:
+    """Key names of one experience pool (navigating/pool.py) under ``prefix``."""
+
+    def __init__(self, prefix: str):
+        self.log = f"{prefix}:exp:log"
+        self.ids = f"{prefix}:exp:ids"
+        self.uses = f"{prefix}:exp:uses"
+        self.successes = f"{prefix}:exp:successes"
+
+
 def default_prefix(run_name: str) -> str:
     return f"autodidact:{run_name}"
 
 
-# KEYS: counters, version, claims. ARGV: wanted, max_staleness, batch_groups, member.
-# Grants min(wanted, free slots); returns the number granted.
+def warmstart_prefix(prefix: str) -> str:
+    """The prefix of the warm-start's scratch experience pool: apart from the run's own."""
+    return f"{prefix}:warmstart"
+
+
+# Admission fields of P:admission; 'ready' is the marker init_admission sets.
+ADMITTED, STALE, READY = "admitted", "stale", "ready"
+
+# KEYS: admission, version, claims. ARGV: wanted, max_staleness, batch_groups, member.
+# Grants min(wanted, free slots), nothing while the counters are not initialised (a Redis
+# that lost its data); returns the number granted.
 _ADMIT = """
-local admitted = tonumber(redis.call('HGET', KEYS[1], 'actor/admitted') or '0')
-local stale = tonumber(redis.call('HGET', KEYS[1], 'learner/stale_skipped') or '0')
+if not redis.call('HGET', KEYS[1], 'ready') then return 0 end
+local admitted = tonumber(redis.call('HGET', KEYS[1], 'admitted') or '0')
+local stale = tonumber(redis.call('HGET', KEYS[1], 'stale') or '0')
 local version = tonumber(redis.call('GET', KEYS[2]) or '0')
 local bound = (tonumber(ARGV[2]) + version + 1) * tonumber(ARGV[3])
 local granted = math.min(tonumber(ARGV[1]), bound - (admitted - stale))
 if granted <= 0 then return 0 end
-redis.call('HINCRBY', KEYS[1], 'actor/admitted', granted)
+redis.call('HINCRBY', KEYS[1], 'admitted', granted)
 redis.call('HINCRBY', KEYS[3], ARGV[4], granted)
 return granted
+"""
+
+# KEYS: claims, admission. ARGV: member, n, give_back (1: release, 0: finish).
+# Takes at most what the member holds, so a slot unknown here (granted before Redis lost its
+# data) is never given back twice; returns how many were taken.
+_SETTLE = """
+local held = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+local n = math.min(tonumber(ARGV[2]), held)
+if n <= 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[1], -n)
+if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[2], 'admitted', -n) end
+return n
 """
 
 
@@ -98,11 +148,6 @@ def connect_redis(url: str, retries: int = RECONNECT_RETRIES) -> redis.Redis:
                                 health_check_interval=30, retry=retry)
 
 
-def redact(url: str) -> str:
-    """``url`` with its password replaced, for logs and progress lines."""
-    return re.sub(r"(//[^/@:]*:)[^@]*@", r"\1***@", url)
-
-
 class ControlPlane:
     """Typed helpers over the key layout; every role talks to Redis through this."""
 
@@ -111,6 +156,7 @@ class ControlPlane:
         self.keys = Keys(prefix)
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self._admit = client.register_script(_ADMIT)
+        self._settle = client.register_script(_SETTLE)
 
     @classmethod
     def connect(cls, url: str, prefix: str, heartbeat_ttl_s: float = 10.0) -> "ControlPlane":
@@ -152,13 +198,15 @@ class ControlPlane:
         return [codec.decode_body(Task.TYPE, b) for b in self.r.lrange(self.keys.synthetic,
                                                                        start, -1)]
 
-    # --- policy version ---
+    # --- experience extraction: where in replay's ingest order the worker is ---
 
     def experience_cursor(self) -> int:
         return int(self.r.get(self.keys.experience_cursor) or 0)
 
     def set_experience_cursor(self, seq: int) -> None:
         self.r.set(self.keys.experience_cursor, seq)
+
+    # --- policy version ---
 
     def set_version(self, version: int) -> None:
         self.r.set(self.keys.version, int(version))
@@ -184,13 +232,15 @@ class ControlPlane:
     # --- admission: the staleness bound ---
 
     def admit(self, member: str, wanted: int, max_staleness: int, batch_groups: int) -> int:
-        """Atomically reserve up to ``wanted`` group slots for ``member``; returns how many."""
-        keys = [self.keys.counters, self.keys.version, self.keys.claims]
+        """Atomically reserve up to ``wanted`` group slots for ``member``; returns how many
+        (0 until :meth:`init_admission` has run)."""
+        keys = [self.keys.admission, self.keys.version, self.keys.claims]
         return int(self._admit(keys=keys, args=[wanted, max_staleness, batch_groups, member]))
 
     def finish(self, member: str, n: int) -> None:
-        """``n`` admitted groups of ``member`` are done (acknowledged by replay)."""
-        self.r.hincrby(self.keys.claims, member, -n)
+        """``n`` admitted groups of ``member`` are done (acknowledged by replay): they keep
+        counting against the bound, and no longer against ``member``'s claims."""
+        self._settle(keys=[self.keys.claims, self.keys.admission], args=[member, n, 0])
 
     def claimed(self, member: str) -> int:
         """Slots ``member`` holds: admitted, and not yet acknowledged or released."""
@@ -198,15 +248,40 @@ class ControlPlane:
 
     def release(self, member: str, n: int | None = None) -> int:
         """Give back ``n`` slots that will never become groups (all of ``member``'s open claims
-        when ``n`` is None: an actor restarting after a crash). Returns how many."""
-        if n is None:
-            n = self.claimed(member)
+        when ``n`` is None: an actor restarting after a crash), at most what ``member``
+        holds. Returns how many."""
+        n = self.claimed(member) if n is None else n
+        if n <= 0:
+            return 0
+        return int(self._settle(keys=[self.keys.claims, self.keys.admission],
+                                args=[member, n, 1]))
+
+    def free_stale_slots(self, n: int) -> None:
+        """The learner skipped ``n`` groups as too stale: their slots are free again."""
         if n > 0:
-            pipe = self.r.pipeline()
-            pipe.hincrby(self.keys.counters, "actor/admitted", -n)
-            pipe.hincrby(self.keys.claims, member, -n)
-            pipe.execute()
-        return max(n, 0)
+            self.r.hincrby(self.keys.admission, STALE, n)
+
+    def init_admission(self, admitted: int, stale: int,
+                       claims: dict[str, int] | None = None) -> None:
+        """Set the admission counters (and every actor's claims) and open admission: at the
+        start of a run and after Redis lost its data, from durable state (see
+        ``autodidact.recovery.init_admission``). Replaces whatever was there."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.keys.claims)
+        if claims := {m: n for m, n in (claims or {}).items() if n > 0}:
+            pipe.hset(self.keys.claims, mapping=claims)
+        pipe.hset(self.keys.admission, mapping={ADMITTED: int(admitted), STALE: int(stale),
+                                                READY: 1})
+        pipe.execute()
+
+    def admission_ready(self) -> bool:
+        """Whether admission is open: False on a fresh or emptied Redis."""
+        return bool(self.r.hexists(self.keys.admission, READY))
+
+    def admission(self) -> dict[str, int]:
+        """``admitted`` and ``stale`` (0 when unset) and ``ready`` (0 or 1), for status."""
+        raw = self.r.hmget(self.keys.admission, [ADMITTED, STALE, READY])
+        return {ADMITTED: int(raw[0] or 0), STALE: int(raw[1] or 0), READY: int(raw[2] is not None)}
 
     # --- heartbeats ---
 
@@ -224,7 +299,7 @@ class ControlPlane:
                 found.append(json.loads(raw))
         return sorted(found, key=lambda h: (h["role"], h["id"]))
 
-    # --- counters ---
+    # --- counters: for metrics and progress only (admission keeps its own) ---
 
     def incr(self, name: str, by: int = 1) -> int:
         return self.r.hincrby(self.keys.counters, name, by)

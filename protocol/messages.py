@@ -22,6 +22,9 @@ MAX_VERSION = 2**31 - 1  # policy versions travel in int32 arrays (Trajectory.ve
 MAX_LEASE_S = 7 * 24 * 3600.0  # a judge lease longer than a week is a lease forever
 WEIGHTS_CHUNK_BYTES = 4 * 1024 * 1024  # one chunk of a published version (weights.CHUNK_BYTES)
 MAX_WEIGHTS_CHUNKS = 2**20  # 4 TiB of weights in 4 MiB chunks
+MAX_BATCH_WAIT_S = 60.0  # a batch request held open longer would hold its learner past a stop
+MAX_GROUPS_PER_READ = 4096  # groups one StoredGroups reply may carry (it is bounded in bytes too)
+MAX_SEQ = 2**63 - 1  # ingest sequence numbers are 8-byte keys in the replay store
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -237,7 +240,10 @@ class BatchRequest:
     require_labels: bool = False  # serve only judged groups...
     # ...except those stored at least this long ago, served unjudged (0 = wait for labels)
     label_deadline_s: float = 0.0
-    timeout_s: float = 0.0  # the server may wait this long to fill the batch
+    # Long-poll: when nothing can be served yet, the server holds the request up to this long
+    # and answers as soon as a group (or a stale skip) is there; 0 = answer at once, maybe empty.
+    # The client's own deadline for the answer must be longer.
+    timeout_s: float = 0.0
 
     def validate(self):
         # A bad bound here is not harmless: version and max_staleness move the server's stale
@@ -247,7 +253,7 @@ class BatchRequest:
         _check_count(self.version, "version")
         _check_count(self.max_staleness, "max_staleness")
         _check_seconds(self.label_deadline_s, "label_deadline_s")
-        _check_seconds(self.timeout_s, "timeout_s")
+        _check_seconds(self.timeout_s, "timeout_s", MAX_BATCH_WAIT_S)
 
 
 @message("batch")
@@ -267,6 +273,36 @@ class LedgerCommit:
     def validate(self):
         _check_id(self.learner_id, "learner_id")
         _check_count(self.version, "version")
+
+
+# --- reading what was stored (the experience role) ----------------------------------------------
+
+
+@message("groups_since")
+class GroupsSince:
+    """Read-only: the groups stored at ingest sequence ``since_seq`` or later, oldest first.
+    Delivery, leases and the ledger are untouched; evicted groups are simply not there."""
+
+    since_seq: int  # first ingest sequence number wanted: 0, or a previous reply's next_seq
+    max_groups: int = 256  # at most this many groups in the reply (the server may send fewer)
+
+    def validate(self):
+        _check_count(self.since_seq, "since_seq", hi=MAX_SEQ)
+        _check_count(self.max_groups, "max_groups", lo=1, hi=MAX_GROUPS_PER_READ)
+
+
+@message("stored_groups")
+class StoredGroups:
+    """The answer to GroupsSince."""
+
+    groups: list[Group]  # in ingest order, byte-identical to what the actors pushed
+    next_seq: int  # where the next read starts: one past the last sequence number read
+    more: bool = False  # the reply stopped at max_groups or its byte bound: read again now
+    malformed: int = 0  # stored groups read but left out: they no longer decode (older schema)
+
+    def validate(self):
+        _check_count(self.next_seq, "next_seq", hi=MAX_SEQ)
+        _check_count(self.malformed, "malformed", hi=MAX_SEQ)
 
 
 # --- weights -----------------------------------------------------------------------------------

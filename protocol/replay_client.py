@@ -1,4 +1,5 @@
-"""Client of the replay server, for actors (push groups), judges and the learner.
+"""Client of the replay server, for actors (push groups), judges, the learner and the
+experience role (reads what was stored).
 
 Pushes are pipelined: :meth:`ReplayClient.push_group` returns at once and acks arrive through
 :meth:`ReplayClient.poll_acks`. A push's message id is ``"group:" + group_id``, so the
@@ -18,6 +19,7 @@ from protocol.messages import (
     BatchRequest,
     Error,
     Group,
+    GroupsSince,
     JudgePull,
     JudgeWork,
     LearnerHello,
@@ -25,6 +27,7 @@ from protocol.messages import (
     Stats,
     StatsRequest,
     StepLabels,
+    StoredGroups,
 )
 from protocol.security import CurveKeys, curve_for
 from protocol.transport import Channel, ZmqChannel
@@ -87,11 +90,22 @@ class ReplayClient:
 
     def request_batch(self, learner_id: str, num_groups: int, version: int,
                       max_staleness: int = 4, require_labels: bool = False,
-                      label_deadline_s: float = 0.0) -> Batch:
+                      label_deadline_s: float = 0.0, timeout_s: float = 0.0) -> Batch:
         """Up to ``num_groups`` groups; with ``require_labels`` only judged ones, plus unjudged
-        ones stored more than ``label_deadline_s`` ago (when > 0)."""
+        ones stored more than ``label_deadline_s`` ago (when > 0). With ``timeout_s`` > 0 (at
+        most ``MAX_BATCH_WAIT_S``) the server holds the request while it has nothing to serve
+        and answers as soon as it has, or empty once ``timeout_s`` has passed; this call waits
+        that much longer than its usual deadline."""
         return self._request(BatchRequest(learner_id, num_groups, version, max_staleness,
-                                          require_labels, label_deadline_s), Batch)
+                                          require_labels, label_deadline_s, timeout_s), Batch,
+                             timeout_s=self.timeout_s + timeout_s)
+
+    # --- readers (the experience role) -----------------------------------------------------
+
+    def groups_since(self, since_seq: int, max_groups: int = 256) -> StoredGroups:
+        """One page of the groups stored at ingest sequence ``since_seq`` or later, oldest
+        first (evicted ones are gone); read-only. Go on from ``next_seq`` while ``more``."""
+        return self._request(GroupsSince(since_seq, max_groups), StoredGroups)
 
     def commit_ledger(self, learner_id: str, group_ids: list[str], version: int = 0) -> dict:
         return self._request(LedgerCommit(learner_id, list(group_ids), version), Ack).info

@@ -1,7 +1,43 @@
-"""One writer per LMDB store: an ``flock`` on a file in the store's directory.
+"""The run directory: every file and folder a run keeps there, named once.
 
-The kernel drops the lock when the holder dies, even by SIGKILL, so a crashed writer never
-leaves a stale lock behind.
+Every process of a run finds its files through this module (``RunDir(path).summary``, ...),
+never by spelling a name itself, so the layout below is the whole contract::
+
+    <run dir>/
+        config.yaml                 the resolved config the roles read (mode 0600: redis.url
+                                    carries the password); node-<name>.yaml on a worker node
+        summary.json                held-out success before/after warm-start and after RL,
+                                    restarts, the learner's last record (autodidact run)
+        pids.json                   pid of every supervised role; pids-<node>.json per node
+        metrics.jsonl               every role's metrics records, appended
+        split.json                  the env's task ids that train and those held out
+        logs/<role>.log             each role's stdout and stderr
+        model/                      the tiny base model (when model.path is empty)
+        policy_init/                the warm-started policy (a Hugging Face model folder)
+        policy_final/               the newest published weights over the run's model
+        weights/v000042.safetensors published policy versions (the newest weights.keep)
+        checkpoints/latest.pt       the learner's checkpoint (weights, optimizer, ledger)
+        replay.lmdb/                the replay store (written by the replay server only)
+        replay.sock                 the replay server's default ipc address
+        replay.addr                 the address the replay server bound (while it runs)
+        tasks.lmdb/                 the synthesized tasks (the explorer writes)
+        explore/explorations.jsonl  every exploration: actions, observations, states
+        explore/profile.json        the environment profile built from them
+        experiences.log             the experience pool's durable copy (append-only)
+        acks/<actor>.pending/       an actor's outbox: groups not yet acknowledged,
+        acks/<actor>.tasks            the tasks it holds, and
+        acks/<actor>.log              the acknowledged group ids
+        redis/                      the embedded Redis: redis.sock, password (0600),
+                                    redis.pid, redis.log, remote_url, its AOF and snapshot
+        wandb/                      the offline wandb run; wandb/mirrored counts mirrored records
+        eval/<env>-<split>-<policy>-k<k>.jsonl   autodidact eval: one line per task,
+                                    and .summary.json beside it
+        report/                     autodidact report's plots, report.md, series.json
+        ablation-argv.json          the command an ablation arm ran (autodidact ablation)
+
+Each LMDB store has one writer: :func:`single_writer_lock` takes an ``flock`` on a file in the
+store's directory. The kernel drops the lock when the holder dies, even by SIGKILL, so a
+crashed writer never leaves a stale lock behind.
 """
 
 from __future__ import annotations
@@ -9,6 +45,199 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
+
+CONFIG = "config.yaml"
+SUMMARY = "summary.json"
+PIDS = "pids.json"
+METRICS = "metrics.jsonl"
+SPLIT = "split.json"
+LOGS = "logs"
+MODEL = "model"
+POLICY_INIT = "policy_init"
+POLICY_FINAL = "policy_final"
+WEIGHTS = "weights"
+CHECKPOINTS = "checkpoints"
+CHECKPOINT = "latest.pt"  # under checkpoints/
+REPLAY_STORE = "replay.lmdb"
+REPLAY_ADDR = "replay.addr"
+TASK_STORE = "tasks.lmdb"
+EXPLORE = "explore"
+EXPLORATIONS = "explorations.jsonl"  # under explore/
+PROFILE = "profile.json"  # under explore/
+EXPERIENCES = "experiences.log"
+ACKS = "acks"
+REDIS = "redis"
+REDIS_SOCKET = "redis.sock"  # under redis/, and so on
+REDIS_PASSWORD = "password"
+REDIS_PID = "redis.pid"
+REDIS_LOG = "redis.log"
+REDIS_REMOTE_URL = "remote_url"
+WANDB = "wandb"
+EVAL = "eval"
+REPORT = "report"
+ABLATION_ARGV = "ablation-argv.json"
+
+
+class RunDir:
+    """The paths of one run directory (nothing is created or read here)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # --- the launcher's files -------------------------------------------------------------
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    def node_config(self, node: str) -> Path:
+        """A worker node's resolved config (the run dir may be shared between nodes)."""
+        return self.path / f"node-{node}.yaml"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def pids(self) -> Path:
+        return self.path / PIDS
+
+    def node_pids(self, node: str) -> Path:
+        return self.path / f"pids-{node}.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def split(self) -> Path:
+        return self.path / SPLIT
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS
+
+    def log(self, role: str) -> Path:
+        return self.logs / f"{role}.log"
+
+    # --- models and weights ---------------------------------------------------------------
+
+    @property
+    def model(self) -> Path:
+        return self.path / MODEL
+
+    @property
+    def policy_init(self) -> Path:
+        return self.path / POLICY_INIT
+
+    @property
+    def policy_final(self) -> Path:
+        return self.path / POLICY_FINAL
+
+    @property
+    def weights(self) -> Path:
+        return self.path / WEIGHTS
+
+    def weights_file(self, version: int) -> Path:
+        return self.weights / f"v{version:06d}.safetensors"
+
+    def published_weights(self) -> list[Path]:
+        """The complete published weight files, oldest version first."""
+        return sorted(self.weights.glob("v*.safetensors"))
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.checkpoints / CHECKPOINT
+
+    # --- stores ---------------------------------------------------------------------------
+
+    @property
+    def replay_store(self) -> Path:
+        return self.path / REPLAY_STORE
+
+    @property
+    def replay_addr(self) -> Path:
+        return self.path / REPLAY_ADDR
+
+    @property
+    def task_store(self) -> Path:
+        return self.path / TASK_STORE
+
+    @property
+    def explore(self) -> Path:
+        return self.path / EXPLORE
+
+    @property
+    def explorations(self) -> Path:
+        return self.explore / EXPLORATIONS
+
+    @property
+    def profile(self) -> Path:
+        return self.explore / PROFILE
+
+    @property
+    def experiences(self) -> Path:
+        return self.path / EXPERIENCES
+
+    @property
+    def acks(self) -> Path:
+        return self.path / ACKS
+
+    # --- services and outputs -------------------------------------------------------------
+
+    @property
+    def redis(self) -> Path:
+        return self.path / REDIS
+
+    @property
+    def redis_socket(self) -> Path:
+        return self.redis / REDIS_SOCKET
+
+    @property
+    def redis_password(self) -> Path:
+        return self.redis / REDIS_PASSWORD
+
+    @property
+    def redis_pid(self) -> Path:
+        return self.redis / REDIS_PID
+
+    @property
+    def redis_log(self) -> Path:
+        return self.redis / REDIS_LOG
+
+    @property
+    def redis_remote_url(self) -> Path:
+        return self.redis / REDIS_REMOTE_URL
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / WANDB
+
+    @property
+    def wandb_cursor(self) -> Path:
+        return self.wandb / "mirrored"
+
+    @property
+    def eval(self) -> Path:
+        return self.path / EVAL
+
+    def eval_results(self, env: str, split: str, policy: str, k: int) -> Path:
+        return self.eval / f"{env}-{split}-{policy}-k{k}.jsonl"
+
+    @property
+    def report(self) -> Path:
+        return self.path / REPORT
+
+    @property
+    def ablation_argv(self) -> Path:
+        return self.path / ABLATION_ARGV
 
 
 def single_writer_lock(store_dir: Path, lock_name: str, busy_message: str) -> int:

@@ -51,6 +51,7 @@ from protocol.messages import (
     WeightsChunk,
     WeightsFetch,
 )
+from protocol.run_dir import RunDir
 from protocol.security import CurveKeys, curve_for
 from protocol.transport import Incoming, RouterServer, ZmqChannel
 
@@ -60,7 +61,7 @@ CHUNK_BYTES = WEIGHTS_CHUNK_BYTES  # 4 MiB: the unit of digests, fetches and rep
 
 
 def weights_path(run_dir: Path, version: int) -> Path:
-    return Path(run_dir) / "weights" / f"v{version:06d}.safetensors"
+    return RunDir(run_dir).weights_file(version)
 
 
 def chunk_digests(data: bytes, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
@@ -354,8 +355,8 @@ class WeightPublisher:
         self.control = control
         self.keep = keep
         self.server = server  # also serves the versions over ZeroMQ when set
-        (self.run_dir / "weights").mkdir(parents=True, exist_ok=True)
-        for orphan in (self.run_dir / "weights").glob("v*.tmp"):  # a writer killed mid-write
+        RunDir(self.run_dir).weights.mkdir(parents=True, exist_ok=True)
+        for orphan in RunDir(self.run_dir).weights.glob("v*.tmp"):  # a writer killed mid-write
             orphan.unlink(missing_ok=True)
         self._thread: threading.Thread | None = None
         self.last_publish_s = 0.0
@@ -431,7 +432,7 @@ class WeightPublisher:
         (a resume starts again from the checkpoint's version) and nobody may load them."""
         if self.server is not None:  # stop serving before the files go
             self.server.retain(lambda v: version - self.keep < v <= version)
-        for old in (self.run_dir / "weights").glob("v*.safetensors"):
+        for old in RunDir(self.run_dir).published_weights():
             try:
                 if not version - self.keep < int(old.stem[1:]) <= version:
                     old.unlink()

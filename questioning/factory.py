@@ -19,6 +19,7 @@ from pathlib import Path
 from environments.base import env_class, env_maker, verify_task
 from protocol.config import RunConfig
 from protocol.messages import Task
+from protocol.run_dir import RunDir
 from questioning.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
 from questioning.profile import ProfileBuilder, build_profile, render_toc, save_profile
 from questioning.synthesis import (
@@ -31,15 +32,12 @@ from questioning.synthesis import (
 
 log = logging.getLogger(__name__)
 
-EXPLORE_DIR = "explore"
-
-
 def explorations_path(run_dir: Path) -> Path:
-    return Path(run_dir) / EXPLORE_DIR / "explorations.jsonl"
+    return RunDir(run_dir).explorations
 
 
 def profile_path(run_dir: Path) -> Path:
-    return Path(run_dir) / EXPLORE_DIR / "profile.json"
+    return RunDir(run_dir).profile
 
 
 def append_exploration(run_dir: Path, exp: Exploration) -> None:

@@ -24,9 +24,8 @@ import lmdb
 
 from protocol.codec import decode_body, encode_body
 from protocol.messages import Task
-from protocol.run_dir import single_writer_lock
+from protocol.run_dir import RunDir, single_writer_lock
 
-STORE_DIR = "tasks.lmdb"
 LOCK_FILE = "writer.lock"
 MAX_DBS = 4  # two sub-dbs today, room for a couple more without touching existing stores
 MAX_KEY = 511  # LMDB's default key size limit; task ids are keys
@@ -34,7 +33,7 @@ _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is insertion order
 
 
 def store_path(run_dir) -> Path:
-    return Path(run_dir) / STORE_DIR
+    return RunDir(run_dir).task_store
 
 
 def exists(run_dir) -> bool:

@@ -9,26 +9,30 @@ LMDB is the truth. The server keeps an in-memory copy of the small per-group ind
 start) to pick work without scanning the store; whenever a write transaction aborts, the copy
 is reloaded from LMDB rather than patched.
 
-Run it alone with ``python -m replay.server --run-dir DIR [--address A] [--set key=value ...]``.
+A batch request that cannot be served yet (nothing fresh, or nothing judged) and asks to wait
+(``BatchRequest.timeout_s``) is *held*: not answered, one per learner id, and tried again after
+every burst that stored something and on every tick, in a write transaction of its own, until
+it can be answered or its time is up. The loop never blocks on it. See :meth:`_on_batch_request`.
+
+Start it with ``autodidact replay --run-dir DIR [--address A] [--set key=value ...]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 
 from protocol import codec
-from protocol.config import ReplayConfig, load_config
+from protocol.config import ReplayConfig
 from protocol.errors import SchemaError
 from protocol.messages import (
     Ack,
@@ -36,6 +40,7 @@ from protocol.messages import (
     BatchRequest,
     Error,
     Group,
+    GroupsSince,
     JudgePull,
     JudgeWork,
     LearnerHello,
@@ -43,9 +48,10 @@ from protocol.messages import (
     Stats,
     StatsRequest,
     StepLabels,
+    StoredGroups,
 )
-from protocol.run_dir import single_writer_lock
-from protocol.security import CurveKeys, curve_for
+from protocol.run_dir import RunDir, single_writer_lock
+from protocol.security import CurveKeys
 from protocol.transport import Incoming, RouterServer, local_address
 from replay.store import (
     EVICTED,
@@ -61,11 +67,24 @@ from replay.store import (
 
 log = logging.getLogger("replay.server")
 
-ADDR_FILE = "replay.addr"
 MAX_KEY_BYTES = 500  # LMDB refuses keys longer than 511 bytes
 WRITES = (Group, StepLabels, LearnerHello, BatchRequest, LedgerCommit)  # handled in the txn
-READS = (JudgePull, StatsRequest)  # handled after the commit, so they see what it wrote
+READS = (JudgePull, StatsRequest, GroupsSince)  # handled after the commit: they see its writes
 STORE_FULL = "replay store is full: grow replay.map_size and restart the replay server"
+MAX_HELD = 1024  # batch requests held at once (one per learner id); past it they are answered
+HELD_TICK_S = 0.05  # how often held requests are tried again when nothing was stored meanwhile
+READ_REPLY_BYTES = 64 * 1024**2  # stored bodies in one StoredGroups reply (at least one group)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A batch request waiting for something to serve: answered by a later write txn."""
+
+    incoming: Incoming
+    deadline: float  # monotonic: answered (maybe empty) once this passes
+
+
+HOLD = object()  # a handler's "no reply yet": the request is in ReplayServer.held
 
 
 class _HandlerCrash(Exception):
@@ -100,6 +119,10 @@ class ReplayServer:
         self.leases: dict[str, float] = {}  # group_id -> monotonic deadline; memory only
         self.stale_seen: set[str] = set()  # passed over as too stale (counted once each)
         self._stale_added: list[str] = []  # stale_seen additions of the open txn, for undo
+        self.held: dict[str, _Held] = {}  # learner_id -> its batch request waiting for groups
+        self._released: list[tuple[Incoming, object]] = []  # held ones let go by the open txn
+        self._held_stale = True  # something was stored: held requests may be servable now
+        self._next_held_try = 0.0
         self._stop = threading.Event()
         self._next_lease_sweep = 0.0
         self._nothing_evictable: tuple | None = None  # see _evict
@@ -107,7 +130,7 @@ class ReplayServer:
         self._handlers = {Group: self._on_group, StepLabels: self._on_labels,
                           LearnerHello: self._on_hello, BatchRequest: self._on_batch_request,
                           LedgerCommit: self._on_ledger, JudgePull: self._on_judge_pull,
-                          StatsRequest: self._on_stats}
+                          StatsRequest: self._on_stats, GroupsSince: self._on_groups_since}
         self._reload()
         log.info("replay server on %s: %d groups in %s; %s", self.address, len(self.index),
                  store_path(run_dir), f"CURVE, {len(curve.authorized)} authorized client keys"
@@ -122,12 +145,15 @@ class ReplayServer:
                 burst = rpc.poll(max_batch=cfg.write_batch)    # frames waiting, decoded
                 for incoming, reply in self.handle(burst):     # one LMDB txn, committed
                     rpc.reply(incoming, reply)                 # so acks follow the commit
+                for incoming, reply in self.release_held():    # held batch requests now
+                    rpc.reply(incoming, reply)                 # servable or out of time
                 self._expire_leases()
         """
         stop = stop_event or self._stop
         while not stop.is_set() and not self._stop.is_set():
-            burst = self.rpc.poll(timeout_ms=100, max_batch=self.cfg.write_batch)
-            for incoming, reply in self.handle(burst):
+            timeout_ms = 100 if not self.held else int(HELD_TICK_S * 1000)
+            burst = self.rpc.poll(timeout_ms=timeout_ms, max_batch=self.cfg.write_batch)
+            for incoming, reply in self.handle(burst) + self.release_held():
                 self.rpc.reply(incoming, reply)
             self._expire_leases()
 
@@ -150,16 +176,32 @@ class ReplayServer:
         replies = self._commit(writes) if writes else []
         return replies + [(inc, self._dispatch(None, inc)) for inc in reads]
 
+    def release_held(self) -> list[tuple[Incoming, object]]:
+        """Answers to held batch requests that can be served now or whose time is up, each
+        handled again as it was first (one write transaction); the rest stay held. Looks at
+        what is stored only after a burst stored something or a tick passed."""
+        if not self.held:
+            return []
+        now = time.monotonic()
+        look = self._held_stale or now >= self._next_held_try
+        if look:
+            self._held_stale = False
+            self._next_held_try = now + HELD_TICK_S
+        due = [h.incoming for h in self.held.values()
+               if h.deadline <= now or (look and self._servable(h.incoming.msg))]
+        return self._commit(due) if due else []
+
     def _commit(self, writes: list[Incoming]) -> list[tuple[Incoming, object]]:
         """Handle ``writes`` in one transaction. A full map refuses pushes first, then every
         write (reads go on); a handler that crashes is answered alone and the rest redone."""
         refused: tuple[type, ...] = ()
         crashed: dict[int, Exception] = {}
         while True:
-            undo = (self.counters.copy(), self.rpc.counters.rejected.copy())
-            self._stale_added = []
+            undo = (self.counters.copy(), self.rpc.counters.rejected.copy(), dict(self.held))
+            self._stale_added, self._released = [], []
             try:
-                return self._write_txn(writes, refused, crashed)
+                replies = self._write_txn(writes, refused, crashed)
+                return self._settle(replies) + self._released
             except Exception as exc:
                 self._rollback(*undo)  # the txn was aborted: memory follows LMDB
                 if isinstance(exc, _HandlerCrash):
@@ -175,9 +217,24 @@ class ReplayServer:
                                   else "errors/internal"] += 1
                     return []
 
-    def _rollback(self, counters: Counter, rejected: Counter) -> None:
+    def _settle(self, replies: list[tuple[Incoming, object]]) -> list[tuple[Incoming, object]]:
+        """The committed replies to send: held requests have none yet; a batch request
+        answered any other way (also refused: store_full, a crash) is no longer held."""
+        out = []
+        for inc, reply in replies:
+            if reply is HOLD:
+                continue
+            if isinstance(inc.msg, BatchRequest):
+                held = self.held.get(inc.msg.learner_id)
+                if held is not None and held.incoming.msg_id == inc.msg_id:
+                    del self.held[inc.msg.learner_id]
+            out.append((inc, reply))
+        return out
+
+    def _rollback(self, counters: Counter, rejected: Counter, held: dict) -> None:
         self.counters, self.rpc.counters.rejected = counters, rejected
         self.stale_seen.difference_update(self._stale_added)
+        self.held, self._released = held, []
         self._reload()
 
     def _write_txn(self, writes, refused, crashed) -> list[tuple[Incoming, object]]:
@@ -281,6 +338,7 @@ class ReplayServer:
         self.unjudged[gid] = None
         self.nbytes += rec.nbytes
         self.counters["groups_stored"] += 1
+        self._held_stale = True
         if self._is_stale(rec, self._stale_floor()):
             self.counters["stale_at_ingest"] += 1
         return Ack(status="stored")
@@ -304,9 +362,20 @@ class ReplayServer:
         self.unjudged.pop(labels.group_id, None)
         self.leases.pop(labels.group_id, None)
         self.counters["labels_stored"] += 1
+        self._held_stale = True
         return Ack(status="stored")
 
     def _on_batch_request(self, txn, inc: Incoming):
+        """Serve a batch, or hold the request (:data:`HOLD`) while nothing can be served and
+        its ``timeout_s`` has not run out; :meth:`release_held` hands it back here later.
+
+        What holding keeps: nothing is marked delivered or recorded until the request is
+        answered, in the transaction that answers it; a learner has at most one request held
+        (its newest: an older one, given up by its client, is answered empty and records
+        nothing); a retry of the held request (same msg id) only refreshes where the answer
+        goes and keeps its deadline; a retry of an answered one gets the recorded groups again
+        (``last_batch/``), so no request id is ever answered with two different batches.
+        """
         req: BatchRequest = inc.msg
         if self.learner_version is None or req.version > self.learner_version:
             self.learner_version = req.version
@@ -318,7 +387,20 @@ class ReplayServer:
             ids, skipped, timeouts = [g for g in last[1] if g in self.index], 0, 0
             self.counters["batch_retries"] += 1
         else:
+            held = self.held.get(req.learner_id)
+            if held is not None and held.incoming.msg_id != inc.msg_id:
+                self._release(req.learner_id, "batch_held_superseded")
+                held = None
+            now = time.monotonic()
+            deadline = held.deadline if held is not None else now + req.timeout_s
             ids, skipped, timeouts = self._pick_batch(req)
+            if (not ids and not skipped and now < deadline and inc.msg_id
+                    and (held is not None or len(self.held) < MAX_HELD)):
+                if held is None:
+                    self.counters["batch_held"] += 1
+                self.held[req.learner_id] = _Held(inc, deadline)
+                return HOLD
+            self.held.pop(req.learner_id, None)  # answered now, if it was held
             for gid in ids:
                 self.index[gid].delivered = True
                 self.store.put_record(txn, gid, self.index[gid])
@@ -331,28 +413,49 @@ class ReplayServer:
         return Batch(groups=groups, labels=labels, stale_skipped=skipped,
                      judge_timeouts=timeouts)
 
-    def _pick_batch(self, req: BatchRequest) -> tuple[list[str], int, int]:
-        """Oldest deliverable groups within the staleness bound: (ids, stale skipped, served
-        unjudged past the label deadline). Counts each stale one once."""
+    def _release(self, learner_id: str, why: str) -> None:
+        """Let a held request go unserved: answered with an empty batch, nothing recorded (its
+        client has given it up, or the learner restarted)."""
+        held = self.held.pop(learner_id)
+        self._released.append((held.incoming, Batch(groups=[])))
+        self.counters[why] += 1
+
+    def _candidates(self, req: BatchRequest):
+        """What ``req`` could be answered with, oldest first, without changing anything:
+        ``(group_id, kind)``, kind ``serve``, ``overdue`` (unjudged, served past the label
+        deadline) or ``stale`` (passed over, counted once: not yet in stale_seen)."""
         floor = req.version - req.max_staleness
         overdue_before = time.time() - req.label_deadline_s if req.label_deadline_s > 0 else None
-        ids, skipped, timeouts = [], 0, 0
         for gid in self.deliverable:
-            if len(ids) >= req.num_groups:
-                break
             rec = self.index[gid]
             if self._is_stale(rec, floor):
                 if gid not in self.stale_seen:
-                    self.stale_seen.add(gid)
-                    self._stale_added.append(gid)
-                    skipped += 1
+                    yield gid, "stale"
             elif rec.judged or not req.require_labels:
-                ids.append(gid)
+                yield gid, "serve"
             elif overdue_before is not None and rec.created <= overdue_before:
                 # The judges are behind or gone: the learner trains it on the outcome alone
                 # rather than stall; a late label is still stored but no longer used.
+                yield gid, "overdue"
+
+    def _servable(self, req: BatchRequest) -> bool:
+        """Whether answering ``req`` now would serve a group or report a stale skip."""
+        return req.num_groups > 0 and next(self._candidates(req), None) is not None
+
+    def _pick_batch(self, req: BatchRequest) -> tuple[list[str], int, int]:
+        """Oldest deliverable groups within the staleness bound: (ids, stale skipped, served
+        unjudged past the label deadline). Counts each stale one once."""
+        ids, skipped, timeouts = [], 0, 0
+        for gid, kind in self._candidates(req):
+            if len(ids) >= req.num_groups:
+                break
+            if kind == "stale":
+                self.stale_seen.add(gid)
+                self._stale_added.append(gid)
+                skipped += 1
+            else:
                 ids.append(gid)
-                timeouts += 1
+                timeouts += kind == "overdue"
         self.counters["stale_skipped"] += skipped
         self.counters["judge_timeouts"] += timeouts
         return ids, skipped, timeouts
@@ -376,6 +479,10 @@ class ReplayServer:
                 reset += 1
         if reset:
             self._rebuild_queues()
+        # Requests held from before the restart would take groups for a learner that is gone.
+        for learner_id in list(self.held):
+            self._release(learner_id, "batch_held_dropped")
+        self._held_stale = True
         self.store.delete_meta(txn, LAST_BATCH + hello.learner_id)
         log.info("learner %s at version %d: %d consumed, %d to deliver again, %d unknown ids",
                  hello.learner_id, hello.version, marked, reset, unknown)
@@ -475,6 +582,29 @@ class ReplayServer:
     def _on_stats(self, _txn, _inc: Incoming):
         return Stats(values=self.stats())
 
+    def _on_groups_since(self, _txn, inc: Incoming):
+        """Stored groups from ingest seq ``since_seq`` on, oldest first, read-only: at most
+        ``max_groups`` and about READ_REPLY_BYTES of bodies (always at least one group)."""
+        ask: GroupsSince = inc.msg
+        groups, malformed, nbytes = [], 0, 0
+        next_seq, more = ask.since_seq, False
+        with self.store.env.begin() as txn:
+            for seq, group_id, body in self.store.iter_since(txn, ask.since_seq):
+                if (len(groups) + malformed >= ask.max_groups
+                        or (groups and nbytes + len(body) > READ_REPLY_BYTES)):
+                    more = True
+                    break
+                next_seq = seq + 1
+                try:
+                    groups.append(codec.decode_body(Group.TYPE, bytes(body)))
+                    nbytes += len(body)
+                except SchemaError as exc:  # stored by an older schema: left out, counted
+                    malformed += 1
+                    log.warning("groups_since: stored group %s no longer decodes: %s",
+                                group_id[:80], exc)
+        self.counters["groups_read"] += len(groups)
+        return StoredGroups(groups=groups, next_seq=next_seq, more=more, malformed=malformed)
+
     def _expire_leases(self) -> None:
         now = time.monotonic()
         if now < self._next_lease_sweep:
@@ -493,6 +623,7 @@ class ReplayServer:
             "judged": sum(r.judged for r in recs), "delivered": sum(r.delivered for r in recs),
             "consumed": sum(r.consumed for r in recs), "deliverable": len(self.deliverable),
             "unjudged": len(self.unjudged), "leased": len(self.leases),
+            "batches_held": len(self.held),
             "evicted": self.evicted, "evicted_stale": self.evicted_stale,
             "oldest_version": min(versions, default=None),
             "newest_version": max(versions, default=None),
@@ -528,7 +659,7 @@ def serve(run_dir, cfg: ReplayConfig, address: str | None = None,
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    addr_file = Path(run_dir) / ADDR_FILE
+    addr_file = RunDir(run_dir).replay_addr
     tmp = addr_file.with_suffix(".addr.tmp")
     tmp.write_text(server.address + "\n")
     os.replace(tmp, addr_file)  # readers never see half an address
@@ -540,24 +671,3 @@ def serve(run_dir, cfg: ReplayConfig, address: str | None = None,
         addr_file.unlink(missing_ok=True)
         log.info("replay server stopped: %s", final)
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m replay.server", description=__doc__.split(
-        "\n")[0])
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--address", default=None)
-    parser.add_argument("-c", "--config", default=None, help="YAML config file")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, e.g. replay.write_batch=64 (repeatable)")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config, args.sets)
-    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-    address = args.address or cfg.replay.address or None
-    serve(args.run_dir, cfg.replay, address, curve_for(cfg.security, address))
-
-
-if __name__ == "__main__":
-    main()

@@ -24,7 +24,8 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-STORE_DIR = "replay.lmdb"
+from protocol.run_dir import RunDir
+
 MAX_DBS = 8  # five sub-dbs today, room to add a few without touching existing stores
 _SUBDBS = ("groups", "index", "order", "labels", "meta")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is ingest order
@@ -64,7 +65,7 @@ _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(GroupRecord))
 
 
 def store_path(run_dir) -> Path:
-    return Path(run_dir) / STORE_DIR
+    return RunDir(run_dir).replay_store
 
 
 def seq_key(seq: int) -> bytes:

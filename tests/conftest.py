@@ -48,3 +48,27 @@ def files_policy_path(tmp_path_factory) -> str:
 
     words, special = policy_vocabulary(FilesEnv)
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", words, special))
+
+
+@pytest.fixture(scope="module")
+def files_codec(files_policy_path):
+    """The marker-format prompt codec over ``files_policy_path``'s tokenizer."""
+    from transformers import AutoTokenizer
+
+    from episodes.rollout import PromptCodec
+
+    return PromptCodec(AutoTokenizer.from_pretrained(files_policy_path))
+
+
+@pytest.fixture(scope="module")
+def keys_dir(tmp_path_factory):
+    """A CURVE key set from ``autodidact keys generate`` with one extra node, ``gpu1``."""
+    from click.testing import CliRunner
+
+    from autodidact.cli import main
+
+    out = tmp_path_factory.mktemp("sec") / "keys"
+    result = CliRunner().invoke(main, ["keys", "generate", "--out", str(out), "--client", "gpu1"])
+    assert result.exit_code == 0, result.output
+    return out
+

@@ -16,6 +16,7 @@ from protocol import codec
 from protocol.messages import (
     BatchRequest,
     Group,
+    GroupsSince,
     JudgePull,
     LearnerHello,
     LedgerCommit,
@@ -101,8 +102,8 @@ class RawPeer:
 
 
 class ServerProc:
-    """``python -m replay.server`` in a subprocess, on a fixed address so it can be restarted
-    (also after SIGKILL) where clients keep reconnecting."""
+    """``autodidact replay`` in a subprocess, on a fixed address so it can be restarted (also
+    after SIGKILL) where clients keep reconnecting."""
 
     def __init__(self, run_dir, *sets: str, address: str | None = None):
         self.run_dir = Path(run_dir)
@@ -115,7 +116,7 @@ class ServerProc:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         addr_file = self.run_dir / "replay.addr"
         addr_file.unlink(missing_ok=True)  # a SIGKILLed server leaves its file behind
-        cmd = [sys.executable, "-m", "replay.server", "--run-dir", str(self.run_dir),
+        cmd = [sys.executable, "-m", "autodidact.cli", "replay", "--run-dir", str(self.run_dir),
                "--address", self.address]
         for item in self.sets + list(extra_sets):
             cmd += ["--set", item]
@@ -180,6 +181,7 @@ def base_frames(targets: list[Group]) -> list[bytes]:
         codec.encode(LedgerCommit("fuzz-learner", ["nope", targets[1].group_id]), "f-ledger"),
         codec.encode(LearnerHello("fuzz-learner", 3, [targets[2].group_id]), "f-hello"),
         codec.encode(StatsRequest(), "f-stats"),
+        codec.encode(GroupsSince(0, 2), "f-since"),
     ]
 
 

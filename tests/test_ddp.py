@@ -357,7 +357,7 @@ def test_learner_under_torchrun_draws_shares_and_rank_0_alone_commits(tmp_path, 
     rank 1 alone must stop rank 0 too (or it would wait for groups, then in a collective)."""
     from helpers_replay import ServerProc, push_all
 
-    from autodidact.launcher import write_resolved_config
+    from autodidact.roles import write_resolved_config
     from protocol.config import load_config
     from protocol.control import ControlPlane
     from protocol.replay_client import ReplayClient

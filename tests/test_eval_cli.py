@@ -47,3 +47,39 @@ def test_model_policy_reports_avg_and_best(tmp_path, files_policy_path):
 def test_bad_k_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["eval", "--run-dir", str(tmp_path), "-k", "0"])
     assert result.exit_code == 2 and "-k" in result.output
+
+
+def test_run_and_eval_share_one_evaluation(tmp_path, files_policy_path, monkeypatch):
+    """`autodidact run`'s held-out evaluation and `autodidact eval` are one function: the same
+    tasks, k, temperature, seed and rollout limits reach the one evaluation loop, and give
+    the same numbers; run's result is also logged as eval/..."""
+    import episodes.evaluate as evaluation
+    from autodidact.resolve import resolve_config
+    from autodidact.stages import held_out_eval
+    from metrics.jsonl import read_metrics
+
+    calls = []
+    loop = evaluation.evaluate
+
+    def spy(backend, tasks, make_env, settings, **kw):
+        calls.append(([t.task_id for t in tasks], settings, kw["temperature"], kw.get("k", 1),
+                      kw["seed"]))
+        return loop(backend, tasks, make_env, settings, **kw)
+
+    monkeypatch.setattr(evaluation, "evaluate", spy)
+    cfg = resolve_config(None, ["eval.num_tasks=5", "eval.k=2", "eval.temperature=0.7",
+                                "eval.greedy=true"])
+    lines = []
+    held = held_out_eval(cfg, tmp_path, files_policy_path, "now", 7, say=lines.append)
+    assert set(held) == {"avg", "best", "tasks", "greedy"} and held["tasks"] == 5
+    assert "held-out success now" in lines[0] and "5 tasks" in lines[0]
+    assert [c[2:] for c in calls] == [(0.7, 2, 0), (0.0, 1, 0)]  # sampled, then greedy
+    _eval("--run-dir", str(tmp_path), "-k", "2", "--limit", "5", "--temperature", "0.7",
+          "--batch-tasks", "64", "--model", files_policy_path)
+    assert len(calls) == 3 and calls[2] == calls[0]
+    summary = json.loads((tmp_path / "eval" / "files-test-model-k2.summary.json").read_text())
+    assert (summary["avg"], summary["best"], summary["tasks"]) == \
+        (held["avg"], held["best"], held["tasks"])
+    (logged,) = read_metrics(tmp_path, "eval")
+    assert logged["step"] == 7 and logged["eval/success_avg"] == held["avg"]
+    assert logged["eval/success_greedy"] == held["greedy"]

@@ -361,3 +361,142 @@ def test_extractor_counts_kinds_with_llm_and_rules():
     assert sum(rules.counts.values()) == len(made)
 
 
+
+
+# --- the experience role, reading through the replay server ------------------------------------
+
+
+class ListPool:
+    """The pool as the worker uses it: everything added, in order."""
+
+    def __init__(self):
+        self.added: list[Experience] = []
+
+    def add(self, exps):
+        self.added += exps
+        return {"added": len(exps)}
+
+    def size(self) -> int:
+        return len(self.added)
+
+
+def worker_group(i: int) -> Group:
+    """A finished group over a real files task: one solved rollout, one that failed."""
+    task = TASKS[i]
+    return Group(group_id=f"w-{i}", task=task, trajectories=[
+        run(task, task.reference, "A"), run(task, ["ls", "ls"], "B")])
+
+
+def lessons(groups, version):
+    """What the rules make of ``groups`` in this order: (kind, when_to_use, content)."""
+    return [(e.kind, e.when_to_use, e.content) for g in groups
+            for e in ExperienceExtractor().from_group(g, version)]
+
+
+def made(pool):
+    return [(e.kind, e.when_to_use, e.content) for e in pool.added]
+
+
+@pytest.fixture
+def replay_server(tmp_path):
+    from helpers_replay import ServerProc
+
+    server = ServerProc(tmp_path / "replay-node" / "run", "replay.max_groups=4").start()
+    yield server
+    server.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_experience_worker_reads_groups_from_the_replay_server(tmp_path, control,
+                                                                  replay_server):
+    """No shared file system: the worker's run directory has no replay.lmdb. It extracts the
+    groups an actor pushed, in ingest order, each once, and takes none from the learner."""
+    from helpers_replay import push_all
+
+    from judge.experience_worker import ExperienceWorker
+    from metrics.jsonl import read_metrics
+    from protocol.config import RunConfig
+    from protocol.replay_client import ReplayClient
+
+    groups = [worker_group(i) for i in range(5)]
+    assert lessons(groups, 3)  # the rules make something of these groups
+    actor = ReplayClient(replay_server.address, retry_after_s=0.5, timeout_s=10)
+    assert set(push_all(actor, groups[:3]).values()) == {"stored"}
+    cfg = RunConfig()
+    cfg.replay.address = replay_server.address  # found as every role finds it
+    worker_dir = tmp_path / "experience-node" / "run"
+    worker_dir.mkdir(parents=True)
+    pool = ListPool()
+    worker = ExperienceWorker(cfg, worker_dir, control, pool, ExperienceExtractor())
+    try:
+        worker.extract_once(3)
+        assert made(pool) == lessons(groups[:3], 3)
+        assert control.experience_cursor() == 3
+        # The learner trains on one; two more arrive; replay is over capacity (4): the
+        # consumed one is evicted before the worker's next pass.
+        batch = actor.request_batch("learner", 1, 0)
+        actor.commit_ledger("learner", [g.group_id for g in batch.groups])
+        push_all(actor, groups[3:])
+        assert actor.stats()["evicted"] == 1
+        pool.added.clear()
+        worker.extract_once(4)
+        assert made(pool) == lessons(groups[3:], 4)  # only what is new, nothing twice
+        assert control.experience_cursor() == 5
+        pool.added.clear()
+        worker.extract_once(5)
+        assert pool.added == [] and control.experience_cursor() == 5
+    finally:
+        worker.close()
+    stats = actor.stats()
+    # reading delivered nothing: only the learner's one, and the other four wait for it
+    assert stats["groups_delivered"] == 1 and stats["deliverable"] == 4
+    actor.close()
+    assert [r["experience/groups"] for r in read_metrics(worker_dir, "experience")] == [3, 2, 0]
+    assert not (worker_dir / "replay.lmdb").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_experience_worker_pages_skips_evicted_groups_and_resumes(
+        tmp_path, control, replay_server, monkeypatch):
+    from helpers_replay import push_all
+
+    from judge import experience_worker
+    from protocol.config import RunConfig
+    from protocol.errors import TransportTimeout
+    from protocol.replay_client import ReplayClient
+    from protocol.transport import free_tcp_port
+
+    monkeypatch.setattr(experience_worker, "PAGE_GROUPS", 2)
+    groups = [worker_group(i) for i in range(6)]
+    actor = ReplayClient(replay_server.address, retry_after_s=0.5, timeout_s=10)
+    push_all(actor, groups[:4])
+    batch = actor.request_batch("learner", 2, 0)
+    actor.commit_ledger("learner", [g.group_id for g in batch.groups])
+    push_all(actor, groups[4:])  # 6 > 4: the two consumed ones are evicted, unread
+    assert actor.stats()["evicted"] == 2
+    actor.close()
+
+    def worker(replay):
+        run_dir = tmp_path / "worker"
+        run_dir.mkdir(exist_ok=True)
+        return experience_worker.ExperienceWorker(RunConfig(), run_dir, control, ListPool(),
+                                                  ExperienceExtractor(), replay=replay)
+
+    first = worker(ReplayClient(replay_server.address, retry_after_s=0.5, timeout_s=10))
+    first.extract_once(1)  # three pages of two
+    assert made(first.pool) == lessons(groups[2:], 1)
+    assert control.experience_cursor() == 6
+    first.close()
+    again = worker(ReplayClient(replay_server.address, retry_after_s=0.5, timeout_s=10))
+    again.extract_once(2)  # a restarted worker: nothing twice
+    assert again.pool.added == [] and control.experience_cursor() == 6
+    again.close()
+    # Replay not answering: the pass fails and the cursor stays for the next one.
+    gone = worker(ReplayClient(f"tcp://127.0.0.1:{free_tcp_port()}", retry_after_s=0.1,
+                               timeout_s=0.3))
+    with pytest.raises(TransportTimeout):
+        gone.extract_once(3)
+    assert control.experience_cursor() == 6
+    gone.close()

@@ -21,6 +21,7 @@ import pytest
 from autodidact.embedded_redis import EmbeddedRedis
 from inference.embedder import Embedder
 from navigating.pool import ExperiencePool, _pack_entry, experience_id
+from protocol.control import Keys
 from protocol.messages import Experience
 
 MKDIR = ("move a file into a folder that does not exist yet",
@@ -189,6 +190,16 @@ def test_pools_on_one_prefix_share_experiences_and_counters(make_pool):
         t.join()
     got = a.get(exp_id)
     assert (got.uses, got.successes) == (102, 101)
+
+
+def test_the_pool_writes_only_the_keys_protocol_control_names(make_pool):
+    pool = make_pool()
+    pool.add([exp(*MKDIR)])
+    pool.record_use([experience_id(*MKDIR)], success=True)
+    prefix = pool.keys.log.rsplit(":exp:", 1)[0]
+    written = {k.decode() for k in pool.r.scan_iter(match=f"{prefix}:*")}
+    named = Keys(prefix).experience
+    assert written == {named.log, named.ids, named.uses, named.successes}
 
 
 def test_pool_survives_a_redis_restart(embedder, tmp_path):

@@ -39,6 +39,7 @@ from protocol.messages import (
     Stats,
     StatsRequest,
     Step,
+    StoredGroups,
     Trajectory,
     WeightsAnnouncement,
 )
@@ -58,6 +59,7 @@ SAMPLES = {  # one valid body per registered type, the mutations' starting point
         "labels": labels_for(GROUP), "judge_work": JudgeWork([GROUP]),
         "batch": Batch([GROUP], [labels_for(GROUP)], 1, 2), "stats": Stats({"groups": 3}),
         "ack": Ack("stored", {"consumed": 1}), "error": Error("invalid", "x"),
+        "stored_groups": StoredGroups([GROUP], next_seq=7, more=True, malformed=1),
         "weights": WeightsAnnouncement(3, 1, 10, "ab" * 32, ["cd" * 32], path="/w/v3"),
     }.items()
 }
@@ -238,7 +240,7 @@ garbage = st.lists(st.one_of(
         ("stats", msgpack.packb({"values": 3})), ("nope", b"\x80"), ("ack", b"\xc1"),
         ("error", msgpack.packb({"reason": 7})), ("stats", b"\x81\xa6values" + b"\x91" * 5000),
     ])),
-    st.tuples(st.just("version"), st.sampled_from([0, 3, 2**40, -1])),
+    st.tuples(st.just("version"), st.sampled_from([0, codec.SCHEMA_VERSION + 1, 2**40, -1])),
     st.tuples(st.just("parts"), st.binary(max_size=20)),
     st.tuples(st.just("deep"), st.sampled_from([100, 100_000])),
 ), max_size=6)
@@ -292,13 +294,15 @@ def test_client_given_an_error_raises_remote_error(rogue, channel):
 
 @pytest.mark.parametrize("call, wrong", [
     ("stats", Ack()), ("pull_judge_work", Stats({})), ("request_batch", Ack()),
-    ("hello", Stats({})), ("submit_labels", Batch([]))])
+    ("hello", Stats({})), ("submit_labels", Batch([])), ("groups_since", Batch([])),
+    ("request_batch", StoredGroups([], 0))])
 def test_replay_client_given_a_reply_of_the_wrong_type(rogue, call, wrong):
     from protocol.replay_client import ReplayClient
 
     client = ReplayClient(rogue.address, retry_after_s=30, timeout_s=2)
     args = {"stats": (), "pull_judge_work": ("j",), "request_batch": ("L", 1, 0),
-            "hello": ("L", 0), "submit_labels": (labels_for(GROUP),)}[call]
+            "hello": ("L", 0), "submit_labels": (labels_for(GROUP),),
+            "groups_since": (0,)}[call]
     try:
         rogue.plans.put(([], wrong))
         with pytest.raises(RemoteError, match="unexpected_type"):

@@ -17,7 +17,7 @@ from helpers_replay import ROOT, ServerProc, push_all
 from llm_stub import ScriptedChatServer
 
 from environments.files import FilesEnv
-from episodes.rollout import PromptCodec, RolloutSettings, scripted_episode, to_groups
+from episodes.rollout import RolloutSettings, scripted_episode, to_groups
 from judge.judge_worker import JudgeWorker, make_judges
 from judge.step_judges import ReferenceJudge
 from protocol.config import RunConfig
@@ -26,14 +26,7 @@ from protocol.replay_client import ReplayClient
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def codec(files_policy_path):
-    from transformers import AutoTokenizer
-
-    return PromptCodec(AutoTokenizer.from_pretrained(files_policy_path))
-
-
-def make_groups(codec, count: int):
+def make_groups(files_codec, count: int):
     """``count`` groups of two rollouts: the task's reference, and the same with a useless
     ``pwd`` slipped in before its last step."""
     env, settings = FilesEnv(), RolloutSettings(max_turns=50, max_context=10_000)
@@ -42,8 +35,8 @@ def make_groups(codec, count: int):
     for task in tasks:
         detour = dataclasses.replace(task, reference=[*task.reference[:-1], "pwd",
                                                       task.reference[-1]])
-        episodes = [scripted_episode(task, env, codec, settings),
-                    scripted_episode(detour, env, codec, settings)]
+        episodes = [scripted_episode(task, env, files_codec, settings),
+                    scripted_episode(detour, env, files_codec, settings)]
         episodes[1].task = task  # the judge grades against the real task and its reference
         groups += to_groups(episodes, 2, "test", time.time())
     return groups
@@ -74,9 +67,9 @@ def run_worker(worker: JudgeWorker, until, timeout_s: float = 30.0) -> None:
     assert until(), "the judge did not finish in time"
 
 
-def test_judge_labels_every_step_and_the_learner_gets_the_labels(server, client, codec,
+def test_judge_labels_every_step_and_the_learner_gets_the_labels(server, client, files_codec,
                                                                  tmp_path):
-    groups = make_groups(codec, 3)
+    groups = make_groups(files_codec, 3)
     assert set(push_all(client, groups).values()) == {"stored"}
     worker = JudgeWorker(RunConfig(), tmp_path, client, ReferenceJudge(FilesEnv))
     run_worker(worker, lambda: client.stats()["judged"] == 3)
@@ -97,8 +90,8 @@ def test_judge_labels_every_step_and_the_learner_gets_the_labels(server, client,
     assert judged[-1]["judge/good_frac_success"] < 1.0  # the pwd detours were marked BAD
 
 
-def test_groups_wait_for_labels_until_the_deadline_then_go_outcome_only(client, codec):
-    (group,) = make_groups(codec, 1)
+def test_groups_wait_for_labels_until_the_deadline_then_go_outcome_only(client, files_codec):
+    (group,) = make_groups(files_codec, 1)
     push_all(client, [group])
     batch = client.request_batch("learner", 1, 0, require_labels=True, label_deadline_s=60)
     assert batch.groups == [] and batch.judge_timeouts == 0
@@ -111,9 +104,9 @@ def test_groups_wait_for_labels_until_the_deadline_then_go_outcome_only(client, 
     assert client.stats()["judge_timeouts"] == 1
 
 
-def test_a_judge_killed_mid_group_loses_no_labels(server, client, codec, tmp_path,
+def test_a_judge_killed_mid_group_loses_no_labels(server, client, files_codec, tmp_path,
                                                   redis_url):
-    (group,) = make_groups(codec, 1)
+    (group,) = make_groups(files_codec, 1)
     push_all(client, [group])
     # The scripted server stands in for a remote LLM (none is available on this machine); it
     # holds the judge's request long enough for the judge to be killed waiting on it.
@@ -156,12 +149,12 @@ def test_make_judges_follows_the_backend_setting():
     assert make_judges(cfg)[1] is None
 
 
-def test_the_policy_as_judge_falls_back_to_the_outcome_on_nonsense(codec, files_policy_path):
+def test_the_policy_as_judge_falls_back_to_the_outcome_on_nonsense(files_codec, files_policy_path):
     cfg = RunConfig()
     cfg.judge.backend, cfg.model.path, cfg.judge.max_attempts = "policy", files_policy_path, 2
     judge, cross, _ = make_judges(cfg)
     assert judge.name == "policy" and cross.name == "reference"
-    (group,) = make_groups(codec, 1)
+    (group,) = make_groups(files_codec, 1)
     traj = group.trajectories[0]
     got = judge.judge(group.task, traj)
     # The tiny policy's word-level vocabulary has no GOOD or BAD, so its replies never parse:

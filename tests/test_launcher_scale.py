@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autodidact.launcher import learner_argv
+from autodidact.roles import learner_argv
 from autodidact.supervisor import RoleSpec, Supervisor
 from protocol.config import load_config
 
@@ -27,6 +27,26 @@ def test_several_learner_processes_go_through_torchrun(tmp_path):
     argv = learner_argv(cfg, tmp_path, tmp_path / "config.yaml")
     assert argv[:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert argv[4:7] == ["-m", "autodidact.cli", "learner"]
+
+
+def test_the_training_roles_of_a_run(tmp_path):
+    from autodidact.roles import training_roles
+
+    cfg = load_config(None, ["actor.num_actors=2", "judge.workers=1", "explore.stage=alongside",
+                             "experience.update_every=3"])
+    specs = training_roles(cfg, tmp_path, tmp_path / "config.yaml", max_updates=9)
+    assert [s.name for s in specs] == ["learner", "actor-0", "actor-1", "judge-0",
+                                       "experience", "explore"]
+    learner = specs[0]
+    assert learner.argv[-2:] == ["--max-updates", "9"] and learner.restart_argv[-1] == "--resume"
+    assert specs[2].argv[-2:] == ["--actor-id", "actor-1"]
+    assert specs[2].log_path == tmp_path / "logs" / "actor-1.log"
+    assert specs[-1].argv[-2:] == ["--rounds", "0"]
+    resumed = training_roles(cfg, tmp_path, tmp_path / "config.yaml", resume=True)[0]
+    assert resumed.argv[-1] == "--resume"
+    quiet = load_config(None, ["actor.num_actors=0", "judge.workers=0",
+                               "experience.update_every=0"])
+    assert [s.name for s in training_roles(quiet, tmp_path, tmp_path / "c.yaml")] == ["learner"]
 
 
 def _alive(pid: int) -> bool:

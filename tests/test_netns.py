@@ -353,8 +353,8 @@ def test_without_root_the_multinode_test_says_why(monkeypatch):
 
 
 def test_node_roles_have_node_prefixed_ids_and_pinned_gpus(tmp_path):
-    from autodidact.launcher import role_argv
     from autodidact.node_cli import node_roles
+    from autodidact.roles import role_argv
 
     specs = node_roles("gpu1", 3, 1, 2, tmp_path, tmp_path / "c.yaml", tmp_path, role_argv)
     assert [s.name for s in specs] == ["gpu1-actor-0", "gpu1-actor-1", "gpu1-actor-2",

@@ -2,7 +2,10 @@
 bytes, deleted fields, values of the wrong type, extreme values (huge and negative ints, NaN,
 inf, huge strings and lists, deep nesting), broken envelopes (schema versions, unknown and
 reply-only type tags, the body of another type), for every message type the server accepts:
-Group, StepLabels, JudgePull, LearnerHello, BatchRequest, LedgerCommit and StatsRequest.
+Group, StepLabels, JudgePull, LearnerHello, BatchRequest, LedgerCommit, StatsRequest and
+GroupsSince. A batch request that asks to wait (``timeout_s``) and finds nothing to serve is
+held; the fuzzer then sends the same learner a newer request, which must release it with an
+empty batch.
 
 Every frame is answered; a frame the codec refuses gets exactly the codec's reason; every
 refusal is counted by reason in the server's stats; no handler crashes. At the end the server
@@ -41,6 +44,7 @@ from protocol.messages import (
     BatchRequest,
     Error,
     Group,
+    GroupsSince,
     JudgePull,
     JudgeWork,
     LearnerHello,
@@ -49,6 +53,7 @@ from protocol.messages import (
     StatsRequest,
     Step,
     StepLabels,
+    StoredGroups,
     Task,
 )
 from protocol.replay_client import ReplayClient
@@ -65,7 +70,8 @@ DECOY = [make_group(100 + i, f"decoy-{i}") for i in range(3)]
 STORED = PROTECTED + DECOY
 BASE = base_frames(DECOY)  # valid frames the mutations start from: every type served
 REPLIES = {Group: Ack, StepLabels: Ack, LedgerCommit: Ack, LearnerHello: Ack,
-           JudgePull: JudgeWork, BatchRequest: Batch, StatsRequest: Stats}
+           JudgePull: JudgeWork, BatchRequest: Batch, StatsRequest: Stats,
+           GroupsSince: StoredGroups}
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
@@ -120,7 +126,10 @@ def _ask(live, frame: bytes):
         refused = None
     except SchemaError as exc:
         refused = exc.reason
-    _, reply = peer.ask(frame)
+    if refused is None and isinstance(msg, BatchRequest) and msg.timeout_s > 0 and env.msg_id:
+        reply = _ask_held(peer, frame, msg, env.msg_id)
+    else:
+        _, reply = peer.ask(frame)
     if refused is not None:  # the server decodes with the same codec: the same refusal
         assert isinstance(reply, Error) and reply.reason == refused, (refused, reply)
     elif type(msg) not in REPLIES:
@@ -134,6 +143,29 @@ def _ask(live, frame: bytes):
         assert reply.reason in REJECT_REASONS, reply
         seen[reply.reason] += 1
     return reply
+
+
+def _ask_held(peer, frame: bytes, msg: BatchRequest, msg_id: str):
+    """A batch request that may be held (nothing to serve, time to wait): if no answer comes
+    at once, a newer request of the same learner (which serves nothing: 0 groups) releases it,
+    and both are answered."""
+    peer.sock.send(frame)
+    if peer.sock.poll(300):
+        env, reply = codec.decode(peer.sock.recv())
+        assert env.msg_id == msg_id
+        return reply
+    release = "release-" + msg_id[:100] + "-"  # an id of its own
+    newer = BatchRequest(msg.learner_id, 0, msg.version, msg.max_staleness)
+    first = peer.ask(codec.encode(newer, release))
+    replies = {env.msg_id: reply for env, reply in (first, _recv(peer))}
+    assert set(replies) == {msg_id, release}, replies
+    assert replies[release] == Batch(groups=[])
+    return replies[msg_id]
+
+
+def _recv(peer, timeout_s: float = 5.0):
+    assert peer.sock.poll(int(timeout_s * 1000)), "no reply: is the server still alive?"
+    return codec.decode(peer.sock.recv())
 
 
 @given(st.binary(max_size=600))
@@ -295,7 +327,20 @@ NAMED = [  # (case, frame, expected reply type or Error reason)
      "invalid"),
     ("batch timeout inf", _frame(BatchRequest("fuzz-learner", 1, 3, timeout_s=float("inf"))),
      "invalid"),
+    ("batch timeout 61", _frame(BatchRequest("fuzz-learner", 1, 3, timeout_s=61.0)),
+     "invalid"),
+    ("batch timeout -1", _frame(BatchRequest("fuzz-learner", 1, 3, timeout_s=-1.0)), "invalid"),
     ("batch learner_id 600 bytes", _frame(BatchRequest("L" * 600, 1, 3)), "invalid"),
+    # held (nothing to serve, time to wait), then released by a newer request (see _ask_held)
+    ("batch held 0 groups", _frame(BatchRequest("fuzz-waiter", 0, 3, timeout_s=60)), Batch),
+    ("batch held judged only", _frame(BatchRequest("fuzz-waiter", 10**6, 3, 4, True,
+                                                   timeout_s=60), "named-2"), Batch),
+    ("since seq -1", _frame(GroupsSince(-1, 1)), "invalid"),
+    ("since seq 2**63", _frame(GroupsSince(2**63, 1)), "invalid"),
+    ("since seq 2**63-1", _frame(GroupsSince(2**63 - 1, 1)), StoredGroups),
+    ("since max_groups 0", _frame(GroupsSince(0, 0)), "invalid"),
+    ("since max_groups 10**6", _frame(GroupsSince(0, 10**6)), "invalid"),
+    ("since max_groups 4096", _frame(GroupsSince(0, 4096)), StoredGroups),
     ("batch learner_id unicode", _frame(BatchRequest("\U0001f642" * 10, 1, 3)), Batch),
     ("pull lease -1", _frame(JudgePull("fuzz-judge", 1, -1.0)), "invalid"),
     ("pull lease inf", _frame(JudgePull("fuzz-judge", 1, float("inf"))), "invalid"),
@@ -408,6 +453,7 @@ def test_zz_still_serving_and_nothing_touched(live):
 
     stats = client.stats()
     assert stats.get("errors/internal", 0) == 0  # every bad input was refused, none crashed
+    assert stats["batch_held"] >= 1 and stats["batches_held"] == 0  # held ones all answered
     assert stats.get("errors/store", 0) == 0
     for reason, n in seen.items():
         if reason != "store_full":

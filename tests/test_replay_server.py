@@ -136,6 +136,81 @@ def test_lost_batch_reply_is_answered_with_the_same_groups(client):
     assert ids(channel.request(request, timeout_s=5, msg_id="batch-2")) == ["g-2", "g-3"]
 
 
+# --- readers (the experience role) ---------------------------------------------------------
+
+
+def test_groups_since_pages_in_ingest_order_and_takes_nothing_from_the_learner(client):
+    groups = [make_group(i) for i in range(7)]
+    push_all(client, groups)
+    assert ids(client.request_batch("L", 2, version=3)) == ["g-0", "g-1"]
+    pages, seq = [], 0
+    while True:
+        page = client.groups_since(seq, max_groups=3)
+        pages.append(([g.group_id for g in page.groups], page.next_seq, page.more))
+        if not page.more:
+            break
+        seq = page.next_seq
+    assert pages == [(["g-0", "g-1", "g-2"], 3, True), (["g-3", "g-4", "g-5"], 6, True),
+                     (["g-6"], 7, False)]
+    # byte-identical, delivered or not
+    got = [codec.encode_body(g) for g in client.groups_since(0, 10).groups]
+    assert got == [codec.encode_body(g) for g in groups]
+    nothing_new = client.groups_since(7)
+    assert (nothing_new.groups, nothing_new.next_seq, nothing_new.more) == ([], 7, False)
+    stats = client.stats()
+    assert stats["delivered"] == 2 and stats["groups_read"] == 14
+    assert ids(client.request_batch("L", 10, version=3)) == [f"g-{i}" for i in range(2, 7)]
+
+
+def test_groups_since_skips_evicted_groups(tmp_path):
+    with ServerProc(tmp_path / "run", "replay.max_groups=4") as server:
+        client = ReplayClient(server.address, retry_after_s=0.5, timeout_s=10)
+        push_all(client, [make_group(i) for i in range(4)])
+        client.commit_ledger("L", ids(client.request_batch("L", 2, version=3)))
+        push_all(client, [make_group(i) for i in range(4, 6)])  # 6 > 4: g-0, g-1 evicted
+        page = client.groups_since(0)
+        assert [g.group_id for g in page.groups] == ["g-2", "g-3", "g-4", "g-5"]
+        assert page.next_seq == 6 and client.stats()["evicted"] == 2
+        assert [g.group_id for g in client.groups_since(1).groups][:1] == ["g-2"]
+        client.close()
+
+
+def test_groups_since_is_bounded_and_counts_what_no_longer_decodes(tmp_path, monkeypatch):
+    from protocol.config import ReplayConfig
+    from protocol.messages import GroupsSince
+    from replay import server as server_module
+    from replay.store import GroupRecord
+
+    server = ReplayServer(tmp_path / "run", ReplayConfig(), "tcp://127.0.0.1:*")
+    try:
+        groups = [make_group(i) for i in range(4)]
+        server.handle([Incoming(route=[], msg_id=g.group_id, msg=g, body=codec.encode_body(g))
+                       for g in groups[:2]])
+        with server.store.env.begin(write=True) as txn:  # a body from an older schema
+            server.store.put_group(txn, "old", msgpack.packb({"group_id": "old"}),
+                                   GroupRecord(seq=2, task_id="t", min_version=-1,
+                                               max_version=-1, nbytes=20))
+            server.store.put_meta(txn, "next_seq", 3)
+        server._reload()
+        server.handle([Incoming(route=[], msg_id=g.group_id, msg=g, body=codec.encode_body(g))
+                       for g in groups[2:]])
+
+        def read(since, n):
+            [(_, reply)] = server.handle([Incoming(route=[], msg_id="r",
+                                                   msg=GroupsSince(since, n))])
+            return [g.group_id for g in reply.groups], reply.next_seq, reply.more, \
+                reply.malformed
+
+        assert read(0, 10) == (["g-0", "g-1", "g-2", "g-3"], 5, False, 1)
+        assert read(1, 2) == (["g-1"], 3, True, 1)  # the undecodable one counts as read
+        # At most READ_REPLY_BYTES of bodies, but always one group: never stuck.
+        monkeypatch.setattr(server_module, "READ_REPLY_BYTES", 1)
+        assert read(0, 10) == (["g-0"], 1, True, 0)
+        assert read(3, 10) == (["g-2"], 4, True, 0)
+    finally:
+        server.close()
+
+
 # --- judges --------------------------------------------------------------------------------
 
 
@@ -351,8 +426,8 @@ def test_default_address_and_addr_file(tmp_path):
     from helpers_replay import ROOT
 
     run_dir = tmp_path / "r"
-    proc = subprocess.Popen([sys.executable, "-m", "replay.server", "--run-dir", str(run_dir)],
-                            cwd=ROOT, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "autodidact.cli", "replay", "--run-dir",
+                             str(run_dir)], cwd=ROOT, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 20
         while not (run_dir / "replay.addr").exists():

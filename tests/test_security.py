@@ -25,14 +25,6 @@ def generate(out, *args):
     return CliRunner().invoke(main, ["keys", "generate", "--out", str(out), *args])
 
 
-@pytest.fixture(scope="module")
-def keys_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sec") / "keys"
-    result = generate(out, "--client", "gpu1")
-    assert result.exit_code == 0, result.output
-    return out
-
-
 @pytest.fixture
 def curve_server(tmp_path, keys_dir):
     """A CURVE replay server in a thread of this process (starts in well under a second)."""

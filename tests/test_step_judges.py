@@ -15,7 +15,7 @@ from llm_stub import ScriptedChatServer
 
 from environments.base import Environment
 from environments.files import FilesEnv
-from episodes.rollout import PromptCodec, RolloutSettings, apply_action, start_episodes
+from episodes.rollout import RolloutSettings, apply_action, start_episodes
 from inference.llm import ChatModel, OpenAIChat
 from judge.step_judges import (
     SYSTEM_PROMPT,
@@ -38,21 +38,14 @@ def _task(template: str) -> Task:
 # --- real trajectories, made by the rollout code ----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def codec(files_policy_path):
-    from transformers import AutoTokenizer
-
-    return PromptCodec(AutoTokenizer.from_pretrained(files_policy_path))
-
-
-def _episode(codec, task: Task, actions: list[str]) -> Trajectory:
+def _episode(files_codec, task: Task, actions: list[str]) -> Trajectory:
     """``actions`` played as if the policy had produced them (as warm-start scripts them)."""
     settings = RolloutSettings(max_turns=50, max_context=10_000)
     env = FilesEnv()
-    ep = start_episodes([task], 1, lambda: env, codec)[0]
+    ep = start_episodes([task], 1, lambda: env, files_codec)[0]
     for action in actions:
         assert not ep.done, "the script goes on after the episode ended"
-        apply_action(ep, codec, codec.action(action), None, 0, settings)
+        apply_action(ep, files_codec, files_codec.action(action), None, 0, settings)
     ep.reward = env.evaluate(task)
     traj = ep.to_trajectory()
     assert [s.action for s in traj.steps] == actions  # every word is in the tokenizer
@@ -167,9 +160,9 @@ def test_default_goal_progress_is_the_outcome():
 # --- the reference judge ---------------------------------------------------------------------
 
 
-def test_reference_solution_is_all_good(codec):
+def test_reference_solution_is_all_good(files_codec):
     task = _task("move_across")  # cd f / mv x .. / cd .. / mv x g: two steps change no goal part
-    traj = _episode(codec, task, task.reference)
+    traj = _episode(files_codec, task, task.reference)
     assert traj.success
     judge = ReferenceJudge(FilesEnv)
     assert judge.judge(task, traj) == Judgement([1, 1, 1, 1], "reference", 0)
@@ -185,7 +178,7 @@ def test_every_builtin_reference_is_all_good():
     assert judge.stats["good"] == judge.stats["steps"] == sum(len(t.reference) for t in TRAIN)
 
 
-def test_a_reference_step_may_pass_through_lower_progress(codec):
+def test_a_reference_step_may_pass_through_lower_progress(files_codec):
     # copy_across: "cp x .." puts a copy in root, breaking the goal's "x absent from root"
     # until the copy moves on; the step is still needed, so it stays GOOD.
     task = _task("copy_across")
@@ -195,45 +188,45 @@ def test_a_reference_step_may_pass_through_lower_progress(codec):
     before = env.goal_progress(task)
     env.step(task.reference[1])
     assert env.goal_progress(task) < before
-    traj = _episode(codec, task, task.reference)
+    traj = _episode(files_codec, task, task.reference)
     assert traj.success and ReferenceJudge(FilesEnv).judge(task, traj).labels == [1, 1, 1, 1]
 
 
-def test_useless_invalid_and_failing_steps_are_bad(codec):
+def test_useless_invalid_and_failing_steps_are_bad(files_codec):
     task = _task("move_across")
     ref = task.reference
     folder = ref[3].split()[-1]
     # "mv" alone does not parse; "cat <folder>" parses and the env refuses it.
     actions = [ref[0], "pwd", ref[1], "mv", f"cat {folder}", "ls", ref[2], ref[3]]
-    traj = _episode(codec, task, actions)
+    traj = _episode(files_codec, task, actions)
     assert not traj.steps[3].valid and traj.steps[4].valid and "error" in traj.steps[4].info
     labels = ReferenceJudge(FilesEnv).judge(task, traj).labels
     assert labels == [1, 0, 1, 0, 0, 0, 1, 1]
 
 
-def test_a_failing_reference_step_is_bad_and_leaves_the_reference_unused(codec):
+def test_a_failing_reference_step_is_bad_and_leaves_the_reference_unused(files_codec):
     task = _task("move_across")
     ref = task.reference
     # Moving x out before entering its folder fails; the same text later works and counts.
-    traj = _episode(codec, task, [ref[1], *ref])
+    traj = _episode(files_codec, task, [ref[1], *ref])
     assert traj.steps[0].info["error"] is not None
     assert ReferenceJudge(FilesEnv).judge(task, traj).labels == [0, 1, 1, 1, 1]
 
 
-def test_undoing_progress_is_bad(codec):
+def test_undoing_progress_is_bad(files_codec):
     task = _task("gather")  # mv x f / mv y f
     x, f = task.reference[0].split()[1:]
     actions = [task.reference[0], f"cd {f}", f"mv {x} ..", "cd ..", task.reference[0],
                task.reference[1]]
-    traj = _episode(codec, task, actions)
+    traj = _episode(files_codec, task, actions)
     # Putting x back is progress again even though its reference step was used up.
     assert ReferenceJudge(FilesEnv).judge(task, traj).labels == [1, 0, 0, 0, 1, 1]
 
 
-def test_a_reference_step_earns_credit_once(codec):
+def test_a_reference_step_earns_credit_once(files_codec):
     task = _task("move_out")  # cd f / mv x ..
     actions = [task.reference[0], "cd ..", task.reference[0], task.reference[1]]
-    traj = _episode(codec, task, actions)
+    traj = _episode(files_codec, task, actions)
     assert ReferenceJudge(FilesEnv).judge(task, traj).labels == [1, 0, 0, 1]
 
 

@@ -18,10 +18,8 @@ import msgpack
 import pytest
 import torch
 import zmq
-from click.testing import CliRunner
 
 import protocol.weights as w
-from autodidact.cli import main
 from protocol import codec
 from protocol.config import RunConfig, SecurityConfig
 from protocol.errors import ConfigError
@@ -425,15 +423,6 @@ def test_without_an_address_nothing_is_served_and_files_are_read(tmp_path, contr
     subscriber = WeightSubscriber.for_run(run_cfg(""), control, "actor-0")
     assert publisher.server is None and subscriber.source is None
     publisher.close()
-
-
-@pytest.fixture(scope="module")
-def keys_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sec") / "keys"
-    result = CliRunner().invoke(main, ["keys", "generate", "--out", str(out), "--client",
-                                       "gpu1"])
-    assert result.exit_code == 0, result.output
-    return out
 
 
 @pytest.mark.timeout(40)

@@ -1,0 +1,95 @@
+"""The coordinator: a run's control plane kept in order from the launcher's process.
+
+Redis only coordinates, and the coordinator is what keeps it coordinating::
+
+    start()                     right after the control plane is connected (fresh and
+                                --resume): run state phase=starting, started_at, run_dir;
+                                the admission counters are initialised here
+    feed(original, share)       training begins: phase=rl; from now on the task queue holds
+                                the training mixture (TaskFeeder, autodidact/task_mix.py)
+    tick()                      every pass of the launcher's loop (0.5 s):
+        redis_watch.check()         an embedded Redis that died is restarted on its URL;
+                                    data Redis lost is refilled from the durable copies
+                                    (RedisWatch, autodidact/recovery.py)
+        feeder.top_up()             the queue below its low-water mark gets a fresh sample
+                                    (a Redis being restarted: the next tick refills)
+    publish_restarts(roles)     restarts per role (and of Redis) into the run state
+    finishing(), done()         the run's phase for worker nodes: finishing once the learner
+                                is over (their roles stop), done after the final evaluation
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import redis
+
+from autodidact.recovery import RedisWatch, init_admission
+from autodidact.task_mix import TaskFeeder
+from protocol.config import RunConfig
+from protocol.control import ControlPlane
+from protocol.messages import Task
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane, embedded=None):
+        """``cfg`` names the run's Redis (``redis.url`` set); ``embedded`` is the
+        EmbeddedRedis serving it, None for an external server."""
+        self.cfg, self.run_dir, self.control = cfg, Path(run_dir), control
+        self.redis_watch = RedisWatch(cfg, self.run_dir, control, embedded)
+        self.feeder: TaskFeeder | None = None
+
+    @classmethod
+    def connect(cls, cfg: RunConfig, run_dir: Path, embedded=None) -> Coordinator:
+        control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix,
+                                       cfg.redis.heartbeat_ttl_s)
+        return cls(cfg, run_dir, control, embedded)
+
+    def start(self) -> None:
+        """Once per run, fresh or resumed, before any role starts."""
+        self.control.set_state(phase="starting", started_at=time.time(),
+                               run_dir=str(self.run_dir))
+        # Admission grants nothing until opened with counters rebuilt from disk. Before the
+        # replay server starts: in one process, LMDB refuses a second open of replay.lmdb.
+        init_admission(self.run_dir, self.control)
+
+    def feed(self, original: list[Task], share: float) -> None:
+        """Training begins: keep the task queue full of the mixture of the env's own
+        ``original`` tasks and a ``share`` of synthetic ones."""
+        self.control.set_state(phase="rl")
+        self.feeder = TaskFeeder(self.cfg, self.control, original, share)
+
+    def tick(self) -> None:
+        self.redis_watch.check()
+        if self.feeder is None:
+            return
+        try:
+            self.feeder.top_up()
+        except redis.RedisError as exc:  # Redis is being restarted: the next tick refills
+            log.warning("task queue not topped up: %s", exc)
+
+    @property
+    def redis_restarts(self) -> int:
+        return self.redis_watch.restarts
+
+    def restarts(self, roles) -> dict[str, int]:
+        """Restarts per supervised role and of the embedded Redis."""
+        return {**roles.restarts(), "redis": self.redis_restarts}
+
+    def publish_restarts(self, roles) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.control.set_state(restarts=self.restarts(roles))
+
+    def finishing(self) -> None:
+        """Worker nodes (autodidact node) stop their roles on this; "done" comes only after
+        the final evaluation, moments before Redis goes away with the launcher."""
+        with contextlib.suppress(redis.RedisError):
+            self.control.set_state(phase="finishing")
+
+    def done(self) -> None:
+        self.control.set_state(phase="done")

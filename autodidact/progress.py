@@ -1,0 +1,122 @@
+"""What ``autodidact run`` shows and records while it trains: the live progress line, the
+replay server's stats as metrics, the wandb mirror of metrics.jsonl, the closing summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import redis
+from rich.console import Console
+
+from autodidact.tracking import WandbMirror
+from metrics.jsonl import MetricsTail, MetricsWriter
+from protocol.config import RunConfig
+from protocol.errors import RemoteError, TransportTimeout
+
+log = logging.getLogger(__name__)
+console = Console(stderr=True, soft_wrap=True)
+
+REPORT_EVERY_S = 10.0
+
+
+class ReplayMonitor:
+    """Logs the replay server's stats (sizes, rejections) and ingest rate as ``replay/...``."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig):
+        from protocol.replay_client import ReplayClient
+
+        self.client = ReplayClient.for_run(cfg, timeout_s=5.0)
+        self.metrics = MetricsWriter(run_dir, "replay")
+        self._last: tuple[float, int] | None = None
+
+    def log(self) -> None:
+        try:
+            stats = self.client.stats()
+        except (TransportTimeout, RemoteError) as exc:
+            log.warning("replay stats unavailable: %s", exc)
+            return
+        now, groups = time.monotonic(), int(stats.get("groups", 0))
+        if self._last is not None:
+            stats["groups_per_s"] = (groups - self._last[1]) / max(now - self._last[0], 1e-9)
+        self._last = (now, groups)
+        self.metrics.log({k: v for k, v in stats.items() if isinstance(v, (int, float))})
+
+    def close(self) -> None:
+        self.client.close()
+        self.metrics.close()
+
+
+class Progress:
+    """The live progress line, fed from the new records of metrics.jsonl."""
+
+    def __init__(self, run_dir: Path):
+        self.tail = MetricsTail(run_dir)
+        self.learner: dict = {}
+        self.actors: list[dict] = []
+
+    def update(self) -> list[dict]:
+        records = self.tail.read_new()
+        for rec in records:
+            if rec.get("role") == "learner" and "learner/loss" in rec:
+                self.learner = rec
+            elif rec.get("role") == "actor":
+                self.actors = (self.actors + [rec])[-20:]
+        return records
+
+    def show(self, control, roles, elapsed_s) -> None:
+        rates = [a.get("actor/success_rate", 0) for a in self.actors]
+        success = sum(rates) / max(len(rates), 1)
+        counters = control.counters()
+        groups = counters.get("actor/accepted", 0)
+        judged = counters.get("judge/groups_labelled", 0)
+        lr = self.learner
+        console.print(
+            f"  [{elapsed_s:5.0f}s] update {lr.get('learner/updates', 0):>4}  "
+            f"version {lr.get('learner/version', 0):>4}  actor success {success:6.1%}  "
+            f"groups {groups:>6} ({groups / max(elapsed_s, 1e-9):.1f}/s, judged {judged})  "
+            f"lag {lr.get('learner/lag_mean', 0):.2f}  restarts {len(roles.restart_log)}",
+            highlight=False)
+
+
+class Reporter:
+    """Every ``REPORT_EVERY_S`` of training: the replay stats as metrics, the new metrics
+    records into wandb, the restarts into the run state, the progress line."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, coordinator, mirror: WandbMirror):
+        self.coordinator, self.mirror = coordinator, mirror
+        self.progress = Progress(run_dir)
+        self.replay = ReplayMonitor(run_dir, cfg)
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def tick(self, roles) -> None:
+        if time.monotonic() - self._last <= REPORT_EVERY_S:
+            return
+        self._last = time.monotonic()
+        self.replay.log()
+        self.mirror.sync(self.progress.update())
+        self.coordinator.publish_restarts(roles)
+        with contextlib.suppress(redis.RedisError):  # Redis is being restarted
+            self.progress.show(self.coordinator.control, roles, time.monotonic() - self.t0)
+
+    def close(self) -> None:
+        """The last records into wandb (the mirror itself is closed after the summary)."""
+        self.replay.close()
+        self.mirror.sync(self.progress.update())
+
+
+def print_summary(summary: dict) -> None:
+    def pct(stage, key="avg"):
+        v = (summary.get(f"success_{stage}") or {}).get(key)
+        return "n/a" if v is None else f"{v:.1%}"
+
+    learner = summary.get("learner", {})
+    console.print(f"[bold]summary[/]  held-out avg@k: base {pct('base')} -> warm-start "
+                  f"{pct('warm')} -> RL {pct('rl')}   (greedy: {pct('base', 'greedy')} -> "
+                  f"{pct('warm', 'greedy')} -> {pct('rl', 'greedy')})   "
+                  f"{learner.get('learner/updates', 0)} updates, "
+                  f"version {learner.get('learner/version', 0)}")

@@ -1,0 +1,258 @@
+"""The stages of a run around its training, each a function of ``(cfg, run_dir, ...)`` that
+returns what it made (and says what it does through ``say``, a rich console line by default).
+
+``autodidact run`` (``launcher.py``) composes them, and so does the single-process run::
+
+    prepare_model        the base model: model.path, or the tiny model made from the env
+    write_split          split.json: which env tasks train, which are held out
+    before_training      explore_stage -> experience_stage -> held_out_eval (base)
+                         -> warm_start_stage -> held_out_eval (warm-start)
+    resumed_policy       on --resume: the policy the run started RL from
+    up_to_training       the above in order: what RL starts from (model, split, stages)
+    after_training       the learner's last record; final_policy (the newest published
+                         weights as a model folder), then held_out_eval once more
+
+None of them assigns to ``cfg``: the launcher makes the config with the model they return.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from autodidact.resolve import with_model
+from autodidact.task_mix import synthetic_share, warmstart_tasks
+from metrics.jsonl import MetricsWriter, read_metrics
+from protocol.config import RunConfig
+from protocol.control import ControlPlane
+from protocol.messages import Task
+from protocol.run_dir import RunDir
+
+console = Console(stderr=True, soft_wrap=True)
+Say = Callable[[str], None]
+
+
+def show(message: str) -> None:
+    """The default ``say``: a line on stderr (rich markup, as the launcher's own lines; no
+    highlighting of the numbers in it)."""
+    console.print(message, highlight=False)
+
+
+class NoSyntheticTasks(RuntimeError):
+    """The task mixture asks for synthetic tasks and none exist."""
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
+    """The base model path: cfg.model.path, or a tiny model fitted to the env's vocabulary
+    (made once under ``model/``; the same on every machine that makes it from one config)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from environments import env_class
+    from inference.tiny_model import make_tiny_model
+    from navigating.navigator import policy_vocabulary
+
+    m = cfg.model
+    words, special = policy_vocabulary(env_class(cfg.env.name))
+    path = make_tiny_model(RunDir(run_dir).model, words, special_words=special, hidden=m.hidden,
+                           layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                           intermediate=m.intermediate,
+                           max_positions=m.max_positions, seed=cfg.seed)
+    return str(path)
+
+
+def write_split(run_dir: Path, env) -> Path:
+    """``split.json``: which of the env's own tasks train and which are held out, by id, so a
+    later run or evaluation can show it used the same split."""
+    path = RunDir(run_dir).split
+    split = {"env": env.name, **{s: [t.task_id for t in env.tasks(s)] for s in ("train", "test")}}
+    path.write_text(json.dumps(split, indent=1))
+    return path
+
+
+# --- before training --------------------------------------------------------------------------
+
+
+def explore_stage(cfg: RunConfig, run_dir: Path, control: ControlPlane, policy_path: str,
+                  share: float, say: Say = show) -> dict | None:
+    """Explore before training when the config asks for it (``explore.stage``, or ``auto``
+    with synthetic tasks in the mixture and fewer than ``explore.min_tasks`` stored); returns
+    the explore summary, None when it did not run. The pool in Redis mirrors the durable task
+    store either way (a fresh Redis gets the stored tasks back)."""
+    from autodidact.recovery import restore_synthetic
+    from questioning.factory import run_explore
+
+    restore_synthetic(run_dir, control)
+    stored = control.synthetic_len()
+    stage = cfg.explore.stage
+    wanted = stage in ("before", "alongside") or (
+        stage == "auto" and share > 0 and stored < cfg.explore.min_tasks)
+    if not wanted:
+        return None
+    say(f"  explore: {stored} synthetic tasks stored; exploring "
+        f"({cfg.explore.rounds or 1} round(s))")
+    return run_explore(cfg, run_dir, cfg.explore.rounds or 1, policy_path=policy_path,
+                       say=lambda m: say(f"  {m}"))
+
+
+def experience_stage(cfg: RunConfig, run_dir: Path, say: Say = show) -> dict | None:
+    """Seed the experience pool from the explore stage's trajectories (when there are);
+    returns the pool size and the extraction counts, None when seeding is off."""
+    if not (cfg.experience.enabled and cfg.experience.init_from_explorations):
+        return None
+    from judge.experience_worker import make_extractor, seed_from_explorations
+    from navigating.pool import open_pool
+
+    pool = open_pool(cfg, run_dir=run_dir)
+    counts = seed_from_explorations(pool, run_dir, make_extractor(cfg))
+    say(f"  experience pool: {pool.size()} experiences "
+        f"({counts.get('added', 0)} from explorations)")
+    return {"pool_size": pool.size(), **counts}
+
+
+def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,
+                     tasks: list[Task] | None = None, say: Say = show) -> str:
+    """Supervised steps on verified references of ``tasks`` (None: the env's training
+    tasks) into ``policy_init/``; returns the policy RL starts from (``base_path`` with
+    ``warmstart.steps=0``; an existing ``policy_init/`` is reused)."""
+    from episodes.rollout import rollout_settings
+    from learner.warmstart import warm_start
+
+    out = RunDir(run_dir).policy_init
+    if cfg.warmstart.steps == 0:
+        return base_path
+    if (out / "config.json").exists():
+        say(f"  warm-start: reusing {out}")
+        return str(out)
+
+    def progress(step, loss):
+        say(f"  warm-start step {step}/{cfg.warmstart.steps}  loss {loss:.3f}")
+
+    info = warm_start(cfg, base_path, out, rollout_settings(cfg), progress, tasks)
+    say(f"  warm-start: {info['examples']} verified references, "
+        f"{info['steps']} steps in {info['seconds']:.0f}s")
+    return str(out)
+
+
+def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_path: str,
+                    original: list[Task], share: float,
+                    say: Say = show) -> tuple[str, dict]:
+    """Everything between the base model and RL, in order: explore, seed the experience pool,
+    evaluate the base model, warm-start on references of the task mixture, evaluate again.
+
+    Returns the policy RL starts from and the summary entries ``synthetic_share``,
+    ``explore``, ``experience_init``, ``success_base``, ``success_warm``. Raises
+    :class:`NoSyntheticTasks` when the mixture needs synthetic tasks and none exist.
+    """
+    summary: dict = {"synthetic_share": share}
+    summary["explore"] = explore_stage(cfg, run_dir, control, base_path, share, say)
+    synthetic = control.synthetic_since(0)
+    if share > 0 and not synthetic:
+        raise NoSyntheticTasks("tasks.synthetic_share > 0 but there are no synthetic tasks: "
+                               "run `autodidact explore` or set explore.stage")
+    summary["experience_init"] = experience_stage(cfg, run_dir, say)
+    summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "before warm-start", 0, say)
+    policy = warm_start_stage(cfg, run_dir, base_path,
+                              warmstart_tasks(cfg, original, synthetic, share), say)
+    summary["success_warm"] = held_out_eval(cfg, run_dir, policy, "after warm-start", 0, say)
+    return policy, summary
+
+
+@dataclass(frozen=True)
+class Training:
+    """What RL starts from, as :func:`up_to_training` leaves it."""
+
+    cfg: RunConfig  # the config the roles read: model.path is the policy RL starts from
+    original: list[Task]  # the env's own training tasks
+    share: float  # the share of synthetic tasks in the mixture
+
+
+def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary: dict,
+                   resume: bool, say: Say = show) -> Training:
+    """The base model, split.json and, unless a resumed run did them already, the stages
+    before training (:func:`before_training`, their entries added to ``summary`` and written
+    to summary.json). Raises :class:`NoSyntheticTasks` as ``before_training`` does."""
+    from environments.base import env_maker
+
+    base = prepare_model(cfg, run_dir)
+    env = env_maker(cfg.env)()
+    write_split(run_dir, env)
+    original = env.tasks("train")
+    share = synthetic_share(cfg, original)
+    if resume and "success_warm" in summary:
+        policy = resumed_policy(cfg, run_dir, base)
+    else:
+        policy, entries = before_training(cfg, run_dir, control, base, original, share, say)
+        summary.update(entries)
+        RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2))
+    return Training(with_model(cfg, policy), original, share)
+
+
+def after_training(cfg: RunConfig, run_dir: Path, learner_finished: bool,
+                   say: Say = show) -> dict:
+    """Summary entries once the roles have stopped: the learner's last record and, when it
+    finished and published, held-out success of the final weights (``success_rl``)."""
+    rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
+    out: dict = {"learner": rows[-1] if rows else {}}
+    final = final_policy(run_dir, cfg.model.path)
+    if learner_finished and final is not None:
+        out["success_rl"] = held_out_eval(cfg, run_dir, final, "after RL",
+                                          out["learner"].get("learner/updates", 0), say)
+    return out
+
+
+def resumed_policy(cfg: RunConfig, run_dir: Path, base_path: str) -> str:
+    """The policy a resumed run started RL from (its stages before training are not run
+    again): ``policy_init/`` when it warm-started, else the base model."""
+    return str(RunDir(run_dir).policy_init) if cfg.warmstart.steps else base_path
+
+
+# --- evaluation and export ----------------------------------------------------------------------
+
+
+def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, label: str, updates: int,
+                  say: Say = show) -> dict | None:
+    """avg@k and best@k (sampled, ``eval.temperature``) and greedy success of ``model_path``
+    on ``eval.num_tasks`` held-out tasks (:func:`episodes.evaluate.evaluate_model`), also
+    logged as ``eval/...`` at learner update ``updates`` so reports can put held-out success
+    on the update and wall-time axes. Returns ``{"avg", "best", "tasks"[, "greedy"]}``, None
+    with ``eval.num_tasks=0``."""
+    if cfg.eval.num_tasks == 0:
+        return None
+    from episodes.evaluate import evaluate_model
+
+    e = cfg.eval
+    found = evaluate_model(cfg, model_path, "test", k=e.k, temperature=e.temperature,
+                           limit=e.num_tasks, greedy=e.greedy)
+    result = {key: found[key] for key in ("avg", "best", "tasks", "greedy") if key in found}
+    greedy_text = f", greedy {result['greedy']:.1%}" if "greedy" in result else ""
+    say(f"  held-out success {label}: [bold]avg@{e.k} {result['avg']:.1%}[/] "
+        f"(best@{e.k} {result['best']:.1%}{greedy_text}; {result['tasks']} tasks)")
+    writer = MetricsWriter(run_dir, "eval")
+    writer.log({"success_avg": result["avg"], "success_best": result["best"],
+                "success_greedy": result.get("greedy"), "tasks": result["tasks"]}, step=updates)
+    writer.close()
+    return result
+
+
+def final_policy(run_dir: Path, init: str) -> str | None:
+    """Save the newest published weights over the model ``init`` as a loadable model folder,
+    ``policy_final/``; returns its path, None when nothing was published."""
+    files = RunDir(run_dir).published_weights()
+    if not files:
+        return None
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(init)
+    model.load_state_dict(load_file(files[-1]))
+    out = RunDir(run_dir).policy_final
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(init).save_pretrained(out)
+    return str(out)
