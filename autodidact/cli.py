@@ -26,6 +26,7 @@ from autodidact.cli_common import (
 )
 from autodidact.eval_cli import eval_command
 from autodidact.keys_cli import keys
+from autodidact.model_cli import model
 from autodidact.node_cli import node
 from autodidact.report import report
 from autodidact.resolve import Flags
@@ -234,7 +235,7 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
     return prepare_model(cfg, run_dir)
 
 
-for command in (tasks, eval_command, keys, node, status, report, ablation):
+for command in (tasks, eval_command, keys, model, node, status, report, ablation):
     main.add_command(command)
 
 

@@ -16,6 +16,7 @@ import click
 from autodidact.cli_common import config_option, load_run, set_option
 from autodidact.resolve import Flags
 from autodidact.stages import prepare_model, write_split
+from inference.models import model_folder
 from protocol.config import RunConfig
 from protocol.run_dir import RunDir
 
@@ -28,8 +29,9 @@ from protocol.run_dir import RunDir
                    "rollout limits apply (bfcl: long contexts and actions).")
 @click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True)
 @click.option("--model", "model_path", default=None,
-              help="Local Hugging Face model folder (default: the run's tiny model, made from "
-                   "the env's vocabulary if missing).")
+              help="Local Hugging Face model folder, or a named model (smollm2-135m) "
+                   "(default: the run's model.path, else its tiny model, made from the env's "
+                   "vocabulary if missing).")
 @click.option("-k", "k", type=int, default=8, show_default=True, help="Episodes per task.")
 @click.option("--temperature", type=float, default=None,
               help="Sampling temperature (default eval.temperature; 0 = greedy).")
@@ -78,7 +80,7 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     tasks = select_tasks(cfg, split, limit, env)
     if not tasks:
         raise ValueError(f"env {cfg.env.name!r} has no {split} tasks")
-    model_path = model_path or prepare_model(cfg, run_dir)
+    model_path = model_folder(model_path) if model_path else prepare_model(cfg, run_dir)
     temperature = cfg.eval.temperature if temperature is None else temperature
     say(f"eval: {len(tasks)} {cfg.env.name} {split} tasks x {k} ({policy}, model {model_path}, "
         f"T={temperature}, device {cfg.actor.device})")

@@ -50,10 +50,13 @@ class NoSyntheticTasks(RuntimeError):
 
 
 def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
-    """The base model path: cfg.model.path, or a tiny model fitted to the env's vocabulary
-    (made once under ``model/``; the same on every machine that makes it from one config)."""
+    """The base model path: cfg.model.path (a named model's converted folder, see
+    inference/models.py), or a tiny model fitted to the env's vocabulary (made once under
+    ``model/``; the same on every machine that makes it from one config)."""
     if cfg.model.path:
-        return cfg.model.path
+        from inference.models import model_folder
+
+        return model_folder(cfg.model.path)  # a named model: converted on first use
     from environments import env_class
     from inference.tiny_model import make_tiny_model
     from navigating.navigator import policy_vocabulary

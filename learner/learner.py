@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner.batching import build_batch
 from learner.distributed import SINGLE, Ranks
-from learner.logprobs import token_logprobs
+from learner.logprobs import prepare_for_training, token_logprobs
 from learner.losses import navigation_terms, policy_loss
 from metrics.jsonl import MetricsWriter
 from protocol.config import LearnerConfig, RunConfig
@@ -131,6 +131,7 @@ class Learner:
         self.autocast = autocast_dtype(self.cfg.autocast, self.device)
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
+        prepare_for_training(model, self.cfg.logit_chunk_tokens, self.cfg.gradient_checkpointing)
         self.model = ranks.wrap(model.train(), self.cfg.parallel)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id or 0
         # After wrapping: under FSDP the optimizer must hold the sharded parameters.
@@ -334,7 +335,8 @@ class Learner:
             with self.ranks.sync_grads(self.model, sync=i == len(parts) - 1):
                 mb, index = self._micro(batch, part)
                 with self._autocast():
-                    logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask)
+                    logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask,
+                                              self.cfg.logit_chunk_tokens)
                 # One step per batch: the proximal policy is this very forward pass, detached.
                 prox = logprobs.detach() if proximal is None else proximal[index]
                 ref = None if reference is None else reference[index]
@@ -394,11 +396,12 @@ class Learner:
         proximal = None
         with self._autocast():
             if self.cfg.minibatches > 1:
-                proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+                proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                          self.cfg.logit_chunk_tokens)
             reference = None
             if self.reference is not None:
                 reference = token_logprobs(self.reference, batch.input_ids,
-                                           batch.attention_mask)
+                                           batch.attention_mask, self.cfg.logit_chunk_tokens)
         return proximal, reference
 
     def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
@@ -421,7 +424,8 @@ class Learner:
         mostly sampling noise; the loss on the batch the step was taken on is not.
         """
         with self._autocast():
-            after = token_logprobs(self.model, batch.input_ids, batch.attention_mask)
+            after = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                   self.cfg.logit_chunk_tokens)
         loss_after, _ = self._loss(batch, after, proximal, reference)
         mask = batch.action_mask.float()
         log_ratio = proximal - after  # KL(before || after), k1 estimate on the sampled tokens

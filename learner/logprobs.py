@@ -3,37 +3,97 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    chunk_size: int | None = None,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """``out[b, t] = log p(x_t | x_<t)`` for every position, aligned with ``input_ids``.
 
     Position 0 has no context and is 0, as is every padding position (``attention_mask == 0``).
     Works with any Hugging Face causal LM (``model(input_ids=..., attention_mask=...).logits``);
     rows must be right-padded, since positions are counted from the start of the row.
-
-    Memory: the logits ``[B, L, V]`` are the one full-vocabulary tensor; the log-softmax is done
-    ``chunk_size`` positions at a time (all at once when ``None``), in float32, and reduced to
-    the ``[B, chunk]`` log-probs of the actual next tokens by ``gather`` before the next chunk.
-    (Under autograd each chunk's log-softmax is kept for the backward pass; that is inherent.)
     Returns float32 ``[B, L]``; differentiable when the model is.
+
+    Memory: with ``chunk_tokens == 0`` the model's own forward makes the whole ``[B, L, V]``
+    logits, and autograd keeps their float32 log-softmax too. At a real vocabulary (49,152 for
+    SmolLM2) that is most of a step's memory and time. With ``chunk_tokens > 0`` only the
+    decoder runs whole; the output head, log-softmax and gather run ``chunk_tokens`` positions
+    at a time, each under activation checkpointing, so at most one chunk's logits exist at
+    once, forward or backward (the head is recomputed per chunk in the backward pass).
+    Chunking needs the usual layout ``logits = lm_head(decoder(x))`` (Llama, Qwen2, Mistral,
+    SmolLM2); :func:`check_chunked_head` tells whether a model has it.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    # logits[:, t] predicts x_{t+1}: pair logits[:, :-1] with targets input_ids[:, 1:].
-    targets = input_ids[:, 1:]
-    steps = targets.shape[1]
-    chunk = steps if chunk_size is None else max(1, int(chunk_size))
-    parts = []
-    for s in range(0, steps, chunk):
-        e = min(s + chunk, steps)
-        logp = torch.log_softmax(logits[:, s:e].float(), dim=-1)
-        parts.append(logp.gather(-1, targets[:, s:e].unsqueeze(-1)).squeeze(-1))
+    if chunk_tokens <= 0:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        # logits[:, t] predicts x_{t+1}: pair logits[:, :-1] with targets input_ids[:, 1:].
+        picked = _pick(logits[:, :-1], input_ids[:, 1:])
+    else:
+        hidden = model.get_decoder()(input_ids=input_ids,
+                                     attention_mask=attention_mask).last_hidden_state
+        picked = _chunked_head(model.get_output_embeddings(), hidden[:, :-1], input_ids[:, 1:],
+                               chunk_tokens)
     zero = torch.zeros_like(input_ids[:, :1], dtype=torch.float32)
-    out = torch.cat([zero, *parts], dim=1)
+    out = torch.cat([zero, picked], dim=1)
     # where, not multiply: a -inf log-prob at a padding position must not turn into NaN.
     return torch.where(attention_mask.bool(), out, torch.zeros_like(out))
+
+
+def _pick(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log-softmax of ``logits [..., V]`` (float32) at ``targets [...]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _head_pick(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _pick(head(hidden), targets)
+
+
+def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor,
+                  chunk_tokens: int) -> torch.Tensor:
+    """``_pick(head(hidden), targets)`` over rows of ``[B, T]`` positions, ``chunk_tokens``
+    positions at a time (flattened over the batch, so short rows do not waste a chunk)."""
+    b, t, h = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(b * t, h), targets.reshape(b * t)
+    grad = torch.is_grad_enabled() and flat_hidden.requires_grad
+    parts = []
+    for s in range(0, b * t, chunk_tokens):
+        piece = (flat_hidden[s:s + chunk_tokens], flat_targets[s:s + chunk_tokens])
+        parts.append(checkpoint(_head_pick, head, *piece, use_reentrant=False) if grad
+                     else _head_pick(head, *piece))
+    joined = torch.cat(parts) if parts else flat_hidden.new_zeros(0, dtype=torch.float32)
+    return joined.reshape(b, t)
+
+
+@torch.no_grad()
+def check_chunked_head(model, vocab_size: int | None = None, atol: float = 1e-4) -> None:
+    """Raise ValueError unless chunked log-probs equal the model's own on a short random
+    sequence (a model whose logits are more than ``lm_head(decoder(x))``, e.g. soft-capped or
+    scaled, cannot be chunked this way)."""
+    vocab = vocab_size or model.get_output_embeddings().weight.shape[0]
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 9), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    whole = token_logprobs(model, ids, mask)
+    chunked = token_logprobs(model, ids, mask, chunk_tokens=5)
+    if not torch.allclose(whole, chunked, atol=atol, rtol=0):
+        raise ValueError(f"{type(model).__name__}: log-probs through its decoder and output "
+                         f"head differ from its logits by {float((whole - chunked).abs().max())}"
+                         f"; set learner.logit_chunk_tokens=0 for this model")
+
+
+def prepare_for_training(model, logit_chunk_tokens: int, gradient_checkpointing: bool):
+    """The learner's memory settings on a freshly loaded model (before any wrapping):
+    activation checkpointing of the decoder, and a check that its head can be chunked."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if logit_chunk_tokens:
+        check_chunked_head(model)
+    return model

