@@ -53,11 +53,23 @@ class TrainBatch:
     guided: torch.Tensor
     stripped: torch.Tensor
 
-    def rows(self, index: torch.Tensor) -> TrainBatch:
-        """The sub-batch of rows ``index`` (a minibatch); ``num_tokens`` is recounted."""
-        picked = {f.name: getattr(self, f.name)[index] for f in fields(self)
-                  if isinstance(getattr(self, f.name), torch.Tensor)}
+    def rows(self, index: torch.Tensor, width: int | None = None) -> TrainBatch:
+        """The sub-batch of rows ``index`` (a minibatch); ``num_tokens`` is recounted. With
+        ``width``, the ``[B, L]`` tensors keep only their first ``width`` positions (rows are
+        right-padded: nothing but padding may lie past it)."""
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[index]
+                picked[f.name] = value[:, :width] if width is not None and value.dim() == 2 \
+                    else value
         return TrainBatch(**picked, num_tokens=int(picked["action_mask"].sum()))
+
+    def lengths(self) -> torch.Tensor:
+        """Each row's length up to its last real token ``[B]``."""
+        positions = torch.arange(1, self.attention_mask.shape[1] + 1)
+        return (self.attention_mask.bool() * positions).amax(dim=1)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """A copy with every tensor on ``device``."""
@@ -298,3 +310,22 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
              "guided_trajectories": int(batch.guided.sum()),
              "stripped_trajectories": int(batch.stripped.sum())}
     return batch, stats
+
+
+def token_budget_parts(rows: torch.Tensor, lengths: torch.Tensor,
+                       budget: int) -> list[torch.Tensor]:
+    """``rows`` in micro-batches of at most ``budget`` padded tokens (rows × longest row):
+    longest first, each part filled while it fits; a row longer than ``budget`` is a part of
+    its own. Sorting by length keeps short rows from paying for a long row's padding."""
+    order = sorted(rows.tolist(), key=lambda r: -int(lengths[r]))
+    parts, current, longest = [], [], 0
+    for row in order:
+        width = max(longest, int(lengths[row]))
+        if current and width * (len(current) + 1) > budget:
+            parts.append(current)
+            current, width = [], int(lengths[row])
+        current.append(row)
+        longest = width
+    if current:
+        parts.append(current)
+    return [torch.tensor(p, dtype=torch.long) for p in parts]

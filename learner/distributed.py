@@ -203,6 +203,14 @@ class Ranks:
         dist.all_reduce(flat)
         return dict(zip(values, flat.tolist()))
 
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` over ranks."""
+        if not self.active:
+            return int(value)
+        flat = torch.tensor([int(value)], dtype=torch.long, device=self._collective_device())
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        return int(flat.item())
+
     def gather_strings(self, items: list[str]) -> list[str]:
         """Every rank's ``items``, concatenated in rank order, on every rank. JSON in a byte
         tensor: all_gather_object would unpickle what the others send."""

@@ -273,6 +273,12 @@ class LearnerConfig:
     gradients summed before the step, so a large batch fits in memory. The step is the same
     as with one micro-batch (up to float rounding)."""
 
+    micro_batch_tokens: int = 0
+    """Padded tokens per micro-batch (rows × longest row); 0 = ``accumulation`` equal slices
+    by rows. Rows are sorted by length and packed up to this budget, and each micro-batch is
+    trimmed to its longest row, so short episodes stop paying for a long one's padding. The
+    step is the same as with one micro-batch (up to float rounding)."""
+
     logit_chunk_tokens: int = 0
     """Positions whose vocabulary logits the learner and the warm-start compute at once
     (0 = all: the model's own forward). At a real vocabulary (SmolLM2: 49,152) the
@@ -315,6 +321,9 @@ class LearnerConfig:
         if self.batch_groups % self.nproc:
             raise ConfigError(f"batch_groups ({self.batch_groups}) must be a multiple of nproc "
                               f"({self.nproc}): every learner process draws an equal share")
+        if self.micro_batch_tokens < 0:
+            raise ConfigError(f"micro_batch_tokens must be >= 0 (0 = by rows), "
+                              f"got {self.micro_batch_tokens}")
         if self.logit_chunk_tokens < 0:
             raise ConfigError(f"logit_chunk_tokens must be >= 0 (0 = all at once), "
                               f"got {self.logit_chunk_tokens}")

@@ -47,6 +47,8 @@ SCENARIOS = {
     "ddp-seq": {"loss_aggregation": "seq-mean-token-mean"},
     # 3 micro-batches: rank 1 has 2 rows in the second update, so one of its is blank.
     "ddp-seq-acc3": {"loss_aggregation": "seq-mean-token-mean", "accumulation": 3},
+    # Token-budget micro-batches: the ranks need different numbers of them (blank ones pad).
+    "ddp-token-mbt": {"loss_aggregation": "token-mean", "micro_batch_tokens": 70},
     "fsdp-token-acc2-kl": {"parallel": "fsdp", "loss_aggregation": "token-mean",
                            "accumulation": 2, "kl_coef": 0.1},
 }
@@ -289,7 +291,8 @@ def test_two_ranks_step_as_one_rank_on_the_whole_batch(two_ranks, scenario, mode
                                                        control):
     sets = SCENARIOS[scenario]
     alone = one_rank(model, tmp_path, control,
-                     **{k: v for k, v in sets.items() if k not in ("parallel", "accumulation")})
+                     **{k: v for k, v in sets.items()
+                        if k not in ("parallel", "accumulation", "micro_batch_tokens")})
     got = update_rows(two_ranks / scenario)[:UPDATES]
     want = update_rows(tmp_path)
     assert len(got) == len(want) == UPDATES
@@ -333,6 +336,33 @@ def test_accumulation_equals_the_unsplit_step(model, tmp_path, control, aggregat
                      accumulation=3)
     assert_states_close(split.model.state_dict(), whole.model.state_dict())
     for a, b in zip(update_rows(tmp_path / "three"), update_rows(tmp_path / "one")):
+        assert a["learner/loss"] == pytest.approx(b["learner/loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_equal_the_unsplit_step(model, tmp_path, control,
+                                                           aggregation, monkeypatch):
+    """Rows packed by length into micro-batches of at most 60 padded tokens, each trimmed to
+    its longest row: more backward passes, the same step."""
+    import learner.learner as learner_module
+
+    whole = one_rank(model, tmp_path / "one", control, loss_aggregation=aggregation)
+    shapes = []
+    scored = learner_module.token_logprobs
+
+    def recording(model, input_ids, *args):
+        shapes.append(tuple(input_ids.shape))
+        return scored(model, input_ids, *args)
+
+    monkeypatch.setattr(learner_module, "token_logprobs", recording)
+    packed = one_rank(model, tmp_path / "packed", control, loss_aggregation=aggregation,
+                      micro_batch_tokens=60)
+    assert len(shapes) > 2 * UPDATES  # several micro-batches per update...
+    assert all(rows * width <= 60 or rows == 1 for rows, width in shapes)  # ...within budget
+    assert len({width for _, width in shapes}) > 1  # each trimmed to its own longest row
+    assert_states_close(packed.model.state_dict(), whole.model.state_dict())
+    for a, b in zip(update_rows(tmp_path / "packed"), update_rows(tmp_path / "one")):
         assert a["learner/loss"] == pytest.approx(b["learner/loss"], rel=1e-5)
 
 

@@ -262,6 +262,21 @@ def test_a_head_that_is_not_plain_is_refused(tiny_lm):
         check_chunked_head(scaled)
 
 
+def test_token_budget_parts_pack_rows_by_length():
+    from learner.batching import token_budget_parts
+
+    lengths = torch.tensor([5, 30, 12, 11, 40, 3])
+    parts = token_budget_parts(torch.arange(6), lengths, budget=40)
+    # longest first; a part holds rows while rows x its longest row fits in 40 tokens
+    assert [p.tolist() for p in parts] == [[4], [1], [2, 3, 0], [5]]
+    for part in parts:
+        assert len(part) * int(lengths[part].max()) <= 40
+    assert sorted(int(r) for p in parts for r in p) == list(range(6))  # each row once
+    # a row longer than the budget is a part of its own, never dropped
+    assert [p.tolist() for p in token_budget_parts(torch.arange(2), torch.tensor([50, 4]),
+                                                   budget=10)] == [[0], [1]]
+
+
 # --- loss ---------------------------------------------------------------------------------------
 
 LN = math.log
