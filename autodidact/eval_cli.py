@@ -112,13 +112,15 @@ def write_results(path, per_task: list[dict], summary: dict) -> None:
 
 def render_table(summary: dict) -> str:
     k = summary["k"]
-    rows = [(name, s["tasks"], s["avg"], s["best"])
+    rows = [(name, s["tasks"], s["avg"], s["best"], s.get("valid_action_rate", 0.0))
             for name, s in summary["categories"].items()]
-    rows.append(("overall", summary["tasks"], summary["avg"], summary["best"]))
+    rows.append(("overall", summary["tasks"], summary["avg"], summary["best"],
+                 summary.get("valid_action_rate", 0.0)))
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'category':<{width}}  {'tasks':>5}  {f'avg@{k}':>7}  {f'best@{k}':>7}"]
-    lines += [f"{name:<{width}}  {n:>5}  {avg:>7.1%}  {best:>7.1%}"
-              for name, n, avg, best in rows]
+    lines = [f"{'category':<{width}}  {'tasks':>5}  {f'avg@{k}':>7}  {f'best@{k}':>7}  "
+             f"{'valid actions':>13}"]
+    lines += [f"{name:<{width}}  {n:>5}  {avg:>7.1%}  {best:>7.1%}  {valid:>13.1%}"
+              for name, n, avg, best, valid in rows]
     return "\n".join(lines)
 
 

@@ -238,8 +238,18 @@ class Environment(ABC):
         """The system prompt for the current task (tool documentation, output format), or None.
 
         Chat-template prompts put it in the system message; the word-level marker prompt of
-        the tiny policy leaves it out (its vocabulary cannot spell tool documentation)."""
-        return None
+        the tiny policy leaves it out (its vocabulary cannot spell tool documentation). The
+        default, made from :meth:`tools`, tells an instruct model the tools, their arguments,
+        the one-call-per-turn form :func:`parse_action` reads and one example call."""
+        return tool_instructions(self.name or type(self).__name__, self.tools(),
+                                 self.example_action())
+
+    def example_action(self) -> str | None:
+        """One call to show in the instructions: the first candidate action now that takes
+        an argument (None: the instructions show none)."""
+        candidates = self.candidate_actions()
+        with_args = [a for a in candidates if " " in a.strip()]
+        return (with_args or candidates or [None])[0]
 
     def canonical_action(self, text: str) -> str:
         """``text`` in the action syntax this env trains on. Explorers propose shell-style
@@ -359,6 +369,23 @@ def verify_reference(env_cls: type[Environment], task: Task, **env_kwargs) -> bo
 # --- registry ---------------------------------------------------------------------------------
 
 _ENVS: dict[str, type[Environment]] = {}
+
+
+def tool_instructions(env_name: str, tools: Sequence[ToolSpec],
+                      example: str | None = None) -> str:
+    """A system prompt an instruct model can act on: each tool with its arguments (optional
+    ones in brackets) and what it does, the reply form, and ``example`` as one reply."""
+    lines = [f"You operate the {env_name} environment by calling its tools, one call per "
+             "reply. A call is the tool name followed by its arguments, separated by spaces, "
+             "and nothing else: no explanation, no quotes, no code block.",
+             "", "Tools:"]
+    lines += [f"- {tool.usage()}: {tool.description}" if tool.description
+              else f"- {tool.usage()}" for tool in tools]
+    if example:
+        lines += ["", "Example reply:", example]
+    lines += ["", "After each call you see what it returned. Keep calling tools until the task "
+              "is done."]
+    return "\n".join(lines)
 
 
 def register_env(name: str):

@@ -136,6 +136,10 @@ def task_record(episodes: list[Episode]) -> dict:
             "best": float(any(r >= 1.0 for r in rewards)),
             "steps": [len(ep.steps) for ep in episodes],
             "truncated": sum(ep.truncated for ep in episodes),
+            # actions the env accepted as a call of one of its tools (a model that cannot
+            # write the action format scores low here long before it solves anything)
+            "valid_steps": sum(s.valid for ep in episodes for s in ep.steps),
+            "total_steps": sum(len(ep.steps) for ep in episodes),
             "actions": [ep.steps[0].action if ep.steps else "" for ep in episodes]}
 
 
@@ -150,5 +154,7 @@ def summarize(records: list[dict]) -> dict:
 
 def _means(records: list[dict]) -> dict:
     n = max(len(records), 1)
+    steps = sum(r.get("total_steps", 0) for r in records)
     return {"tasks": len(records), "avg": sum(r["avg"] for r in records) / n,
-            "best": sum(r["best"] for r in records) / n}
+            "best": sum(r["best"] for r in records) / n,
+            "valid_action_rate": sum(r.get("valid_steps", 0) for r in records) / max(steps, 1)}

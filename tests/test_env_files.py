@@ -428,3 +428,20 @@ def test_registry_accepts_a_new_env_and_refuses_clashes():
     with pytest.raises(TypeError):
         register_env("not-an-env")(dict)
     assert issubclass(Toy, Environment)
+
+
+def test_default_instructions_teach_the_call_form():
+    """The system prompt a chat model gets (environments.base.tool_instructions): every tool
+    with its arguments, and an example reply that is itself a valid call now."""
+    from environments.base import parse_action
+
+    env = FilesEnv()
+    env.reset(env.tasks("test")[0])
+    text = env.instructions()
+    for tool in env.tools():
+        assert f"- {tool.usage()}: {tool.description}" in text
+    example = text.split("Example reply:\n", 1)[1].split("\n", 1)[0]
+    assert example in env.candidate_actions()
+    parse_action(example, env.tools())  # raises if the example is not a call
+    _, _, info = env.step(example)
+    assert info["valid"]

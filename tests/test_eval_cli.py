@@ -25,6 +25,8 @@ def test_ground_truth_policy_scores_everything(tmp_path, files_policy_path):
     assert "overall" in result.output and "100.0%" in result.output
     summary = json.loads(out.with_suffix(".summary.json").read_text())
     assert summary["avg"] == summary["best"] == 1.0 and summary["k"] == 2
+    assert summary["valid_action_rate"] == 1.0  # every reference action is a tool call
+    assert sum(r["valid_steps"] for r in records) == sum(r["total_steps"] for r in records) > 0
     split = json.loads((tmp_path / "split.json").read_text())
     assert split["env"] == "files" and split["test"] and split["train"]
     assert not set(split["train"]) & set(split["test"])
