@@ -153,6 +153,30 @@ def parse_action(text, tools: Mapping[str, ToolSpec] | Sequence[ToolSpec]) -> To
     return ToolCall(name, values)
 
 
+# A call an instruct model writes inside prose: `cd docs`, or a fenced block (optionally with
+# a language tag). Only these spans are tried; prose itself is never read as a call.
+_CODE_SPAN = re.compile(r"```[A-Za-z]*\n?([^`]*?)```|`([^`\n]+)`")
+
+
+def parse_reply(text, tools: Mapping[str, ToolSpec] | Sequence[ToolSpec]) -> ToolCall:
+    """:func:`parse_action` on ``text``, else on each code span in it, in order (the first
+    line of a fenced block): an instruct model answers ``You can use `ls docs` here``. The
+    first span that parses is the call; when none does, the error is the whole text's."""
+    try:
+        return parse_action(text, tools)
+    except ActionError as whole:
+        if not isinstance(text, str) or len(text) > MAX_ACTION_CHARS:
+            raise
+        for match in _CODE_SPAN.finditer(text):
+            span = (match.group(1) or match.group(2) or "").strip()
+            lines = span.splitlines()
+            try:
+                return parse_action(lines[0] if lines else span, tools)
+            except ActionError:
+                continue
+        raise whole from None
+
+
 def _split(text) -> list[str]:
     if not isinstance(text, str):
         raise ActionError("not_text", "error : action is not text")
@@ -316,7 +340,7 @@ class Environment(ABC):
         if self.task is None:
             raise RuntimeError("reset() must be called before step()")
         try:
-            call = parse_action(action_text, {t.name: t for t in self.tools()})
+            call = parse_reply(action_text, {t.name: t for t in self.tools()})
         except ActionError as err:
             return err.observation, False, {"valid": False, "tool": err.tool, "error": err.kind}
         try:

@@ -445,3 +445,25 @@ def test_default_instructions_teach_the_call_form():
     parse_action(example, env.tools())  # raises if the example is not a call
     _, _, info = env.step(example)
     assert info["valid"]
+
+
+@pytest.mark.parametrize("reply, call", [
+    ("ls docs", ("ls", ("docs",))),
+    ("You can use the command `ls docs` to list them.", ("ls", ("docs",))),
+    ("```bash\ncd docs\n```", ("cd", ("docs",))),
+    ("Try `sudo rm -rf /` or `pwd`.", ("pwd", ())),  # the first span that is a call
+])
+def test_a_call_in_an_instruct_models_prose_is_read(reply, call):
+    from environments.base import parse_reply
+
+    parsed = parse_reply(reply, FilesEnv().tools())
+    assert (parsed.tool, parsed.args) == call
+
+
+@pytest.mark.parametrize("reply", ["You should list the folder first.",
+                                   "Use the ls command on docs.", "`sudo ls` then `rm -rf /`"])
+def test_prose_without_a_call_stays_invalid(reply):
+    env = FilesEnv()
+    env.reset(env.tasks("test")[0])
+    _, _, info = env.step(reply)
+    assert not info["valid"] and info["error"] == "unknown_tool"
