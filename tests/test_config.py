@@ -88,6 +88,7 @@ ZERO_OK = {
     "tasks.grader_repetition_cap", "experience.min_similarity", "experience.share",
     "experience.update_every", "experience.dedup_similarity", "experience.warmstart_share",
     "judge.workers", "judge.temperature", "actor.num_actors",  # 0: a head node (multinode)
+    "learner.logit_chunk_tokens", "learner.micro_batch_tokens",  # 0: off
 }
 
 
