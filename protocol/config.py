@@ -911,7 +911,13 @@ def _from_dict(cls, raw, where: str):
     return cls(**kwargs)
 
 
+_FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def coerce(hint, value, key: str):
+    if hint is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+        # YAML 1.1 reads 2e-5 (no dot) as a string; a float field takes it as the number
+        value = float(value)
     if hint in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}: expected a finite number, got {value!r}")

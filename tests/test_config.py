@@ -224,3 +224,16 @@ def test_overrides_name_the_key_too():
                         ("env.options.bogus=1", "env.options.bogus")]:
         with pytest.raises(ConfigError, match=names):
             resolve_config(overrides=[item])
+
+
+def test_a_float_in_e_notation_without_a_dot_is_a_number(tmp_path):
+    """YAML 1.1 reads ``2e-5`` as a string; ``--set warmstart.lr=2e-5`` must still work, and
+    the same text stays a refusal where a string is not a number."""
+    from protocol.config import load_config
+
+    cfg = load_config(None, ["warmstart.lr=2e-5", "learner.lr=3E-4"])
+    assert cfg.warmstart.lr == 2e-5 and cfg.learner.lr == 3e-4
+    with pytest.raises(ConfigError, match="warmstart.lr"):
+        load_config(None, ["warmstart.lr=fast"])
+    with pytest.raises(ConfigError, match="warmstart.steps"):
+        load_config(None, ["warmstart.steps=2e5"])  # an int field takes no float text
