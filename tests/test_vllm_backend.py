@@ -17,6 +17,7 @@ import gc
 import importlib
 import logging
 import math
+import os
 import random
 import sys
 import types
@@ -51,7 +52,7 @@ VLLM_SAMPLING_FIELDS = {
 VLLM_LLM_KWARGS = {
     "model", "gpu_memory_utilization", "enable_prefix_caching", "seed", "dtype",
     "logprobs_mode", "worker_extension_cls", "max_model_len", "tensor_parallel_size",
-    "enforce_eager", "generation_config",
+    "enforce_eager", "generation_config", "distributed_executor_backend",
 }
 
 
@@ -329,6 +330,48 @@ def test_make_backend_builds_the_vllm_backend(model_path, monkeypatch):
         assert b.logprobs_mode == "raw"  # what the actors' SamplingParams ask for
         gens = b.generate([[2, 5, 6]], SamplingParams(max_new_tokens=3, seed=1))
         assert len(gens) == 1 and gens[0].version == 0
+
+
+def test_make_backend_passes_engine_settings_for_cpu(model_path, monkeypatch):
+    """On CPU: eager, an in-process engine, the KV cache and threads bounded through the
+    environment (a variable the user set is kept); extra kwargs override."""
+    import torch
+
+    from inference.engines import make_backend
+    from protocol.config import load_config
+
+    monkeypatch.setattr(vb, "import_vllm", lambda: FAKE_API)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                 "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the user's own choice stays
+    cfg = load_config(None, ["actor.backend=vllm", f"model.path={model_path}",
+                             "actor.vllm_max_model_len=1024", "actor.vllm_kv_cache_gib=2",
+                             "actor.torch_threads=2",
+                             "actor.vllm_engine_kwargs={generation_config: vllm}"])
+    with make_backend(cfg) as b:
+        kwargs = b.engine.init_kwargs
+        assert kwargs["enforce_eager"] is True and kwargs["dtype"] == "float32"
+        assert kwargs["distributed_executor_backend"] == "uni"
+        assert kwargs["max_model_len"] == 1024 and kwargs["tensor_parallel_size"] == 1
+        assert kwargs["generation_config"] == "vllm"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+def test_engine_settings_on_gpu_compile_and_leave_the_cpu_alone():
+    from inference.engines import vllm_settings
+    from protocol.config import load_config
+
+    actor = load_config(None, ["actor.vllm_tensor_parallel_size=2",
+                               "actor.vllm_dtype=bfloat16"]).actor
+    kwargs, env = vllm_settings(actor, on_gpu=True)
+    assert kwargs == {"enforce_eager": False, "tensor_parallel_size": 2} and env == {}
+    eager = load_config(None, ["actor.vllm_execution=eager"]).actor
+    assert vllm_settings(eager, on_gpu=True)[0]["enforce_eager"] is True
 
 
 # -- pure translation ----------------------------------------------------------------------
