@@ -55,6 +55,7 @@ from autodidact.stages import (  # the stages around RL, shared with `autodidact
     up_to_training,
 )
 from autodidact.supervisor import stop_signals_interrupt
+from autodidact.tracking import read_summary
 from inference.engines import make_backend
 from judge.experience_worker import ExperienceWorker
 from judge.judge_worker import JudgeWorker, make_judges
@@ -281,7 +282,7 @@ def run_single_process(cfg: RunConfig, run_dir: Path, max_updates: int | None = 
                          "(resolve.Flags(redis_prefix=True))")
     run_dir = Path(run_dir)
     rd = RunDir(run_dir)
-    summary = json.loads(rd.summary.read_text()) if resume and rd.summary.exists() else {}
+    summary = read_summary(run_dir) if resume else {}
     console.print(f"[bold]autodidact run --single-process[/] {cfg.name} in {run_dir}")
     torch.set_num_threads(max(cfg.actor.torch_threads, cfg.learner.torch_threads))
     with contextlib.ExitStack() as stack:

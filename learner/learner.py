@@ -328,12 +328,13 @@ class Learner:
         over ranks, hence the factor ``world`` back.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        parts = self._micro_batches(batch, rows)
+        lengths = batch.lengths()
+        parts = self._micro_batches(rows, lengths)
         totals = dict.fromkeys(("loss", "pg_loss", "denominator", "tokens"), 0.0)
         seen = []
         for i, part in enumerate(parts):
             with self.ranks.sync_grads(self.model, sync=i == len(parts) - 1):
-                mb, index = self._micro(batch, part)
+                mb, index = self._micro(batch, part, lengths)
                 width = mb.input_ids.shape[1]  # trimmed to its longest row
                 with self._autocast():
                     logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask,
@@ -361,25 +362,25 @@ class Learner:
                  tokens=totals["tokens"])
         return m, grad_norm, probe
 
-    def _micro_batches(self, batch, rows: torch.Tensor) -> list[torch.Tensor]:
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
         """The minibatch ``rows`` as micro-batches: ``accumulation`` equal slices, or with
         ``micro_batch_tokens`` as many as that token budget needs (every rank takes as many
         as the rank that needs most)."""
         budget = self.cfg.micro_batch_tokens
         if not budget:
             return self._split(rows, self.cfg.accumulation)
-        parts = token_budget_parts(rows, batch.lengths(), budget)
+        parts = token_budget_parts(rows, lengths, budget)
         if self.ranks.active:
             parts += [rows[:0]] * (self.ranks.max_int(len(parts)) - len(parts))
         return parts
 
-    def _micro(self, batch, part):
+    def _micro(self, batch, part, lengths: torch.Tensor):
         """The micro-batch of rows ``part``, trimmed to its longest row, and its row index.
         An empty ``part`` (a rank with fewer rows than slices) gives row 0 with nothing
         trained: it still runs the forward and backward the other ranks' collectives wait
         for, and adds zero."""
         if len(part):
-            return batch.rows(part, int(batch.lengths()[part].max())), part
+            return batch.rows(part, int(lengths[part].max())), part
         index = torch.zeros(1, dtype=torch.long)
         blank = batch.rows(index)
         blank.action_mask = torch.zeros_like(blank.action_mask)
