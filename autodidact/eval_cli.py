@@ -112,10 +112,10 @@ def write_results(path, per_task: list[dict], summary: dict) -> None:
 
 def render_table(summary: dict) -> str:
     k = summary["k"]
-    rows = [(name, s["tasks"], s["avg"], s["best"], s["valid_action_rate"])
+    rows = [(name, s["tasks"], s["avg"], s["best"], s.get("valid_action_rate", 0.0))
             for name, s in summary["categories"].items()]
     rows.append(("overall", summary["tasks"], summary["avg"], summary["best"],
-                 summary["valid_action_rate"]))
+                 summary.get("valid_action_rate", 0.0)))
     width = max(len(r[0]) for r in rows)
     lines = [f"{'category':<{width}}  {'tasks':>5}  {f'avg@{k}':>7}  {f'best@{k}':>7}  "
              f"{'valid actions':>13}"]

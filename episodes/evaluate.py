@@ -154,7 +154,7 @@ def summarize(records: list[dict]) -> dict:
 
 def _means(records: list[dict]) -> dict:
     n = max(len(records), 1)
-    steps = sum(r["total_steps"] for r in records)
+    steps = sum(r.get("total_steps", 0) for r in records)
     return {"tasks": len(records), "avg": sum(r["avg"] for r in records) / n,
             "best": sum(r["best"] for r in records) / n,
-            "valid_action_rate": sum(r["valid_steps"] for r in records) / max(steps, 1)}
+            "valid_action_rate": sum(r.get("valid_steps", 0) for r in records) / max(steps, 1)}
