@@ -52,7 +52,7 @@ VLLM_SAMPLING_FIELDS = {
 VLLM_LLM_KWARGS = {
     "model", "gpu_memory_utilization", "enable_prefix_caching", "seed", "dtype",
     "logprobs_mode", "worker_extension_cls", "max_model_len", "tensor_parallel_size",
-    "enforce_eager", "generation_config", "distributed_executor_backend",
+    "enforce_eager", "generation_config", "distributed_executor_backend", "logits_processors",
 }
 
 
@@ -120,12 +120,18 @@ class RequestOutput:
     finished: bool = True
 
 
+class FakeModelRunner:
+    def get_model(self):
+        return torch.nn.Linear(2, 2)  # nothing tied: refresh_tied_modules has nothing to do
+
+
 @dataclass
 class FakeWorker:
-    """What WeightLoaderExtension needs of a vLLM worker: reload_weights(...)."""
+    """What WeightLoaderExtension needs of a vLLM worker: reload_weights(...), model_runner."""
 
     loaded: dict[str, torch.Tensor] = field(default_factory=dict)
     calls: list[dict] = field(default_factory=list)
+    model_runner: FakeModelRunner = field(default_factory=FakeModelRunner)
 
     def reload_weights(self, weights_iterator=None, weights_path=None,
                        is_checkpoint_format=True):
@@ -181,8 +187,11 @@ class FakeLLM:
         rng = random.Random(sp.seed) if sp.seed is not None else random.Random(
             self._global.random())
         ids, positions, finish, stop_reason = [], [], "length", None
+        trie = self._action_trie(sp)
         for _ in range(sp.max_tokens):
             candidates = sp.allowed_token_ids or range(self.vocab)
+            if trie is not None:  # what the engine's ActionTrieProcessor lets through
+                candidates = trie.allowed_or_end(ids) or [trie.end_token_id]
             context = prompt + ids
             token = (self.script(context, list(candidates), rng) if self.script
                      else rng.choice(list(candidates)))
@@ -199,6 +208,14 @@ class FakeLLM:
         spans = [Span(label, 0, len(ids))] if label is not None and ids else None
         return RequestOutput(list(prompt), [Completion(ids, positions, finish, stop_reason,
                                                        spans)])
+
+    def _action_trie(self, sp):
+        spec = (sp.kwargs.get("extra_args") or {}).get(vb.EXTRA_KEY)
+        if spec is None:
+            return None
+        assert self.init_kwargs.get("logits_processors") == [vb.ACTION_PROCESSOR], \
+            "a request carries an action trie but the engine has no processor for it"
+        return ActionTrie.from_token_ids(spec["actions"], spec["end"])
 
     # LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -260,7 +277,7 @@ def test_engine_built_with_documented_arguments(model_path):
         "model": str(model_path), "gpu_memory_utilization": 0.5,
         "enable_prefix_caching": True, "seed": 9, "dtype": "float32",
         "logprobs_mode": "raw_logprobs", "worker_extension_cls": vb.EXTENSION_QUALNAME,
-        "max_model_len": 512,
+        "logits_processors": [vb.ACTION_PROCESSOR], "max_model_len": 512,
     }
     assert b.engine.extension is vb.WeightLoaderExtension
     # vLLM refuses an extension whose attribute names clash with the worker's: one method only.
@@ -533,7 +550,32 @@ def test_input_checks(backend):
 # -- constraints ---------------------------------------------------------------------------
 
 
-def test_constrained_rows_are_stepped_with_allowed_token_ids(backend):
+def test_action_tries_go_to_the_engine_in_one_call(backend):
+    tok = backend.tokenizer
+    trie = ActionTrie(ACTIONS, tok, end_token_id=2)  # an end id that is no stop token yet
+    prompts = [[2, 5], [6, 7, 8], [9]]
+    params = SamplingParams(max_new_tokens=6, seed=4, temperature=1.2, stop_token_ids=(1,))
+    gens = backend.generate(prompts, params, [trie, None, trie])
+    calls = backend.engine.generate_calls()
+    assert len(calls) == 1
+    _, sent, sps, _ = calls[0]
+    assert sent == prompts
+    assert "extra_args" not in sps[1].kwargs and sps[1].stop_token_ids == [1]
+    for row in (0, 2):
+        spec = sps[row].kwargs["extra_args"][vb.EXTRA_KEY]
+        assert sorted(map(tuple, spec["actions"])) == sorted(trie.sequences)
+        assert spec["end"] == 2 and sps[row].stop_token_ids == [1, 2]
+        assert sps[row].max_tokens == 6 and sps[row].allowed_token_ids is None
+        assert sps[row].seed == vb.derive_seed(4, row, 0)
+        gen = gens[row]
+        assert trie.match(gen.token_ids) in ACTIONS
+        assert gen.token_ids[-1] == 2 and gen.finish_reason == "stop"
+    assert backend.engine.init_kwargs["logits_processors"] == [vb.ACTION_PROCESSOR]
+
+
+def test_constrained_rows_are_stepped_without_the_processor(model_path):
+    backend = vb.VLLMBackend(model_path, api=FAKE_API, action_processor=False)
+    assert "logits_processors" not in backend.engine.init_kwargs
     tok = backend.tokenizer
     trie = ActionTrie(ACTIONS, tok)
     prompts = [[2, 5], [6, 7, 8], [9]]

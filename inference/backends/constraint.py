@@ -69,6 +69,7 @@ class ActionTrie:
         self.end_token_id = int(end)
         self._root = _Node()
         self._by_ids: dict[tuple[int, ...], str] = {}
+        self.sequences: list[tuple[int, ...]] = []
         for action in actions:
             ids = tuple(tokenizer.encode(action, add_special_tokens=False))
             if not ids:
@@ -76,6 +77,7 @@ class ActionTrie:
             if self.end_token_id in ids:
                 raise ValueError(f"action {action!r} contains the end token")
             self._by_ids.setdefault(ids, action)
+            self.sequences.append(ids)
             self._insert(ids + (self.end_token_id,))
 
     @classmethod
@@ -85,10 +87,12 @@ class ActionTrie:
         trie.end_token_id = int(end_token_id)
         trie._root = _Node()
         trie._by_ids = {}
+        trie.sequences = []
         for seq in sequences:
             ids = tuple(int(t) for t in seq)
             if not ids or trie.end_token_id in ids:
                 raise ValueError(f"bad action ids {ids}: empty or containing the end token")
+            trie.sequences.append(ids)
             trie._insert(ids + (trie.end_token_id,))
         return trie
 
@@ -108,6 +112,16 @@ class ActionTrie:
             node = node.children.get(tok)
             if node is None:
                 raise ValueError(f"generated ids {generated_ids} left the action trie")
+        return node.choices
+
+    def allowed_or_end(self, generated_ids: Sequence[int]) -> list[int]:
+        """Like :meth:`allowed`, but ids that left the trie get ``[]`` instead of an error:
+        for code running inside an engine, where raising would take the engine down."""
+        node = self._root
+        for tok in generated_ids:
+            node = node.children.get(tok)
+            if node is None:
+                return []
         return node.choices
 
     def match(self, generated_ids: Sequence[int]) -> str | None:

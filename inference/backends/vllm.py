@@ -79,6 +79,7 @@ from inference.backends.base import (
     check_prompts,
     safetensors_files,
 )
+from inference.backends.constraint import ActionTrie
 
 if TYPE_CHECKING:  # annotations only: a vLLM worker imports this module for the extension
     import torch
@@ -101,6 +102,10 @@ VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 EXTENSION_QUALNAME = "inference.backends.vllm.WeightLoaderExtension"
 LOAD_METHOD = "autodidact_load_weights_from_files"
+ACTION_PROCESSOR = "inference.backends.vllm_actions:ActionTrieProcessor"
+"""The engine's logits processor for action tries (``<module>:<class>``, as vLLM loads it)."""
+EXTRA_KEY = "autodidact_actions"
+"""``SamplingParams.extra_args`` key of a request's trie: ``{"actions": [[ids]], "end": id}``."""
 
 StateDictOrPath = Mapping[str, "torch.Tensor"] | str | os.PathLike
 
@@ -139,6 +144,7 @@ def engine_args(
     dtype: str,
     logprobs_mode: str,
     extra: Mapping[str, Any] | None = None,
+    action_processor: bool = True,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` (``extra`` may add or override any of them)."""
     if logprobs_mode not in VLLM_LOGPROBS_MODES:
@@ -151,6 +157,8 @@ def engine_args(
         "logprobs_mode": VLLM_LOGPROBS_MODES[logprobs_mode],
         "worker_extension_cls": EXTENSION_QUALNAME,
     }
+    if action_processor:
+        args["logits_processors"] = [ACTION_PROCESSOR]
     if seed is not None:  # vLLM's own default (0) otherwise
         args["seed"] = int(seed)
     args.update(extra or {})
@@ -263,7 +271,34 @@ class WeightLoaderExtension:
                         yield name, handle.get_tensor(name)
 
         self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        refresh_tied_modules(self.model_runner.get_model())
         return counted[0]
+
+
+def refresh_tied_modules(model: Any) -> int:
+    """Re-run weight post-processing for modules whose weight another module shares (a tied
+    ``lm_head``); return how many were refreshed.
+
+    vLLM's in-place reload post-processes only the layers whose tensors arrived, and a
+    checkpoint names a tied head's tensor once, under the embedding. On CPU, post-processing
+    packs a weight for the GEMM kernel, so the head kept multiplying by the *old* weights:
+    log-probs off by 0.3-1.3 nats after every update, silently. On GPU it is a no-op.
+    """
+    import torch
+
+    sharing: dict[int, list[Any]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            sharing.setdefault(id(weight), []).append(module)
+    refreshed = 0
+    for modules in sharing.values():
+        for module in modules if len(modules) > 1 else ():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                refreshed += 1
+    return refreshed
 
 
 def _file_shapes(files: Sequence[Path]) -> dict[str, tuple[int, ...]]:
@@ -384,14 +419,16 @@ class VLLMBackend(InferenceBackend):
         tokenizer: Any = None,
         api: VLLMApi | None = None,
         engine: Any = None,
+        action_processor: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         self._api = api if api is not None else import_vllm()
+        self._action_processor = action_processor
         self._logprobs_mode = logprobs_mode
         self._spill_dir = spill_dir
         self._engine_args = engine_args(model_path, gpu_memory_utilization,
                                         enable_prefix_caching, seed, dtype, logprobs_mode,
-                                        engine_kwargs)
+                                        engine_kwargs, action_processor)
         self._layout = self._read_layout(model_path) if validate_weights else None
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -448,16 +485,16 @@ class VLLMBackend(InferenceBackend):
             return []
         self._note_mode(params)
         rows = [_Row() for _ in prompts]
-        stepping = {i for i, c in enumerate(constraints) if c is not None}
+        stepping = {i for i, c in enumerate(constraints)
+                    if c is not None and not self._in_engine(c)}
         step = 0
         while True:
             requests: list[tuple[int, list[int], dict[str, Any]]] = []
             for i, constraint in enumerate(constraints):  # row order
-                if constraint is None:
+                if i not in stepping:
                     if step == 0:  # the whole continuation in the first call
-                        requests.append((i, list(prompts[i]), sampling_kwargs(
-                            params, seed=derive_seed(params.seed, i, 0),
-                            max_tokens=params.max_new_tokens)))
+                        requests.append((i, list(prompts[i]), self._whole_turn(
+                            params, i, constraint)))
                     continue
                 if i not in stepping:
                     continue
@@ -482,6 +519,24 @@ class VLLMBackend(InferenceBackend):
         info = {"logprobs_mode": self._logprobs_mode}
         return [Generation(r.token_ids, r.logprobs, r.finish, self._version, dict(info))
                 for r in rows]
+
+    def _in_engine(self, constraint: TokenConstraint) -> bool:
+        """Whether the engine's action processor can apply ``constraint`` (an action trie)."""
+        return self._action_processor and isinstance(constraint, ActionTrie)
+
+    def _whole_turn(self, params: SamplingParams, row: int,
+                    constraint: ActionTrie | None) -> dict[str, Any]:
+        """One request for a whole turn; an action trie travels with it to the engine's
+        processor, and its end id stops the row as the trie's ``[]`` does elsewhere."""
+        kwargs = sampling_kwargs(params, seed=derive_seed(params.seed, row, 0),
+                                 max_tokens=params.max_new_tokens)
+        if constraint is not None:
+            kwargs["extra_args"] = {EXTRA_KEY: {
+                "actions": [list(ids) for ids in constraint.sequences],
+                "end": constraint.end_token_id}}
+            if constraint.end_token_id not in kwargs["stop_token_ids"]:
+                kwargs["stop_token_ids"].append(constraint.end_token_id)
+        return kwargs
 
     def _run(self, engine: Any, requests: list[tuple[int, list[int], dict[str, Any]]]) -> list:
         """One ``LLM.generate`` call for every request, results checked and in order."""
