@@ -24,6 +24,7 @@ from autodidact.cli_common import (
     set_option,
     setup_logging,
 )
+from autodidact.engine_env import ensure_engine
 from autodidact.eval_cli import eval_command
 from autodidact.keys_cli import keys
 from autodidact.model_cli import model
@@ -60,6 +61,7 @@ def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
     cfg, path = load_run(config, sets, run_dir,
                          Flags(redis_url=redis_url, redis_prefix=True, local_services=True),
                          make=False)
+    ensure_engine(cfg)
     check_curve(cfg, cfg.replay.address)
     path.mkdir(parents=True, exist_ok=True)
     if single_process:
@@ -131,6 +133,7 @@ def actor(config, run_dir, sets, redis_url, replay_addr, weights_addr, actor_id)
     from actor.actor import main as actor_main
 
     cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
+    ensure_engine(cfg)
     actor_main(cfg, path, actor_id)
 
 
@@ -168,6 +171,7 @@ def judge(config, run_dir, sets, redis_url, replay_addr, weights_addr, judge_id)
     from judge.judge_worker import main as judge_main
 
     cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
+    ensure_engine(cfg)
     judge_main(cfg, path, judge_id)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from autodidact.cli_common import config_option, load_run, set_option
+from autodidact.engine_env import ensure_engine
 from autodidact.resolve import Flags
 from autodidact.stages import prepare_model, write_split
 from inference.models import model_folder
@@ -59,6 +60,8 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
         raise click.UsageError("-k must be at least 1")
     cfg, path = load_run(config, sets, run_dir,
                          Flags(env=env_name, env_limits=config is None, device=device))
+    if policy == "model":
+        ensure_engine(cfg)
     try:
         summary = run_eval(cfg, path, split, model_path, k, temperature, policy, limit,
                            batch_tasks, out)

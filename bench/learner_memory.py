@@ -1,13 +1,15 @@
 """Peak memory and seconds per learner step at a real vocabulary: the whole-logits forward
-against the chunked output head (``learner.logit_chunk_tokens``) and activation checkpointing
+against the chunked output head (``learner.logit_chunk_tokens``; everywhere, or only at the
+generated tokens the loss reads) and activation checkpointing
 (``learner.gradient_checkpointing``), measured in one run on the same batch.
 
     .venv/bin/python -m bench.learner_memory [--model smollm2-135m] [--batch 8] [--length 512]
                                              [--steps 3] [--chunk 1024] [--out FILE.json]
 
 Each variant runs in a fresh process (peak resident memory is per process): it loads the model,
-takes ``--steps`` optimizer steps (AdamW, the warm-start's masked mean log-likelihood on the
-same random token batch; the learner's step has the same shape) and reports the process's
+takes ``--steps`` optimizer steps (AdamW, the warm-start's masked mean log-likelihood of the
+generated tokens, ``--action-fraction`` of the positions, on the same random token batch; the
+learner's step has the same shape) and reports the process's
 peak RSS and the median seconds of the steps after the first. Ratios are against the first
 variant (whole logits), measured in the same run.
 """
@@ -26,10 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {  # name -> (logit_chunk_tokens is used, gradient_checkpointing)
-    "whole logits": (False, False),
-    "chunked head": (True, False),
-    "chunked head + checkpointing": (True, True),
+VARIANTS = {  # name -> (logit_chunk_tokens is used, gradient_checkpointing, head at actions only)
+    "whole logits": (False, False, False),
+    "chunked head": (True, False, False),
+    "chunked head at actions": (True, False, True),
+    "chunked head + checkpointing": (True, True, False),
+    "chunked head at actions + checkpointing": (True, True, True),
 }
 
 
@@ -41,7 +45,7 @@ def one_variant(args) -> dict:
     from learner.logprobs import prepare_for_training, token_logprobs
 
     torch.set_num_threads(args.threads)
-    chunked, checkpointing = VARIANTS[args.variant]
+    chunked, checkpointing, at_actions = VARIANTS[args.variant]
     chunk = args.chunk if chunked else 0
     model = AutoModelForCausalLM.from_pretrained(model_folder(args.model)).train()
     prepare_for_training(model, chunk, checkpointing)
@@ -49,18 +53,24 @@ def one_variant(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.length), generator=gen)
     mask = torch.ones_like(ids)
+    # Generated tokens as in a multi-turn rollout: a few short spans after a long prompt.
+    actions = torch.zeros_like(ids)
+    span = max(1, int(args.length * args.action_fraction / 3))
+    for start in (args.length // 2, 2 * args.length // 3, args.length - span):
+        actions[:, start:start + span] = 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     seconds, losses = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        logp = token_logprobs(model, ids, mask, chunk)
-        loss = -logp[:, 1:].mean()
+        logp = token_logprobs(model, ids, mask, chunk, actions if at_actions else None)
+        loss = -(logp * actions).sum() / actions.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         seconds.append(time.perf_counter() - t0)
         losses.append(float(loss))
     return {"variant": args.variant, "chunk_tokens": chunk, "checkpointing": checkpointing,
+            "head_at_actions_only": at_actions, "action_fraction": args.action_fraction,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "step_s": statistics.median(seconds[1:] or seconds), "first_step_s": seconds[0],
             "first_loss": losses[0], "vocab": vocab}
@@ -74,6 +84,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--action-fraction", type=float, default=0.1,
+                   help="share of positions that are generated tokens (the loss's)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--variant", help=argparse.SUPPRESS)  # the child's
     p.add_argument("--out", default=None)
@@ -85,7 +97,8 @@ def main(argv=None) -> list[dict]:
     for name in args.variants.split(","):
         child = [sys.executable, "-m", "bench.learner_memory", "--variant", name,
                  *[f"--{k}={getattr(args, k)}" for k in ("model", "batch", "length", "steps",
-                                                          "chunk", "threads")]]
+                                                          "chunk", "threads")],
+                 f"--action-fraction={args.action_fraction}"]
         out = subprocess.run(child, cwd=ROOT, capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"{name:30s} peak {rows[-1]['peak_rss_gib']:.2f} GiB  "
@@ -94,8 +107,8 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         r["memory_ratio"] = r["peak_rss_gib"] / base["peak_rss_gib"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
-    print(f"\n{args.model}, batch {args.batch} x {args.length} tokens, AdamW fp32, "
-          f"{args.threads} threads\n")
+    print(f"\n{args.model}, batch {args.batch} x {args.length} tokens "
+          f"({args.action_fraction:.0%} generated), AdamW fp32, {args.threads} threads\n")
     print("| variant | peak RSS (GiB) | × whole | s / step | × whole |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

@@ -338,7 +338,7 @@ class Learner:
                 width = mb.input_ids.shape[1]  # trimmed to its longest row
                 with self._autocast():
                     logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask,
-                                              self.cfg.logit_chunk_tokens)
+                                              self.cfg.logit_chunk_tokens, mb.action_mask)
                 # One step per batch: the proximal policy is this very forward pass, detached.
                 prox = logprobs.detach() if proximal is None else proximal[index][:, :width]
                 ref = None if reference is None else reference[index][:, :width]
@@ -412,11 +412,12 @@ class Learner:
         with self._autocast():
             if self.cfg.minibatches > 1:
                 proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                          self.cfg.logit_chunk_tokens)
+                                          self.cfg.logit_chunk_tokens, batch.action_mask)
             reference = None
             if self.reference is not None:
                 reference = token_logprobs(self.reference, batch.input_ids,
-                                           batch.attention_mask, self.cfg.logit_chunk_tokens)
+                                           batch.attention_mask, self.cfg.logit_chunk_tokens,
+                                           batch.action_mask)
         return proximal, reference
 
     def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
@@ -440,7 +441,7 @@ class Learner:
         """
         with self._autocast():
             after = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                   self.cfg.logit_chunk_tokens)
+                                   self.cfg.logit_chunk_tokens, batch.action_mask)
         loss_after, _ = self._loss(batch, after, proximal, reference)
         mask = batch.action_mask.float()
         log_ratio = proximal - after  # KL(before || after), k1 estimate on the sampled tokens

@@ -11,6 +11,7 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     chunk_tokens: int = 0,
+    needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[b, t] = log p(x_t | x_<t)`` for every position, aligned with ``input_ids``.
 
@@ -27,6 +28,10 @@ def token_logprobs(
     once, forward or backward (the head is recomputed per chunk in the backward pass).
     Chunking needs the usual layout ``logits = lm_head(decoder(x))`` (Llama, Qwen2, Mistral,
     SmolLM2); :func:`check_chunked_head` tells whether a model has it.
+
+    ``needed`` (``[B, L]``, with ``chunk_tokens > 0``): only these positions are scored, the
+    rest are 0. The loss reads only the generated tokens, a few percent of a multi-turn
+    trajectory; the output head and log-softmax at every other position are pure waste.
     """
     if chunk_tokens <= 0:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -35,8 +40,16 @@ def token_logprobs(
     else:
         hidden = model.get_decoder()(input_ids=input_ids,
                                      attention_mask=attention_mask).last_hidden_state
-        picked = _chunked_head(model.get_output_embeddings(), hidden[:, :-1], input_ids[:, 1:],
-                               chunk_tokens)
+        targets = input_ids[:, 1:]
+        if needed is None:
+            picked = _chunked_head(model.get_output_embeddings(), hidden[:, :-1], targets,
+                                   chunk_tokens)
+        else:
+            where = needed[:, 1:].bool() & attention_mask[:, 1:].bool()
+            scored = _chunked_head(model.get_output_embeddings(), hidden[:, :-1][where][None],
+                                   targets[where][None], chunk_tokens)[0]
+            picked = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+            picked = picked.masked_scatter(where, scored)
     zero = torch.zeros_like(input_ids[:, :1], dtype=torch.float32)
     out = torch.cat([zero, picked], dim=1)
     # where, not multiply: a -inf log-prob at a padding position must not turn into NaN.

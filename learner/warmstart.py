@@ -99,7 +99,8 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
         batch, _ = build_batch(rng.sample(groups, min(len(groups), cfg.warmstart.batch_size)),
                                tokenizer.pad_token_id or 0, experience="keep")
         batch = batch.to(cfg.learner.device)
-        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, lc.logit_chunk_tokens)
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, lc.logit_chunk_tokens,
+                              batch.action_mask)
         loss = -(logp * batch.action_mask).sum() / batch.action_mask.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

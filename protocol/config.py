@@ -321,8 +321,9 @@ class LearnerConfig:
     (0 = all: the model's own forward). At a real vocabulary (SmolLM2: 49,152) the
     ``[batch, length, vocab]`` float32 logits and their log-softmax are most of a step's
     memory; with e.g. 1024 only the decoder runs whole and the output head runs a chunk at a
-    time, checkpointed (recomputed in the backward pass). Needs ``logits = lm_head(decoder(x))``
-    (checked when the model loads) and one learner process (``nproc=1``)."""
+    time, checkpointed (recomputed in the backward pass), and only at the generated tokens the
+    loss reads. Needs ``logits = lm_head(decoder(x))`` (checked when the model loads) and one
+    learner process (``nproc=1``)."""
 
     gradient_checkpointing: bool = False
     """Recompute the decoder's activations in the backward pass instead of keeping them

@@ -243,6 +243,32 @@ def test_chunked_head_gives_the_same_gradients(tiny_lm, chunk_tokens):
                                    msg=name)
 
 
+def test_scoring_only_needed_positions_gives_the_same_values_and_gradients(tiny_lm):
+    """The head at generated tokens only: equal there, 0 elsewhere, the same step."""
+    import copy
+
+    torch.manual_seed(3)
+    ids = torch.randint(0, 50, (3, 8))
+    attn = torch.ones_like(ids)
+    attn[2, 5:] = 0
+    needed = torch.zeros_like(ids)
+    needed[0, 3:5] = needed[1, 6:] = needed[2, 2] = needed[2, 6] = 1  # [2, 6] is padding
+    weights = torch.rand(3, 8) * needed
+    outs, grads = [], []
+    for kwargs in ({}, {"needed": needed}):
+        model = copy.deepcopy(tiny_lm).train()
+        logp = token_logprobs(model, ids, attn, chunk_tokens=4, **kwargs)
+        (logp * weights).sum().backward()
+        outs.append(logp.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    keep = needed.bool() & attn.bool()
+    torch.testing.assert_close(outs[1][keep], outs[0][keep])
+    assert outs[1][~keep].abs().sum() == 0 and outs[0][keep].abs().min() > 0
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+
+
 def test_a_head_that_is_not_plain_is_refused(tiny_lm):
     import copy
 
