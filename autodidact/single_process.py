@@ -200,7 +200,7 @@ def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
         roles["actor-0"] = RoleThread("actor-0", actor.run, actor.request_stop, close_actor)
 
         if cfg.judge.workers > 0:
-            judge, cross_check, hook = make_judges(cfg, control, "judge-0")
+            judge, cross_check, hook = make_judges(cfg, control, "judge-0", run_dir)
             worker = JudgeWorker(cfg, run_dir, replay.client(), judge, cross_check, "judge-0",
                                  control, hook)
 

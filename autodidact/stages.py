@@ -113,7 +113,7 @@ def experience_stage(cfg: RunConfig, run_dir: Path, say: Say = show) -> dict | N
     from navigating.pool import open_pool
 
     pool = open_pool(cfg, run_dir=run_dir)
-    counts = seed_from_explorations(pool, run_dir, make_extractor(cfg))
+    counts = seed_from_explorations(pool, run_dir, make_extractor(cfg, run_dir))
     say(f"  experience pool: {pool.size()} experiences "
         f"({counts.get('added', 0)} from explorations)")
     return {"pool_size": pool.size(), **counts}

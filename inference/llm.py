@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,6 +60,7 @@ class OpenAIChat(ChatModel):
         timeout_s: float = 60.0,
         max_retries: int = 2,
         backoff_s: float = 0.5,
+        reply_log: str | os.PathLike | None = None,
     ):
         super().__init__()
         self.endpoint = _endpoint(url)
@@ -67,11 +69,14 @@ class OpenAIChat(ChatModel):
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.replies = ReplyLog(reply_log) if reply_log else None
 
     @classmethod
-    def from_config(cls, llm) -> "OpenAIChat":
-        """The client for a run's ``llm`` section (protocol.config.LLMConfig)."""
-        return cls(llm.url, llm.model, llm.api_key_env, llm.timeout_s, llm.max_retries)
+    def from_config(cls, llm, reply_log: str | os.PathLike | None = None) -> "OpenAIChat":
+        """The client for a run's ``llm`` section (protocol.config.LLMConfig); with
+        ``reply_log``, every request and its raw reply are appended there (JSONL)."""
+        return cls(llm.url, llm.model, llm.api_key_env, llm.timeout_s, llm.max_retries,
+                   reply_log=reply_log)
 
     def complete(
         self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512
@@ -85,9 +90,15 @@ class OpenAIChat(ChatModel):
         data = json.dumps(body).encode()
         for attempt in range(self.max_retries + 1):
             self._count("requests")
+            t0 = time.monotonic()
             try:
-                return _parse_reply(self._post(data))
+                reply = _parse_reply(self._post(data))
+                if self.replies is not None:
+                    self.replies.add(messages, reply, None, time.monotonic() - t0)
+                return reply
             except LLMError as err:
+                if self.replies is not None:
+                    self.replies.add(messages, None, str(err), time.monotonic() - t0)
                 self._count(f"errors_{err.kind}")
                 log.warning(
                     "chat request to %s failed (attempt %d/%d): %s",
@@ -124,6 +135,40 @@ class OpenAIChat(ChatModel):
             raise LLMError("timeout", f"no reply within {self.timeout_s}s") from e
         except (OSError, http.client.HTTPException) as e:
             raise LLMError("connection", repr(e)) from e
+
+
+class ReplyLog:
+    """Appends one JSON line per request: the last message asked, the raw reply (or the
+    error) and the latency, so what a model actually answered can be read after the run.
+    Thread-safe (a lock per log); a line that cannot be written is logged, never raised."""
+
+    def __init__(self, path: str | os.PathLike, max_chars: int = 4000):
+        self.path, self.max_chars = os.fspath(path), max_chars
+        self._lock = threading.Lock()
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+
+    def add(self, messages: list[dict], reply: str | None, error: str | None,
+            seconds: float) -> None:
+        asked = clip_text(messages[-1].get("content", "") if messages else "", self.max_chars)
+        line = json.dumps({"t": time.time(), "asked": asked, "reply": reply, "error": error,
+                           "seconds": round(seconds, 3)}, ensure_ascii=False)
+        try:
+            with self._lock, open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            log.warning("cannot append to the LLM reply log %s: %s", self.path, exc)
+
+
+REFUSAL_MARKERS = ("i cannot", "i can't", "i can not", "i'm sorry", "i am sorry", "i'm unable",
+                   "i am unable", "i'm not able", "i am not able", "as an ai", "i won't",
+                   "i will not", "unable to help", "cannot assist", "can't assist")
+
+
+def is_refusal(reply: str) -> bool:
+    """Whether a reply declines the request in words ("I'm sorry, I cannot ...") rather than
+    failing to follow its format; callers count the two apart."""
+    head = " ".join(str(reply).lower().replace("\u2019", "'").split())[:300]
+    return any(marker in head for marker in REFUSAL_MARKERS)
 
 
 def _endpoint(url: str) -> str:

@@ -28,12 +28,13 @@ from protocol.config import RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
 from protocol.replay_client import ReplayClient
+from protocol.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
 PAGE_GROUPS = 256  # groups asked for per GroupsSince request
 
-def make_extractor(cfg: RunConfig) -> ExperienceExtractor:
+def make_extractor(cfg: RunConfig, run_dir: Path | None = None) -> ExperienceExtractor:
     choice = cfg.experience.extractor
     if choice == "auto":
         choice = "llm" if cfg.llm.url else "rules"
@@ -43,7 +44,8 @@ def make_extractor(cfg: RunConfig) -> ExperienceExtractor:
         raise ValueError("experience.extractor=llm needs llm.url (an OpenAI-compatible endpoint)")
     from inference.llm import OpenAIChat
 
-    return ExperienceExtractor(LLMExtractor(OpenAIChat.from_config(cfg.llm)))
+    replies = RunDir(run_dir).llm_replies("experience") if run_dir is not None else None
+    return ExperienceExtractor(LLMExtractor(OpenAIChat.from_config(cfg.llm, reply_log=replies)))
 
 
 def seed_from_explorations(pool, run_dir: Path, extractor: ExperienceExtractor) -> dict:
@@ -63,7 +65,7 @@ class ExperienceWorker:
         self.run_dir = Path(run_dir)
         self.control = control
         self.pool = pool
-        self.extractor = extractor or make_extractor(cfg)
+        self.extractor = extractor or make_extractor(cfg, run_dir)
         self.replay = replay or ReplayClient.for_run(cfg)
         self.metrics = MetricsWriter(run_dir, "experience", "experience")
         self.malformed = 0

@@ -29,6 +29,7 @@ from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
 from protocol.messages import Group, StepLabels
 from protocol.replay_client import ReplayClient
+from protocol.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ class JudgeWindow:
         return values
 
 
-def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: str = "judge-0"):
+def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: str = "judge-0",
+                run_dir: Path | None = None):
     """(judge, cross-check judge or None, hook to call between pulls or None).
 
     The cross-check is the reference judge, for LLM judges with ``judge.cross_check``; the
@@ -175,7 +177,8 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
     if backend == "endpoint":
         from inference.llm import OpenAIChat
 
-        chat = OpenAIChat.from_config(cfg.llm)
+        replies = RunDir(run_dir).llm_replies(judge_id) if run_dir is not None else None
+        chat = OpenAIChat.from_config(cfg.llm, reply_log=replies)
     else:
         from inference.engines import make_backend
         from inference.policy_chat import PolicyChat
@@ -194,7 +197,7 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
 def main(cfg: RunConfig, run_dir: Path, judge_id: str = "judge-0") -> None:
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     replay = ReplayClient.for_run(cfg)
-    judge, cross_check, hook = make_judges(cfg, control, judge_id)
+    judge, cross_check, hook = make_judges(cfg, control, judge_id, run_dir)
     worker = JudgeWorker(cfg, run_dir, replay, judge, cross_check, judge_id, control, hook)
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)

@@ -24,6 +24,8 @@ never by spelling a name itself, so the layout below is the whole contract::
         explore/explorations.jsonl  every exploration: actions, observations, states
         explore/profile.json        the environment profile built from them
         experiences.log             the experience pool's durable copy (append-only)
+        llm/<caller>.jsonl          every request to the LLM endpoint and its raw reply (the
+                                    judge, the extractor, the proposer; autodidact llm-check)
         acks/<actor>.pending/       an actor's outbox: groups not yet acknowledged,
         acks/<actor>.tasks            the tasks it holds, and
         acks/<actor>.log              the acknowledged group ids
@@ -65,6 +67,7 @@ EXPLORE = "explore"
 EXPLORATIONS = "explorations.jsonl"  # under explore/
 PROFILE = "profile.json"  # under explore/
 EXPERIENCES = "experiences.log"
+LLM_REPLIES = "llm"
 ACKS = "acks"
 REDIS = "redis"
 REDIS_SOCKET = "redis.sock"  # under redis/, and so on
@@ -189,6 +192,10 @@ class RunDir:
     @property
     def acks(self) -> Path:
         return self.path / ACKS
+
+    def llm_replies(self, caller: str) -> Path:
+        """Requests to the LLM endpoint and their raw replies, for one caller (``judge-0``)."""
+        return self.path / LLM_REPLIES / f"{caller}.jsonl"
 
     # --- services and outputs -------------------------------------------------------------
 

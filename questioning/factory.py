@@ -76,7 +76,7 @@ def explore_settings(cfg: RunConfig) -> ExploreSettings:
                            e.depth_temperature, e.context_observations)
 
 
-def make_chat(cfg: RunConfig, policy_path: str | None):
+def make_chat(cfg: RunConfig, policy_path: str | None, run_dir: Path | None = None):
     """The proposer's chat model per ``explore.proposer``, or None for schema sampling only."""
     choice = cfg.explore.proposer
     if choice == "auto":
@@ -86,7 +86,8 @@ def make_chat(cfg: RunConfig, policy_path: str | None):
             raise ValueError("explore.proposer=llm needs llm.url (an OpenAI-compatible endpoint)")
         from inference.llm import OpenAIChat
 
-        chat = OpenAIChat.from_config(cfg.llm)
+        replies = RunDir(run_dir).llm_replies("proposer") if run_dir is not None else None
+        chat = OpenAIChat.from_config(cfg.llm, reply_log=replies)
         chat.name = f"llm:{cfg.llm.model}"
         return chat
     if choice == "policy":
@@ -258,7 +259,7 @@ def run_explore(cfg: RunConfig, run_dir: Path, rounds: int | None = None,
         from protocol.control import ControlPlane
 
         control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    chat = make_chat(cfg, policy_path)
+    chat = make_chat(cfg, policy_path, run_dir)
     metrics = MetricsWriter(run_dir, "explore")
     try:
         with TaskStore(run_dir) as store:

@@ -53,6 +53,7 @@ VLLM_LLM_KWARGS = {
     "model", "gpu_memory_utilization", "enable_prefix_caching", "seed", "dtype",
     "logprobs_mode", "worker_extension_cls", "max_model_len", "tensor_parallel_size",
     "enforce_eager", "generation_config", "distributed_executor_backend", "logits_processors",
+    "enable_chunked_prefill",
 }
 
 
@@ -371,6 +372,7 @@ def test_make_backend_passes_engine_settings_for_cpu(model_path, monkeypatch):
         kwargs = b.engine.init_kwargs
         assert kwargs["enforce_eager"] is True and kwargs["dtype"] == "float32"
         assert kwargs["distributed_executor_backend"] == "uni"
+        assert kwargs["enable_chunked_prefill"] is False  # seeded + chunked crashes on CPU
         assert kwargs["max_model_len"] == 1024 and kwargs["tensor_parallel_size"] == 1
         assert kwargs["generation_config"] == "vllm"
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"

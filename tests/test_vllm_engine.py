@@ -93,6 +93,16 @@ def test_generate_reproduces_and_matches_a_transformers_forward(model):
     assert len({tuple(g.token_ids) for g in group}) > 1  # rows of a group differ
 
 
+def test_a_batch_larger_than_one_engine_step_with_seeds(model):
+    """80 seeded prompts of 300 tokens exceed one scheduler step (4,096 tokens); with chunked
+    prefill vLLM 0.32.0 on CPU crashed here (make_backend turns it off on CPU)."""
+    name, backend, _ = model
+    prompt = _prompts(name, backend.tokenizer)[1]
+    prompts = [(prompt * 60)[:300 - i % 7] for i in range(80)]
+    gens = backend.generate(prompts, SamplingParams(max_new_tokens=4, seed=3, ignore_eos=True))
+    assert [len(g.token_ids) for g in gens] == [4] * 80
+
+
 def test_an_action_trie_is_one_engine_call_with_unmasked_log_probs(model):
     name, backend, reference = model
     tok = backend.tokenizer
