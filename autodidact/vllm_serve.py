@@ -1,0 +1,143 @@
+"""``vllm serve`` as a child process: an OpenAI-compatible endpoint on a local model folder,
+for the LLM judge, the task proposer and the experience extractor (``llm.url``).
+
+The server runs under the engine's interpreter (``.venv-vllm``, see autodidact.engine_env), in
+its own session, with the parent-death signal set, so it goes when its parent goes, however
+that ends; :meth:`VLLMServer.stop` takes down its whole process group (the API server and its
+engine-core process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the session and stop() still clean up
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """``with VLLMServer(folder, python) as server: OpenAIChat(server.url, server.name)``.
+
+    On CPU (``cpu=True``) the engine gets the settings actors use there: eager, float32, a
+    ``kv_cache_gib`` KV cache, ``threads`` OpenMP threads on the first cores.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, python: str | os.PathLike,
+                 log_path: str | os.PathLike, name: str = "policy", cpu: bool = True,
+                 max_model_len: int = 2048, kv_cache_gib: int = 1, threads: int = 2,
+                 start_timeout_s: float = 300.0):
+        self.model_path, self.python, self.name = str(model_path), str(python), name
+        self.log_path = Path(log_path)
+        self.cpu, self.max_model_len = cpu, max_model_len
+        self.kv_cache_gib, self.threads = kv_cache_gib, max(1, threads)
+        self.start_timeout_s = start_timeout_s
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def argv(self) -> list[str]:
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.model_path, "--served-model-name", self.name,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--max-model-len", str(self.max_model_len), "--disable-log-stats"]
+        if self.cpu:
+            argv += ["--dtype", "float32", "--enforce-eager"]
+        return argv
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.cpu:
+            env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+                       VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}",
+                       VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        return env
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(self.argv(), env=self.env(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} before it "
+                                   f"answered; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/models", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm serve did not answer within {self.start_timeout_s:.0f}s; "
+                           f"see {self.log_path}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _reap_group(proc.pid)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _reap_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL whatever is left of the group (the engine-core child may outlive its parent)
+    and wait until the group is empty: an orphan is gone only once init has reaped it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
