@@ -115,6 +115,7 @@ def judge_check(chat: OpenAIChat, cfg: RunConfig, trajectories: list[tuple[Task,
         ReferenceJudge,
         agreement,
         build_judge_messages,
+        judgement_format,
         parse_judgement,
     )
 
@@ -123,7 +124,8 @@ def judge_check(chat: OpenAIChat, cfg: RunConfig, trajectories: list[tuple[Task,
     def ask(item):
         task, traj = item
         reply = chat.complete(build_judge_messages(task, traj, cfg.judge.max_chars),
-                              temperature=cfg.judge.temperature, max_tokens=256)
+                              temperature=cfg.judge.temperature, max_tokens=256,
+                              reply_format=judgement_format(len(traj.steps)))
         labels, how = parse_judgement(reply, len(traj.steps))
         if labels is None:
             return reply, False, {}
@@ -137,13 +139,19 @@ def judge_check(chat: OpenAIChat, cfg: RunConfig, trajectories: list[tuple[Task,
 
 
 def extractor_check(chat: OpenAIChat, groups: list[Group], concurrency: int) -> Check:
-    from navigating.extraction import LLMExtractor, _reply_items, build_messages
+    from navigating.extraction import (
+        LLMExtractor,
+        _reply_items,
+        build_messages,
+        experiences_format,
+    )
 
     extractor = LLMExtractor(chat)
 
     def ask(group):
         reply = chat.complete(build_messages(group, extractor.max_per_group),
-                              temperature=extractor.temperature, max_tokens=384)
+                              temperature=extractor.temperature, max_tokens=384,
+                              reply_format=experiences_format(extractor.max_per_group))
         try:
             items = _reply_items(reply)
         except ValueError:
@@ -159,12 +167,12 @@ def extractor_check(chat: OpenAIChat, groups: list[Group], concurrency: int) -> 
 def proposer_check(chat: OpenAIChat, cfg: RunConfig, explorations: list,
                    concurrency: int) -> Check:
     from questioning.factory import preferences
-    from questioning.synthesis import LLMSynthesizer
+    from questioning.synthesis import LLMSynthesizer, tasks_format
 
     def ask(exp):
         synth = LLMSynthesizer(chat, env_maker(cfg.env), preferences(cfg))  # one env per call
         reply = chat.complete(synth.messages(exp, []), temperature=cfg.llm.temperature,
-                              max_tokens=384)
+                              max_tokens=384, reply_format=tasks_format(synth.tasks_per_reply))
         try:
             extract_json(reply)
         except ValueError:
@@ -206,7 +214,8 @@ def check_endpoint(cfg: RunConfig, run_dir: Path, url: str, model: str, n: int =
 
     def chat(role: str) -> OpenAIChat:
         return OpenAIChat(url, model, cfg.llm.api_key_env, cfg.llm.timeout_s,
-                          cfg.llm.max_retries, reply_log=rd.llm_replies(f"check-{role}"))
+                          cfg.llm.max_retries, reply_log=rd.llm_replies(f"check-{role}"),
+                          structured=cfg.llm.structured_outputs)
 
     checks = {
         "judge": lambda: judge_check(chat("judge"), cfg, pairs, concurrency),
@@ -215,6 +224,7 @@ def check_endpoint(cfg: RunConfig, run_dir: Path, url: str, model: str, n: int =
     }
     t0 = time.monotonic()
     summary = {"url": url, "model": model, "env": cfg.env.name, "per_role": n,
+               "structured_outputs": cfg.llm.structured_outputs,
                "roles": {role: checks[role]().summary() for role in roles}}
     summary["seconds"] = round(time.monotonic() - t0, 1)
     path = rd.llm_replies("check-summary").with_suffix(".json")

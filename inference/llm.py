@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,19 @@ class LLMError(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class ReplyFormat:
+    """What a caller's parser accepts, for an endpoint that can enforce it while decoding
+    (``llm.structured_outputs``): a JSON schema or a regular expression."""
+
+    name: str
+    json_schema: dict | None = None
+    regex: str | None = None
+
+
+STRUCTURED_MODES = ("none", "vllm", "openai")
+
+
 class ChatModel(ABC):
     """A chat model: OpenAI-style messages in, the assistant's text out."""
 
@@ -44,9 +58,11 @@ class ChatModel(ABC):
 
     @abstractmethod
     def complete(
-        self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512
+        self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512,
+        reply_format: ReplyFormat | None = None,
     ) -> str:
-        """Return the assistant's reply to ``messages``; raise LLMError on failure."""
+        """Return the assistant's reply to ``messages``; raise LLMError on failure.
+        ``reply_format`` is a request an endpoint may enforce; callers parse either way."""
 
 
 class OpenAIChat(ChatModel):
@@ -61,6 +77,7 @@ class OpenAIChat(ChatModel):
         max_retries: int = 2,
         backoff_s: float = 0.5,
         reply_log: str | os.PathLike | None = None,
+        structured: str = "none",
     ):
         super().__init__()
         self.endpoint = _endpoint(url)
@@ -70,22 +87,27 @@ class OpenAIChat(ChatModel):
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.replies = ReplyLog(reply_log) if reply_log else None
+        if structured not in STRUCTURED_MODES:
+            raise ValueError(f"structured must be one of {STRUCTURED_MODES}, got {structured!r}")
+        self.structured = structured
 
     @classmethod
     def from_config(cls, llm, reply_log: str | os.PathLike | None = None) -> "OpenAIChat":
         """The client for a run's ``llm`` section (protocol.config.LLMConfig); with
         ``reply_log``, every request and its raw reply are appended there (JSONL)."""
         return cls(llm.url, llm.model, llm.api_key_env, llm.timeout_s, llm.max_retries,
-                   reply_log=reply_log)
+                   reply_log=reply_log, structured=llm.structured_outputs)
 
     def complete(
-        self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512
+        self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512,
+        reply_format: ReplyFormat | None = None,
     ) -> str:
         body = {
             "model": self.model,
             "messages": messages,
             "temperature": temperature,
             "max_tokens": max_tokens,
+            **format_fields(reply_format, self.structured),
         }
         data = json.dumps(body).encode()
         for attempt in range(self.max_retries + 1):
@@ -135,6 +157,23 @@ class OpenAIChat(ChatModel):
             raise LLMError("timeout", f"no reply within {self.timeout_s}s") from e
         except (OSError, http.client.HTTPException) as e:
             raise LLMError("connection", repr(e)) from e
+
+
+def format_fields(reply_format: ReplyFormat | None, mode: str) -> dict:
+    """Request fields that ask the endpoint to enforce ``reply_format``: vLLM's own
+    ``structured_outputs`` (a JSON schema or a regex), or OpenAI's ``response_format`` (JSON
+    schemas only; a regex is not sent there)."""
+    if reply_format is None or mode == "none":
+        return {}
+    if mode == "vllm":
+        if reply_format.json_schema is not None:
+            return {"structured_outputs": {"json": reply_format.json_schema}}
+        return {"structured_outputs": {"regex": reply_format.regex}} if reply_format.regex \
+            else {}
+    if reply_format.json_schema is None:
+        return {}
+    return {"response_format": {"type": "json_schema", "json_schema": {
+        "name": reply_format.name, "schema": reply_format.json_schema}}}
 
 
 class ReplyLog:

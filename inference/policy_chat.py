@@ -8,7 +8,7 @@ a small word-level model will mostly answer nonsense, which the callers detect a
 from __future__ import annotations
 
 from inference.backends.base import InferenceBackend, SamplingParams
-from inference.llm import ChatModel
+from inference.llm import ChatModel, ReplyFormat
 
 
 class PolicyChat(ChatModel):
@@ -21,7 +21,7 @@ class PolicyChat(ChatModel):
         self.name = "policy"
 
     def complete(self, messages: list[dict], temperature: float = 0.7,
-                 max_tokens: int = 512) -> str:
+                 max_tokens: int = 512, reply_format: ReplyFormat | None = None) -> str:
         self._count("requests")
         tokenizer = self.backend.tokenizer
         text = "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from environments.base import Environment, described_only
-from inference.llm import ChatModel, LLMError, clip_text
+from inference.llm import ChatModel, LLMError, ReplyFormat, clip_text
 from protocol.messages import Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,8 @@ class LLMJudge(StepJudge):
             self._count(requests=1)
             try:
                 reply = self.chat.complete(
-                    messages, temperature=self.temperature, max_tokens=self.max_tokens
+                    messages, temperature=self.temperature, max_tokens=self.max_tokens,
+                    reply_format=judgement_format(k),
                 )
             except LLMError as e:  # the client has already retried transport errors
                 self._count(llm_errors=1)
@@ -220,6 +221,12 @@ def build_judge_messages(task: Task, traj: Trajectory, max_chars: int = 200) -> 
         "'Step <i>: BAD'."
     )
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def judgement_format(num_steps: int) -> ReplyFormat:
+    """Exactly the strict form :func:`parse_judgement` reads first, one line per step."""
+    lines = "\n".join(f"Step {i}: (GOOD|BAD)" for i in range(1, num_steps + 1))
+    return ReplyFormat("step_labels", regex=lines)
 
 
 def parse_judgement(reply: str, num_steps: int) -> tuple[list[int] | None, str]:

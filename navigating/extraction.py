@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from environments import Environment, make_env
-from inference.llm import ChatModel, LLMError, extract_json
+from inference.llm import ChatModel, LLMError, ReplyFormat, extract_json
 from navigating.pool import experience_id
 from protocol.messages import Experience, Group, Step, Task, Trajectory
 from questioning.explorer import Exploration
@@ -575,7 +575,8 @@ class LLMExtractor:
         self.requests += 1
         try:
             reply = self.chat.complete(build_messages(group, self.max_per_group),
-                                       temperature=self.temperature, max_tokens=self.max_tokens)
+                                       temperature=self.temperature, max_tokens=self.max_tokens,
+                                       reply_format=experiences_format(self.max_per_group))
         except LLMError as exc:
             self.errors += 1
             log.warning("experience extraction request failed: %s", exc)
@@ -600,6 +601,20 @@ class LLMExtractor:
                 self.malformed += 1
                 log.warning("experience extraction item dropped: %s", exc)
         return _merge(out)
+
+
+def experiences_format(max_items: int) -> ReplyFormat:
+    """The JSON :func:`_llm_experience` reads, as a schema an endpoint can enforce."""
+    strings = {"type": "array", "items": {"type": "string"}}
+    item = {"type": "object", "required": ["when_to_use", "content", "confidence"],
+            "properties": {"when_to_use": {"type": "string", "minLength": 1},
+                           "content": {"type": "string", "minLength": 1},
+                           "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+                           "tags": strings, "tools": strings}}
+    return ReplyFormat("experiences", json_schema={
+        "type": "object", "required": ["experiences"],
+        "properties": {"experiences": {"type": "array", "items": item,
+                                       "minItems": 1, "maxItems": max_items}}})
 
 
 def _reply_items(reply: str) -> list:

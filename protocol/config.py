@@ -469,6 +469,13 @@ class LLMConfig:
     temperature: float = 0.7
     """Sampling temperature of proposer requests."""
 
+    structured_outputs: str = "none"
+    """Ask the endpoint to enforce each caller's reply format while decoding: ``vllm`` sends
+    vLLM's ``structured_outputs`` (the judge's ``Step i: GOOD|BAD`` lines as a regex, the
+    extractor's and proposer's JSON as schemas), ``openai`` sends JSON schemas as
+    ``response_format`` (the judge's regex is not sent), ``none`` sends neither. Replies are
+    parsed the same way in every mode."""
+
     def check(self):
         _positive(self, "timeout_s")
         if self.max_retries < 0:
@@ -477,6 +484,9 @@ class LLMConfig:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.url and not self.model:
             raise ConfigError("model must be set when url is")
+        if self.structured_outputs not in ("none", "vllm", "openai"):
+            raise ConfigError("structured_outputs must be none, vllm or openai, got "
+                              f"{self.structured_outputs!r}")
 
 
 @dataclass

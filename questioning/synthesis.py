@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from environments.base import ActionError, Environment, GoalPart, parse_action
+from inference.llm import ReplyFormat
 from protocol.messages import Task
 from questioning.explorer import Exploration
 
@@ -235,7 +236,8 @@ class LLMSynthesizer:
 
         try:
             reply = self.chat.complete(self.messages(exp, existing),
-                                       temperature=self.temperature, max_tokens=1024)
+                                       temperature=self.temperature, max_tokens=1024,
+                                       reply_format=tasks_format(self.tasks_per_reply))
         except LLMError as exc:
             self._reject("llm_error", str(exc))
             return []
@@ -316,6 +318,21 @@ class LLMSynthesizer:
         self.stats[f"rejected_{reason}"] += 1
         log.info("proposer reply rejected (%s): %s", reason, detail[:120])
         return None
+
+
+def tasks_format(max_tasks: int) -> ReplyFormat:
+    """The JSON :func:`_well_formed` accepts, as a schema an endpoint can enforce."""
+    task = {"type": "object", "required": ["query", "reference"],
+            "properties": {"query": {"type": "string", "minLength": 1,
+                                     "maxLength": MAX_QUERY_CHARS},
+                           "reference": {"type": "array", "minItems": 1,
+                                         "maxItems": MAX_REFERENCE,
+                                         "items": {"type": "string", "minLength": 1}},
+                           "goal": {"type": "object"}}}
+    return ReplyFormat("tasks", json_schema={
+        "type": "object", "required": ["tasks"],
+        "properties": {"tasks": {"type": "array", "items": task, "minItems": 1,
+                                 "maxItems": max_tasks}}})
 
 
 def _well_formed(item) -> bool:

@@ -87,18 +87,53 @@ def test_vllm_serve_on_smollm2_as_judge_extractor_and_proposer(tmp_path):
     from autodidact.vllm_serve import VLLMServer
     from inference.models import model_folder
 
-    cfg = load_config(None, ["llm.max_retries=0", "llm.timeout_s=120"])
-    rd = RunDir(tmp_path)
-    server = VLLMServer(model_folder("smollm2-135m"), sys.executable, rd.log("vllm-serve"),
-                        name="smollm2-135m", cpu=not torch.cuda.is_available(),
-                        max_model_len=4096, threads=2)
+    server = VLLMServer(model_folder("smollm2-135m"), sys.executable,
+                        RunDir(tmp_path).log("vllm-serve"), name="smollm2-135m",
+                        cpu=not torch.cuda.is_available(), max_model_len=4096, threads=2)
+    summaries = {}
     with server:
         pid = server.proc.pid
-        summary = check_endpoint(cfg, tmp_path, server.url, server.name, n=3, concurrency=3)
+        for mode in ("none", "vllm"):  # free text, then the server enforcing each format
+            cfg = load_config(None, ["llm.max_retries=0", "llm.timeout_s=120",
+                                     f"llm.structured_outputs={mode}"])
+            summaries[mode] = check_endpoint(cfg, tmp_path / mode, server.url, server.name,
+                                             n=3, concurrency=3)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the server's whole process group is gone
-    for role, s in summary["roles"].items():
-        assert s["requests"] == 3 and sum(s[k] for k in OUTCOMES) == 3, (role, s)
-        assert s["error"] == 0, (role, s)
-        replies = _lines(rd.llm_replies(f"check-{role}"))
-        assert len(replies) == 3 and all(r["reply"] for r in replies)
+    for mode, summary in summaries.items():
+        for role, s in summary["roles"].items():
+            assert s["requests"] == 3 and sum(s[k] for k in OUTCOMES) == 3, (mode, role, s)
+            assert s["error"] == 0, (mode, role, s)
+            replies = _lines(RunDir(tmp_path / mode).llm_replies(f"check-{role}"))
+            assert len(replies) == 3 and all(r["reply"] for r in replies)
+    # With the format enforced by the server, every judge reply is one label per step.
+    assert summaries["vllm"]["roles"]["judge"]["usable"] == 3
+    assert summaries["vllm"]["roles"]["judge"]["parsed_strict"] == 3
+
+
+def test_structured_outputs_ask_the_endpoint_for_each_callers_format(tmp_path):
+    import re
+
+    from inference.llm import format_fields
+    from judge.step_judges import judgement_format, parse_judgement
+    from navigating.extraction import _reply_items, experiences_format
+
+    judge = judgement_format(3)
+    assert format_fields(judge, "none") == {} and format_fields(judge, "openai") == {}
+    assert format_fields(judge, "vllm") == {"structured_outputs": {"regex": judge.regex}}
+    # What the regex admits is exactly what the strict parser reads.
+    reply = "Step 1: GOOD\nStep 2: BAD\nStep 3: GOOD"
+    assert re.fullmatch(judge.regex, reply) and parse_judgement(reply, 3) == ([1, 0, 1],
+                                                                             "strict")
+    assert not re.fullmatch(judge.regex, "Step 1: GOOD\nStep 2: BAD")
+    schema = experiences_format(2)
+    assert format_fields(schema, "openai")["response_format"]["json_schema"]["schema"] == \
+        schema.json_schema
+    assert _reply_items(EXPERIENCE)  # the scripted reply fits the schema's shape
+    cfg = load_config(None, ["llm.max_retries=0", "llm.structured_outputs=vllm"])
+    with ScriptedChatServer([], default=REFUSAL) as server:
+        check_endpoint(cfg, tmp_path, server.url, "stub", n=1, concurrency=1)
+        sent = [body.get("structured_outputs") for body in server.requests]
+    assert set(sent[0]) == {"regex"} and sent[0]["regex"].startswith("Step 1: (GOOD|BAD)")
+    assert set(sent[1]) == {"json"} and "experiences" in sent[1]["json"]["properties"]
+    assert set(sent[2]) == {"json"} and "tasks" in sent[2]["json"]["properties"]

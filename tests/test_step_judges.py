@@ -364,7 +364,7 @@ def test_llm_judge_names():
     class Named(ChatModel):
         name = "policy"
 
-        def complete(self, messages, temperature=0.7, max_tokens=512):
+        def complete(self, messages, temperature=0.7, max_tokens=512, reply_format=None):
             return "Step 1: GOOD"
 
     class Anonymous(Named):
