@@ -309,9 +309,9 @@ def test_missing_vllm_says_how_to_install(model_path, monkeypatch):
     with pytest.raises(ImportError) as err:
         vb.import_vllm()
     message = str(err.value)
-    assert "pip install 'autodidact[vllm]'" in message
+    assert "bash scripts/setup.sh" in message and ".venv-vllm" in message
     assert "actor.backend=transformers" in message and vb.VLLM_VERSION in message
-    with pytest.raises(ImportError, match=r"autodidact\[vllm\]"):
+    with pytest.raises(ImportError, match=r"scripts/setup\.sh"):
         vb.VLLMBackend(model_path)
 
 

