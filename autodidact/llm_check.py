@@ -110,7 +110,7 @@ class Check:
 
 
 def judge_check(chat: OpenAIChat, cfg: RunConfig, trajectories: list[tuple[Task, Trajectory]],
-                concurrency: int) -> Check:
+                concurrency: int, max_tokens: int = 256) -> Check:
     from judge.step_judges import (
         ReferenceJudge,
         agreement,
@@ -124,7 +124,7 @@ def judge_check(chat: OpenAIChat, cfg: RunConfig, trajectories: list[tuple[Task,
     def ask(item):
         task, traj = item
         reply = chat.complete(build_judge_messages(task, traj, cfg.judge.max_chars),
-                              temperature=cfg.judge.temperature, max_tokens=256,
+                              temperature=cfg.judge.temperature, max_tokens=max_tokens,
                               reply_format=judgement_format(len(traj.steps)))
         labels, how = parse_judgement(reply, len(traj.steps))
         if labels is None:
@@ -138,7 +138,8 @@ def judge_check(chat: OpenAIChat, cfg: RunConfig, trajectories: list[tuple[Task,
     return check
 
 
-def extractor_check(chat: OpenAIChat, groups: list[Group], concurrency: int) -> Check:
+def extractor_check(chat: OpenAIChat, groups: list[Group], concurrency: int,
+                    max_tokens: int = 384) -> Check:
     from navigating.extraction import (
         LLMExtractor,
         _reply_items,
@@ -150,7 +151,7 @@ def extractor_check(chat: OpenAIChat, groups: list[Group], concurrency: int) -> 
 
     def ask(group):
         reply = chat.complete(build_messages(group, extractor.max_per_group),
-                              temperature=extractor.temperature, max_tokens=384,
+                              temperature=extractor.temperature, max_tokens=max_tokens,
                               reply_format=experiences_format(extractor.max_per_group))
         try:
             items = _reply_items(reply)
@@ -165,14 +166,15 @@ def extractor_check(chat: OpenAIChat, groups: list[Group], concurrency: int) -> 
 
 
 def proposer_check(chat: OpenAIChat, cfg: RunConfig, explorations: list,
-                   concurrency: int) -> Check:
+                   concurrency: int, max_tokens: int = 384) -> Check:
     from questioning.factory import preferences
     from questioning.synthesis import LLMSynthesizer, tasks_format
 
     def ask(exp):
         synth = LLMSynthesizer(chat, env_maker(cfg.env), preferences(cfg))  # one env per call
         reply = chat.complete(synth.messages(exp, []), temperature=cfg.llm.temperature,
-                              max_tokens=384, reply_format=tasks_format(synth.tasks_per_reply))
+                              max_tokens=max_tokens,
+                              reply_format=tasks_format(synth.tasks_per_reply))
         try:
             extract_json(reply)
         except ValueError:
@@ -207,8 +209,10 @@ def inputs(cfg: RunConfig, n: int, seed: int) -> tuple[list, list, list]:
 
 
 def check_endpoint(cfg: RunConfig, run_dir: Path, url: str, model: str, n: int = 8,
-                   concurrency: int = 4, roles: Sequence[str] = ROLES) -> dict:
-    """Run the checks, write ``<run-dir>/llm/check-summary.json`` and return it."""
+                   concurrency: int = 4, roles: Sequence[str] = ROLES,
+                   max_tokens: int | None = None) -> dict:
+    """Run the checks, write ``<run-dir>/llm/check-summary.json`` and return it.
+    ``max_tokens`` caps every reply (default: each role's own, 256-384)."""
     rd = RunDir(run_dir)
     pairs, groups, explorations = inputs(cfg, n, cfg.seed)
 
@@ -217,10 +221,12 @@ def check_endpoint(cfg: RunConfig, run_dir: Path, url: str, model: str, n: int =
                           cfg.llm.max_retries, reply_log=rd.llm_replies(f"check-{role}"),
                           structured=cfg.llm.structured_outputs)
 
+    cap = {"max_tokens": max_tokens} if max_tokens else {}
     checks = {
-        "judge": lambda: judge_check(chat("judge"), cfg, pairs, concurrency),
-        "extractor": lambda: extractor_check(chat("extractor"), groups, concurrency),
-        "proposer": lambda: proposer_check(chat("proposer"), cfg, explorations, concurrency),
+        "judge": lambda: judge_check(chat("judge"), cfg, pairs, concurrency, **cap),
+        "extractor": lambda: extractor_check(chat("extractor"), groups, concurrency, **cap),
+        "proposer": lambda: proposer_check(chat("proposer"), cfg, explorations, concurrency,
+                                           **cap),
     }
     t0 = time.monotonic()
     summary = {"url": url, "model": model, "env": cfg.env.name, "per_role": n,

@@ -97,7 +97,7 @@ def test_vllm_serve_on_smollm2_as_judge_extractor_and_proposer(tmp_path):
             cfg = load_config(None, ["llm.max_retries=0", "llm.timeout_s=120",
                                      f"llm.structured_outputs={mode}"])
             summaries[mode] = check_endpoint(cfg, tmp_path / mode, server.url, server.name,
-                                             n=3, concurrency=3)
+                                             n=3, concurrency=3, max_tokens=96)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the server's whole process group is gone
     for mode, summary in summaries.items():

@@ -28,14 +28,15 @@ def test_a_run_with_vllm_actors_trains_on_policy(tmp_path):
     pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (scripts/test.sh)")
     args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(tmp_path),
             "-c", str(QUICK), "--set", "name=vllm-itest", "--set", "actor.backend=vllm",
-            "--set", "actor.num_actors=1", "--set", "warmstart.steps=30",
-            "--set", "eval.num_tasks=8", "--set", "learner.max_updates=4",
+            "--set", "actor.num_actors=1", "--set", "warmstart.steps=10",
+            "--set", "eval.num_tasks=4", "--set", "eval.greedy=false",
+            "--set", "learner.max_updates=3",
             "--set", "learner.batch_groups=4", "--set", "learner.max_minutes=4"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=540,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["learner"]["learner/updates"] >= 4
+    assert summary["learner"]["learner/updates"] >= 3
     steps = [r for r in read_metrics(tmp_path) if r.get("role") == "learner"
              and "learner/iw_mean" in r]
     on_policy = [r for r in steps if r["learner/lag_max"] == 0]  # sampled by these weights
