@@ -93,10 +93,10 @@ def make_chat(cfg: RunConfig, policy_path: str | None, run_dir: Path | None = No
     if choice == "policy":
         if not policy_path:
             raise ValueError("explore.proposer=policy needs a model (model.path)")
-        from inference.backends.hf import TransformersBackend
+        from inference.engines import make_backend
         from inference.policy_chat import PolicyChat
 
-        backend = TransformersBackend(policy_path, device=cfg.actor.device)
+        backend = make_backend(cfg, policy_path)  # the engine actor.backend names
         return PolicyChat(backend, max_context=cfg.model.max_positions, seed=cfg.seed)
     return None
 
