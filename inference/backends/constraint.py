@@ -107,22 +107,25 @@ class ActionTrie:
 
     def allowed(self, generated_ids: list[int]) -> list[int]:
         """Ids that keep ``generated_ids`` on the way to a complete action; ``[]`` once done."""
-        node = self._root
-        for tok in generated_ids:
-            node = node.children.get(tok)
-            if node is None:
-                raise ValueError(f"generated ids {generated_ids} left the action trie")
+        node = self._node(generated_ids)
+        if node is None:
+            raise ValueError(f"generated ids {generated_ids} left the action trie")
         return node.choices
 
     def allowed_or_end(self, generated_ids: Sequence[int]) -> list[int]:
         """Like :meth:`allowed`, but ids that left the trie get ``[]`` instead of an error:
         for code running inside an engine, where raising would take the engine down."""
+        node = self._node(generated_ids)
+        return [] if node is None else node.choices
+
+    def _node(self, generated_ids: Sequence[int]) -> _Node | None:
+        """The trie node ``generated_ids`` lead to, or None once they leave the trie."""
         node = self._root
         for tok in generated_ids:
             node = node.children.get(tok)
             if node is None:
-                return []
-        return node.choices
+                return None
+        return node
 
     def match(self, generated_ids: Sequence[int]) -> str | None:
         """The action that ``generated_ids`` spells (end id optional), or ``None``."""

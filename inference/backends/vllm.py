@@ -501,8 +501,6 @@ class VLLMBackend(InferenceBackend):
                         requests.append((i, list(prompts[i]), self._whole_turn(
                             params, i, constraint)))
                     continue
-                if i not in stepping:
-                    continue
                 allowed = constraint.allowed(list(rows[i].token_ids))
                 if allowed is not None and len(allowed) == 0:  # constrained output complete
                     rows[i].finish = "stop"
