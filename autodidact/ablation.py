@@ -94,10 +94,13 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm.strip('+').replace('+', '-')}-s{seed}"
 
 
-def run_argv(config: Path | None, run_dir: Path, updates: int, sets: list[str]) -> list[str]:
-    """``autodidact run`` for one run directory, with ``sets`` applied in order."""
-    argv = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
-            "--max-updates", str(updates)]
+def run_argv(config: Path | None, run_dir: Path, updates: int | None,
+             sets: list[str]) -> list[str]:
+    """``autodidact run`` for one run directory, with ``sets`` applied in order (and the
+    config's own update limit when ``updates`` is None)."""
+    argv = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir)]
+    if updates is not None:
+        argv += ["--max-updates", str(updates)]
     if config is not None:
         argv += ["-c", str(config)]
     return argv + [a for s in sets for a in ("--set", s)]

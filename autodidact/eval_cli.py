@@ -40,6 +40,8 @@ from protocol.run_dir import RunDir
               show_default=True,
               help="ground-truth replays each task's reference actions (should score 100%).")
 @click.option("--limit", type=int, default=0, help="Evaluate only this many tasks (0 = all).")
+@click.option("--per-category", type=click.IntRange(min=0), default=0,
+              help="Evaluate this many tasks of each category (0 = all), drawn with the seed.")
 @click.option("--device", default=None, help="Torch device (default actor.device).")
 @click.option("--batch-tasks", type=int, default=32, show_default=True,
               help="Tasks rolled out together (batch = batch-tasks x k episodes).")
@@ -48,7 +50,7 @@ from protocol.run_dir import RunDir
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Per-task JSONL (default <run-dir>/eval/<env>-<split>-<policy>-k<k>.jsonl).")
 def eval_command(config, sets, env_name, split, model_path, k, temperature, policy, limit,
-                 device, batch_tasks, run_dir, out):
+                 per_category, device, batch_tasks, run_dir, out):
     """Evaluate on the env's held-out tasks: avg@k and best@k, overall and per category.
 
     \b
@@ -64,7 +66,7 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
         ensure_engine(cfg)
     try:
         summary = run_eval(cfg, path, split, model_path, k, temperature, policy, limit,
-                           batch_tasks, out)
+                           batch_tasks, out, per_category=per_category)
     except (KeyError, ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(render_table(summary))
@@ -72,7 +74,7 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
 
 def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, k: int,
              temperature: float | None, policy: str, limit: int, batch_tasks: int,
-             out: str | None) -> dict:
+             out: str | None, per_category: int = 0) -> dict:
     """:func:`episodes.evaluate.evaluate_model` with ``autodidact eval``'s presentation:
     progress lines, per-task JSONL and a summary beside it; returns the summary."""
     from environments.base import env_maker
@@ -80,7 +82,7 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
 
     env = env_maker(cfg.env)()
     write_split(run_dir, env)
-    tasks = select_tasks(cfg, split, limit, env)
+    tasks = select_tasks(cfg, split, limit, env, per_category=per_category)
     if not tasks:
         raise ValueError(f"env {cfg.env.name!r} has no {split} tasks")
     model_path = model_folder(model_path) if model_path else prepare_model(cfg, run_dir)

@@ -30,8 +30,11 @@ STAGES = {  # the launcher's stage lines -> seconds
 }
 
 
-def replay_tokens(run_dir: Path) -> tuple[int, int, int]:
-    """(groups, all tokens, generated tokens) of every group in the run's replay store."""
+def replay_groups(run_dir: Path) -> dict:
+    """What the run's replay store holds: groups, all tokens and generated tokens, and the
+    learning signal in them: the share of groups whose outcomes differ (the others carry no
+    outcome advantage) and the training success of the first and second half of the policy
+    versions that acted."""
     import numpy as np
 
     from protocol.codec import decode_body
@@ -39,18 +42,29 @@ def replay_tokens(run_dir: Path) -> tuple[int, int, int]:
     from replay.store import Store
 
     store = Store(run_dir, readonly=True)
-    groups = total = generated = 0
+    groups = total = generated = mixed = 0
+    by_version: list[tuple[int, bool]] = []
     try:
         with store.env.begin() as txn:
             for _, body in store.iter_bodies(txn):
                 group = decode_body(Group.TYPE, body)
                 groups += 1
+                outcomes = {bool(t.success) for t in group.trajectories}
+                mixed += len(outcomes) > 1
+                version = group.policy_versions()[0]
                 for traj in group.trajectories:
                     total += len(traj.tokens)
                     generated += int(np.asarray(traj.action_mask).sum())
+                    by_version.append((version, bool(traj.success)))
     finally:
         store.close()
-    return groups, total, generated
+    by_version.sort()
+    half = len(by_version) // 2
+    rate = (lambda rows: sum(s for _, s in rows) / len(rows) if rows else float("nan"))
+    return {"groups": groups, "tokens": total, "generated": generated,
+            "mixed_group_share": mixed / max(groups, 1),
+            "train_success_first_half": rate(by_version[:half]),
+            "train_success_second_half": rate(by_version[half:])}
 
 
 def median(values: list[float]) -> float:
@@ -61,7 +75,8 @@ def timing(run_dir: Path, log_text: str = "") -> dict:
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("role") == "learner" and "learner/step_s" in r]
     actors = [r for r in records if r.get("role") == "actor" and "actor/rollout_s" in r]
-    groups, total, generated = replay_tokens(run_dir)
+    stored = replay_groups(run_dir)
+    total, generated = stored["tokens"], stored["generated"]
     summary = json.loads((run_dir / "summary.json").read_text())
     step_s = [r["learner/step_s"] for r in steps]
     idle_s = [r.get("learner/idle_s", 0.0) for r in steps]
@@ -72,7 +87,10 @@ def timing(run_dir: Path, log_text: str = "") -> dict:
     actor_idle = sum(r.get("actor/idle_s", 0.0) for r in actors)
     trained = sum(r.get("learner/tokens", 0.0) for r in steps)
     row = {
-        "run": run_dir.name, "updates": len(steps), "groups_stored": groups,
+        "run": run_dir.name, "updates": len(steps), "groups_stored": stored["groups"],
+        "mixed_group_share": stored["mixed_group_share"],
+        "train_success_first_half": stored["train_success_first_half"],
+        "train_success_second_half": stored["train_success_second_half"],
         "seconds_per_update": span, "learner_step_s": median(step_s),
         "learner_wait_s": median(idle_s), "publish_s": median(publish_s),
         "learner_generated_tokens_per_s": trained / max(sum(step_s), 1e-9),
@@ -101,13 +119,16 @@ def main(argv=None) -> list[dict]:
         log_text = Path(args.log[i]).read_text() if i < len(args.log) else ""
         rows.append(timing(Path(run), log_text))
     print("| run | updates | s / update | learner step s | learner wait s | publish s | "
-          "learner tok/s (all / generated) | actor tok/s generating | actor idle |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "learner tok/s (all / generated) | actor tok/s generating | actor idle | "
+          "groups with mixed outcomes | training success 1st → 2nd half |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['run']} | {r['updates']} | {r['seconds_per_update']:.1f} | "
               f"{r['learner_step_s']:.1f} | {r['learner_wait_s']:.1f} | {r['publish_s']:.2f} | "
               f"{r['learner_tokens_per_s'] or 0:.0f} / {r['learner_generated_tokens_per_s']:.1f}"
-              f" | {r['actor_tokens_per_s']:.1f} | {100 * r['actor_idle_fraction']:.0f}% |")
+              f" | {r['actor_tokens_per_s']:.1f} | {100 * r['actor_idle_fraction']:.0f}% | "
+              f"{100 * r['mixed_group_share']:.0f}% | {100 * r['train_success_first_half']:.0f}%"
+              f" → {100 * r['train_success_second_half']:.0f}% |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows

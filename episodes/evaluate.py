@@ -34,14 +34,27 @@ POLICIES = ("model", "ground-truth")
 
 
 def select_tasks(cfg: RunConfig, split: str = "test", limit: int = 0,
-                 env: Environment | None = None) -> list[Task]:
+                 env: Environment | None = None, per_category: int = 0) -> list[Task]:
     """The ``split`` tasks of the config's env (or of ``env``, one already made); with
-    ``limit``, that many of them drawn with ``cfg.seed`` (the same draw every time, so runs and
-    evaluations of one config share their tasks)."""
+    ``per_category``, that many of each category; with ``limit``, that many of them. Draws use
+    ``cfg.seed`` (the same draw every time, so runs and evaluations of one config share their
+    tasks)."""
     tasks = (env or env_maker(cfg.env)()).tasks(split)
+    rng = random.Random(cfg.seed)
+    if per_category:
+        by_category = defaultdict(list)
+        for task in tasks:
+            by_category[task_category(task)].append(task)
+        tasks = [t for _, group in sorted(by_category.items())
+                 for t in rng.sample(group, min(per_category, len(group)))]
     if limit:
-        tasks = random.Random(cfg.seed).sample(tasks, min(limit, len(tasks)))
+        tasks = rng.sample(tasks, min(limit, len(tasks)))
     return tasks
+
+
+def task_category(task: Task) -> str:
+    """The category a task is reported under: the env's own, else the env's name."""
+    return task.meta.get("category", task.env)
 
 
 def evaluate_model(cfg: RunConfig, model_path: str, split: str = "test", k: int = 1,
@@ -131,7 +144,7 @@ def replay_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> No
 def task_record(episodes: list[Episode]) -> dict:
     task = episodes[0].task
     rewards = [float(ep.reward) for ep in episodes]
-    return {"task_id": task.task_id, "category": task.meta.get("category", task.env),
+    return {"task_id": task.task_id, "category": task_category(task),
             "rewards": rewards, "avg": sum(r >= 1.0 for r in rewards) / len(rewards),
             "best": float(any(r >= 1.0 for r in rewards)),
             "steps": [len(ep.steps) for ep in episodes],

@@ -308,6 +308,21 @@ def test_split_is_half_per_category_deterministic_and_disjoint():
         BFCLEnv(categories=["simple"])
 
 
+def test_per_category_draws_that_many_of_each_category_the_same_way_every_time():
+    from episodes.evaluate import select_tasks
+    from protocol.config import RunConfig
+
+    env = BFCLEnv()
+    drawn = select_tasks(RunConfig(), "test", env=env, per_category=3)
+    assert Counter(t.meta["category"] for t in drawn) == {c: 3 for c in CATEGORIES}
+    assert [t.task_id for t in drawn] == [
+        t.task_id for t in select_tasks(RunConfig(), "test", env=env, per_category=3)]
+    assert {t.split for t in drawn} == {"test"}
+    other_seed = select_tasks(RunConfig(seed=1), "test", env=env, per_category=3)
+    assert [t.task_id for t in other_seed] != [t.task_id for t in drawn]
+    assert len(select_tasks(RunConfig(), "test", env=env, per_category=3, limit=5)) == 5
+
+
 def test_task_fields():
     task = BASE0
     assert (task.env, task.goal, task.source, task.seed) == (
