@@ -29,7 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autodidact.ablation import (  # noqa: E402
-    Result, finished, mean_std, read_result, run_argv, run_once, verdict)
+    Result,
+    finished,
+    mean_std,
+    read_result,
+    run_argv,
+    run_once,
+    verdict,
+)
 from protocol.run_dir import RunDir  # noqa: E402
 
 STAGES = ("base", "warm", "final")  # Result's evaluations, in the order they happen

@@ -60,11 +60,14 @@ def replay_groups(run_dir: Path) -> dict:
         store.close()
     by_version.sort()
     half = len(by_version) // 2
-    rate = (lambda rows: sum(s for _, s in rows) / len(rows) if rows else float("nan"))
     return {"groups": groups, "tokens": total, "generated": generated,
             "mixed_group_share": mixed / max(groups, 1),
-            "train_success_first_half": rate(by_version[:half]),
-            "train_success_second_half": rate(by_version[half:])}
+            "train_success_first_half": success_rate(by_version[:half]),
+            "train_success_second_half": success_rate(by_version[half:])}
+
+
+def success_rate(rows: list[tuple[int, bool]]) -> float:
+    return sum(success for _, success in rows) / len(rows) if rows else float("nan")
 
 
 def median(values: list[float]) -> float:
