@@ -16,6 +16,7 @@ import click
 from autodidact.ablation import ablation
 from autodidact.cli_common import (
     check_curve,
+    check_model,
     config_option,
     load,
     load_run,
@@ -62,6 +63,7 @@ def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
     cfg, path = load_run(config, sets, run_dir,
                          Flags(redis_url=redis_url, redis_prefix=True, local_services=True),
                          make=False)
+    check_model(cfg.model.path)
     ensure_engine(cfg)
     check_curve(cfg, cfg.replay.address)
     path.mkdir(parents=True, exist_ok=True)
@@ -214,6 +216,7 @@ def explore(config, run_dir, sets, env_name, redis_url, rounds, proposer_url, pr
     cfg, path = load_run(config, sets, run_dir,
                          Flags(env=env_name, redis_url=redis_url, llm_url=proposer_url,
                                llm_model=proposer_model, redis_prefix=True))
+    check_model(cfg.model.path)
     if profile_only:
         from questioning.profile import render_toc
 

@@ -68,6 +68,16 @@ def load_run(config: str | None, sets: tuple[str, ...] | list[str], run_dir: str
     return cfg, path
 
 
+def check_model(path: str | None) -> None:
+    """Refuse at once a model path that holds no model, before any process starts."""
+    from inference.models import ModelNotFound, check_model_path
+
+    try:
+        check_model_path(path or "")
+    except ModelNotFound as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def check_curve(cfg: RunConfig, *addresses: str | None):
     """CURVE keys from security.keys_dir (None: plain sockets); a plaintext address that leaves
     this machine, or a broken keys directory, is refused here, at start."""

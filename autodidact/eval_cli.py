@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from autodidact.cli_common import config_option, load_run, set_option
+from autodidact.cli_common import check_model, config_option, load_run, set_option
 from autodidact.engine_env import ensure_engine
 from autodidact.resolve import Flags
 from autodidact.stages import prepare_model, write_split
@@ -62,6 +62,7 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
         raise click.UsageError("-k must be at least 1")
     cfg, path = load_run(config, sets, run_dir,
                          Flags(env=env_name, env_limits=config is None, device=device))
+    check_model(model_path or cfg.model.path)
     if policy == "model":
         ensure_engine(cfg)
     try:

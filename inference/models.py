@@ -75,10 +75,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "autodidact" / "models")
 
 
+def check_model_path(path: str) -> None:
+    """Refuse a ``model.path`` that is neither a named model nor a local Hugging Face folder
+    (empty means the run's own tiny model): a cheap look at the disk, so a typo fails before
+    any process starts rather than as a hub error from deep inside ``transformers``."""
+    if not path or is_named(path):
+        return
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        what = "does not exist" if not folder.exists() else "holds no config.json"
+        raise ModelNotFound(f"model path {path!r} {what}: give a local Hugging Face model "
+                            f"folder or a named model ({', '.join(NAMED)})")
+
+
 def model_folder(path: str, cache: Path | None = None) -> str:
     """A Hugging Face folder for ``model.path``: a named model's converted folder (made on
-    first use), anything else unchanged."""
+    first use), a local folder unchanged (after :func:`check_model_path`)."""
     if not is_named(path):
+        check_model_path(path)
         return path
     out = (cache or cache_dir()) / path
     if not _converted(out):
