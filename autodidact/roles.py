@@ -7,21 +7,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
-
 from autodidact.supervisor import RoleSpec
-from protocol.config import RunConfig, to_dict
+from protocol.config import RunConfig, dump_resolved
 from protocol.run_dir import RunDir
 
 
 def write_resolved_config(cfg: RunConfig, run_dir: Path, path: Path | None = None) -> Path:
-    """The config the roles read: ``config.yaml`` in the run directory (or ``path``); mode
-    0600, since ``redis.url`` carries the password."""
+    """The config the roles read: ``config.yaml`` in the run directory (or ``path``), with its
+    digest line (:func:`protocol.config.dump_resolved`); mode 0600, since ``redis.url``
+    carries the password; replaced whole, so a role never reads half of it."""
     path = Path(path) if path is not None else RunDir(run_dir).config
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # a config.yaml from before may be world-readable
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a leftover from before may be world-readable
     with os.fdopen(fd, "w") as f:
-        f.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        f.write(dump_resolved(cfg))
+    os.replace(tmp, path)
     return path
 
 

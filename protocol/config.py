@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import math
 import re
 import typing
@@ -861,19 +862,63 @@ class RunConfig:
 # --- loading -----------------------------------------------------------------------------------
 
 
+# A resolved config (the run directory's config.yaml, what every role reads) starts with this
+# line and ends with the digest of everything before its last line: a file cut short or
+# altered keeps the first line and loses or breaks the last, and is refused rather than read
+# with defaults in place of what is missing.
+RESOLVED_HEADER = "# autodidact resolved config v1: complete only with its final sha256 line\n"
+RESOLVED_DIGEST = "# sha256: "
+
+
+def dump_resolved(cfg: RunConfig) -> str:
+    """The text of a resolved config: every key of ``cfg``, between the header and digest."""
+    body = RESOLVED_HEADER + yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return body + RESOLVED_DIGEST + hashlib.sha256(body.encode()).hexdigest() + "\n"
+
+
+def check_resolved(text: str, path: str | Path) -> None:
+    """Refuse a resolved config whose digest line is missing or does not match its text."""
+    body, _, last = text.rstrip("\n").rpartition("\n")
+    digest = hashlib.sha256((body + "\n").encode()).hexdigest()
+    if last != RESOLVED_DIGEST + digest:
+        raise ConfigError(f"{path}: incomplete or altered resolved config (its final sha256 "
+                          f"line is missing or does not match); restart the run "
+                          f"(`autodidact run --resume`) to write it again")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping; ConfigError naming the file (and line) when it is not one."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a config is YAML "
+                          f"text") from None
+    if text.startswith(RESOLVED_HEADER):
+        check_resolved(text, path)
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}{where}: not valid YAML ({problem}); fix that line") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """Build a RunConfig from an optional YAML file and ``key.sub=value`` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        raw = yaml.safe_load(text) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
+    raw: dict[str, Any] = read_yaml(path) if path is not None else {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        _set_path(raw, key.strip().split("."), yaml.safe_load(value))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
+        _set_path(raw, key.strip().split("."), parsed)
     cfg = _from_dict(RunConfig, raw, "")
     cfg.check()
     return cfg

@@ -5,7 +5,9 @@ never by spelling a name itself, so the layout below is the whole contract::
 
     <run dir>/
         config.yaml                 the resolved config the roles read (mode 0600: redis.url
-                                    carries the password); node-<name>.yaml on a worker node
+                                    carries the password; its last line is its digest, see
+                                    protocol.config.dump_resolved); node-<name>.yaml on a
+                                    worker node
         summary.json                held-out success before/after warm-start and after RL,
                                     restarts, the learner's last record (autodidact run)
         pids.json                   pid of every supervised role; pids-<node>.json per node

@@ -238,3 +238,48 @@ def test_a_float_in_e_notation_without_a_dot_is_a_number(tmp_path):
         load_config(None, ["warmstart.lr=fast"])
     with pytest.raises(ConfigError, match="warmstart.steps"):
         load_config(None, ["warmstart.steps=2e5"])  # an int field takes no float text
+
+
+# --- the resolved config.yaml and broken files ----------------------------------------------
+
+
+def test_the_resolved_config_reads_back_whole_and_refuses_a_cut_or_changed_copy(tmp_path):
+    from autodidact.roles import write_resolved_config
+    from protocol.config import load_config, to_dict
+
+    cfg = load_config(None, ["learner.lr=3e-5", "env.max_turns=7"])
+    path = write_resolved_config(cfg, tmp_path)
+    assert to_dict(load_config(path)) == to_dict(cfg)
+    assert path.stat().st_mode & 0o777 == 0o600
+    text = path.read_text()
+    cut = tmp_path / "cut.yaml"
+    cut.write_text(text[: len(text) * 2 // 3])  # the last sections are gone
+    with pytest.raises(ConfigError, match=r"cut\.yaml: incomplete or altered resolved config"):
+        load_config(cut)
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(text.replace("max_turns: 7", "max_turns: 9"))
+    with pytest.raises(ConfigError, match="incomplete or altered"):
+        load_config(changed)
+    assert yaml.safe_load(text)["learner"]["lr"] == 3e-5  # still plain YAML for other readers
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"learner:\n  lr: [1e-5\nenv: {}\n", r"bad\.yaml:\d+:\d+: not valid YAML"),
+    (b"learner:\n\tlr: 1e-5\n", r"bad\.yaml:2:1: not valid YAML"),
+    (b"\xff\xfe\x00garbage", r"bad\.yaml: not UTF-8 text \(byte 0\)"),
+    (b"- a list\n", r"bad\.yaml: top level must be a mapping"),
+])
+def test_broken_yaml_names_the_file_and_line(tmp_path, content, message):
+    from protocol.config import load_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(bad)
+
+
+def test_a_broken_override_value_is_named():
+    from protocol.config import load_config
+
+    with pytest.raises(ConfigError, match=r"override 'learner.lr=\[1e-5': the value is not"):
+        load_config(None, ["learner.lr=[1e-5"])
