@@ -107,10 +107,14 @@ def replay(ctx, config, run_dir, sets, address):
     if ctx.invoked_subcommand is not None:
         return
     from replay.server import serve
+    from replay.store import StoreDamaged
 
     cfg, path = load_run(config, sets, run_dir)
     address = address or cfg.replay.address or None
-    serve(path, cfg.replay, address, check_curve(cfg, address))
+    try:
+        serve(path, cfg.replay, address, check_curve(cfg, address))
+    except StoreDamaged as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @replay.command("stats")
@@ -118,11 +122,14 @@ def replay(ctx, config, run_dir, sets, address):
               help="Run directory holding replay.lmdb.")
 def replay_stats(run_dir):
     """Print one JSON object: groups stored, judged, consumed, evicted, bytes, versions."""
-    from replay.store import read_stats
+    from replay.store import StoreDamaged, read_stats
 
     if not RunDir(run_dir).replay_store.exists():
         raise click.UsageError(f"no replay store at {RunDir(run_dir).replay_store}")
-    click.echo(json.dumps(read_stats(run_dir), sort_keys=True))
+    try:
+        click.echo(json.dumps(read_stats(run_dir), sort_keys=True))
+    except StoreDamaged as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 # --- actor and learner ------------------------------------------------------------------------

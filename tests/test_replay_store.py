@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from helpers_replay import labels_for, make_group
 
 from protocol import codec
 from protocol.config import ReplayConfig
 from protocol.messages import Error, JudgePull, StatsRequest
+from protocol.run_dir import RunDir
 from protocol.transport import Incoming
 from replay.server import ReplayServer
-from replay.store import EVICTED, GroupRecord, Store, read_stats, store_path
+from replay.store import (
+    EVICTED,
+    GroupRecord,
+    Store,
+    StoreDamaged,
+    check_data_file,
+    read_stats,
+    seq_key,
+    store_path,
+)
 
 
 def test_record_round_trip():
@@ -127,3 +141,44 @@ def test_map_full_refuses_the_pushes_of_the_burst_and_serves_reads(tmp_path):
     finally:
         srv.close()
     assert read_stats(tmp_path)["groups"] == 1 and read_stats(tmp_path)["judged"] == 1
+
+
+def _store_with_pages(run_dir) -> Path:
+    store = Store(run_dir, map_size=64 * 1024**2)
+    with store.env.begin(write=True) as txn:
+        for i in range(200):
+            txn.put(seq_key(i), bytes([i % 251]) * 4000, db=store.db["groups"])
+    store.close()
+    return RunDir(run_dir).replay_store / "data.mdb"
+
+
+def _cut(fraction: float):
+    def damage(f, size):
+        f.truncate(int(size * fraction))
+    return damage
+
+
+def _zero_the_meta_pages(f, size):
+    f.write(bytes(8192))
+
+
+@pytest.mark.parametrize("damage, reason", [(_cut(0.5), "cut short"), (_cut(0.001), "cut short"),
+                                            (_zero_the_meta_pages, "not an LMDB data file")])
+def test_a_damaged_store_is_refused_in_one_line_not_a_sigbus(tmp_path, damage, reason):
+    """Mapping a truncated data.mdb and reading past its end kills the process with SIGBUS;
+    the command must refuse it first (run in a subprocess, so a regression cannot take the
+    test runner down with it)."""
+    data = _store_with_pages(tmp_path)
+    check_data_file(data)  # whole: accepted
+    size = data.stat().st_size
+    with data.open("r+b") as f:
+        damage(f, size)
+    with pytest.raises(StoreDamaged, match=str(data)):
+        check_data_file(data)
+    done = subprocess.run([sys.executable, "-m", "autodidact.cli", "replay", "stats",
+                           "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and str(data) in errors[0]
+    assert reason in errors[0]
