@@ -49,6 +49,9 @@ class RedisConfig:
         _positive(self, "heartbeat_ttl_s")
 
 
+MIN_MAP_SIZE = 1 << 20  # 256 LMDB pages: the meta pages, five sub-dbs and a few groups
+
+
 @dataclass
 class ReplayConfig:
     address: str = ""
@@ -57,7 +60,7 @@ class ReplayConfig:
 
     map_size: int = 8 * 1024**3
     """LMDB map size in bytes: the most the store file may grow to. Sparse on disk; grow it and
-    restart when the server reports ``store_full``."""
+    restart when the server reports ``store_full``. At least ``MIN_MAP_SIZE``."""
 
     max_frame_bytes: int = 64 * 1024**2
     """Largest frame accepted; longer frames are refused with reason ``oversize``."""
@@ -77,6 +80,10 @@ class ReplayConfig:
     def check(self):
         for name in ("map_size", "max_frame_bytes", "max_groups", "max_bytes", "write_batch"):
             _positive(self, name)
+        if self.map_size < MIN_MAP_SIZE:
+            raise ConfigError(f"map_size must be at least {MIN_MAP_SIZE} bytes (1 MiB), got "
+                              f"{self.map_size}: below that the store cannot hold its own "
+                              "sub-databases")
         _positive(self, "judge_lease_s")
         _at_most(self, "judge_lease_s", MAX_LEASE_S)
 

@@ -39,6 +39,7 @@ def test_overrides_apply_with_types():
     ("replay.max_groups=many", "replay.max_groups"),
     ("replay.max_groups=true", "replay.max_groups"),
     ("replay.map_size=-5", "replay.map_size"),
+    ("replay.map_size=10", "replay.map_size must be at least 1048576 bytes"),
     ("replay.judge_lease_s=0", "replay.judge_lease_s"),
     ("redis=3", "redis"),
     ("novalue", "key=value"),
