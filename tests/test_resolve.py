@@ -180,7 +180,7 @@ def test_commands_resolve_without_touching_the_checked_config(tmp_path, monkeypa
 
     seen = []
 
-    def fake_run_eval(cfg, run_dir, *args):
+    def fake_run_eval(cfg, run_dir, *args, **kwargs):
         seen.append(to_dict(cfg))
         return {"k": 1, "categories": {}, "tasks": 0, "avg": 0.0, "best": 0.0}
 
