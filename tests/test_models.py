@@ -32,7 +32,9 @@ def test_a_named_model_converts_once_into_the_cache(converted):
     before = marker.stat().st_mtime_ns
     assert model_folder("smollm2-135m", cache) == folder  # cached: not converted again
     assert marker.stat().st_mtime_ns == before
-    assert model_folder("/some/local/folder", cache) == "/some/local/folder"  # paths pass
+    assert model_folder(folder, cache) == folder  # a local model folder passes unchanged
+    with pytest.raises(ModelNotFound, match="/some/local/folder' does not exist"):
+        model_folder("/some/local/folder", cache)
 
 
 def test_the_folder_has_the_ggufs_logits(converted):
