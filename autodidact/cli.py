@@ -36,7 +36,7 @@ from autodidact.resolve import Flags
 from autodidact.status_cli import status
 from autodidact.tasks_cli import tasks
 from protocol.config import RunConfig, to_dict
-from protocol.run_dir import RunDir
+from protocol.run_dir import RunDir, StoreDamaged
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -107,7 +107,6 @@ def replay(ctx, config, run_dir, sets, address):
     if ctx.invoked_subcommand is not None:
         return
     from replay.server import serve
-    from replay.store import StoreDamaged
 
     cfg, path = load_run(config, sets, run_dir)
     address = address or cfg.replay.address or None
@@ -122,7 +121,7 @@ def replay(ctx, config, run_dir, sets, address):
               help="Run directory holding replay.lmdb.")
 def replay_stats(run_dir):
     """Print one JSON object: groups stored, judged, consumed, evicted, bytes, versions."""
-    from replay.store import StoreDamaged, read_stats
+    from replay.store import read_stats
 
     if not RunDir(run_dir).replay_store.exists():
         raise click.UsageError(f"no replay store at {RunDir(run_dir).replay_store}")

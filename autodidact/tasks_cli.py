@@ -15,7 +15,7 @@ import click
 
 from autodidact.cli_common import config_option, load, set_option
 from protocol.messages import Task
-from protocol.run_dir import RunDir
+from protocol.run_dir import RunDir, StoreDamaged
 from questioning.task_store import TaskStore
 
 SHOW_FAILED = 5  # failing task ids listed per reason by `verify`
@@ -37,7 +37,7 @@ def _read_all(run_dir) -> list[Task]:
     try:
         with TaskStore(Path(run_dir), readonly=True) as store:
             return store.all()
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, StoreDamaged) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -102,7 +102,7 @@ def show(task_id, run_dir):
     try:
         with TaskStore(Path(run_dir), readonly=True) as store:
             task = store.get(task_id)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, StoreDamaged) as exc:
         raise click.ClickException(str(exc)) from None
     if task is None:
         raise click.ClickException(f"no task {task_id!r} in {RunDir(run_dir).task_store}")

@@ -41,13 +41,15 @@ never by spelling a name itself, so the layout below is the whole contract::
 
 Each LMDB store has one writer: :func:`single_writer_lock` takes an ``flock`` on a file in the
 store's directory. The kernel drops the lock when the holder dies, even by SIGKILL, so a
-crashed writer never leaves a stale lock behind.
+crashed writer never leaves a stale lock behind. Each is opened only after
+:func:`check_lmdb_store` has compared its data file with the file's own meta pages.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import struct
 from pathlib import Path
 
 CONFIG = "config.yaml"
@@ -260,3 +262,40 @@ def single_writer_lock(store_dir: Path, lock_name: str, busy_message: str) -> in
         os.close(fd)
         raise RuntimeError(busy_message) from None
     return fd
+
+
+class StoreDamaged(OSError):
+    """The store's data file is not what its own header says it is; mapping it could SIGBUS."""
+
+
+# LMDB's data file starts with two meta pages (64-bit layout: a 16-byte page header, then the
+# meta: magic, version, address, map size, the two sub-db records, last page, txn id). The page
+# size is kept in the free-list record's pad field.
+_LMDB_META = struct.Struct("<16xIIQQI44x48xQQ")
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def check_lmdb_store(store_dir: Path) -> None:
+    """Refuse an LMDB store whose data file is shorter than its newest meta page says, or has
+    no meta page, before it is mapped: reading past the end of a mapping is a SIGBUS, not an
+    error. Every LMDB store of a run (replay, tasks) is opened after this check."""
+    data_file = Path(store_dir) / "data.mdb"
+    size = data_file.stat().st_size if data_file.exists() else 0
+    if size == 0:
+        return  # a new store: LMDB writes the meta pages
+    with data_file.open("rb") as f:
+        head = f.read(_LMDB_META.size).ljust(_LMDB_META.size, b"\0")
+        magic, _, _, _, page_size, _, _ = _LMDB_META.unpack(head)
+        if magic != _LMDB_MAGIC or not 512 <= page_size <= 65536:
+            raise StoreDamaged(f"{data_file}: not an LMDB data file (no meta page); move it "
+                               "away to start an empty store, or restore it from a copy")
+        f.seek(page_size)
+        second = f.read(_LMDB_META.size).ljust(_LMDB_META.size, b"\0")
+    metas = [_LMDB_META.unpack(head), _LMDB_META.unpack(second)]
+    last_page, _ = max(((m[5], m[6]) for m in metas if m[0] == _LMDB_MAGIC),
+                       key=lambda m: m[1])
+    needed = (last_page + 1) * page_size
+    if size < needed:
+        raise StoreDamaged(f"{data_file}: {size} bytes, but its header says {needed} (it was "
+                           "cut short); restore it from a copy, or move it away to start an "
+                           "empty store (its groups are then lost)")

@@ -24,7 +24,7 @@ import lmdb
 
 from protocol.codec import decode_body, encode_body
 from protocol.messages import Task
-from protocol.run_dir import RunDir, single_writer_lock
+from protocol.run_dir import RunDir, check_lmdb_store, single_writer_lock
 
 LOCK_FILE = "writer.lock"
 MAX_DBS = 4  # two sub-dbs today, room for a couple more without touching existing stores
@@ -62,6 +62,7 @@ class TaskStore:
                                             f"another writer holds the task store {self.path} "
                                             f"(lock {lock}); open it with readonly=True to read")
         try:
+            check_lmdb_store(self.path)
             self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=MAX_DBS, subdir=True,
                                  readonly=readonly, create=not readonly)
             self._db = self._open_dbs()

@@ -24,7 +24,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from protocol.run_dir import RunDir
+from protocol.run_dir import RunDir, check_lmdb_store
 
 MAX_DBS = 8  # five sub-dbs today, room to add a few without touching existing stores
 _SUBDBS = ("groups", "index", "order", "labels", "meta")
@@ -68,41 +68,6 @@ def store_path(run_dir) -> Path:
     return RunDir(run_dir).replay_store
 
 
-class StoreDamaged(OSError):
-    """The store's data file is not what its own header says it is; mapping it could SIGBUS."""
-
-
-# LMDB's data file starts with two meta pages (64-bit layout: a 16-byte page header, then the
-# meta: magic, version, address, map size, the two sub-db records, last page, txn id). The page
-# size is kept in the free-list record's pad field.
-_META = struct.Struct("<16xIIQQI44x48xQQ")
-_LMDB_MAGIC = 0xBEEFC0DE
-
-
-def check_data_file(data_file: Path) -> None:
-    """Refuse an LMDB data file shorter than its newest meta page says, or one with no meta
-    pages, before it is mapped: reading past the end of a mapping is a SIGBUS, not an error."""
-    size = data_file.stat().st_size if data_file.exists() else 0
-    if size == 0:
-        return  # a new store: LMDB writes the meta pages
-    with data_file.open("rb") as f:
-        head = f.read(_META.size).ljust(_META.size, b"\0")
-        magic, _, _, _, page_size, _, _ = _META.unpack(head)
-        if magic != _LMDB_MAGIC or not 512 <= page_size <= 65536:
-            raise StoreDamaged(f"{data_file}: not an LMDB data file (no meta page); move it "
-                               "away to start an empty store, or restore it from a copy")
-        f.seek(page_size)
-        second = f.read(_META.size).ljust(_META.size, b"\0")
-    metas = [_META.unpack(head), _META.unpack(second)]
-    last_page, _ = max(((m[5], m[6]) for m in metas if m[0] == _LMDB_MAGIC),
-                       key=lambda m: m[1])
-    needed = (last_page + 1) * page_size
-    if size < needed:
-        raise StoreDamaged(f"{data_file}: {size} bytes, but its header says {needed} (it was "
-                           "cut short); restore it from a copy, or move it away to start an "
-                           "empty store (its groups are then lost)")
-
-
 def seq_key(seq: int) -> bytes:
     return _SEQ.pack(seq)
 
@@ -114,7 +79,7 @@ class Store:
         path = store_path(run_dir)
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
-        check_data_file(path / "data.mdb")
+        check_lmdb_store(path)
         # Defaults keep sync and metasync on: a commit is on disk when it returns, which is what
         # lets the server ack a group right after committing it.
         self.env = lmdb.open(str(path), map_size=map_size, max_dbs=MAX_DBS, subdir=True,

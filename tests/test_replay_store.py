@@ -12,15 +12,13 @@ from helpers_replay import labels_for, make_group
 from protocol import codec
 from protocol.config import ReplayConfig
 from protocol.messages import Error, JudgePull, StatsRequest
-from protocol.run_dir import RunDir
+from protocol.run_dir import RunDir, StoreDamaged, check_lmdb_store
 from protocol.transport import Incoming
 from replay.server import ReplayServer
 from replay.store import (
     EVICTED,
     GroupRecord,
     Store,
-    StoreDamaged,
-    check_data_file,
     read_stats,
     seq_key,
     store_path,
@@ -169,12 +167,12 @@ def test_a_damaged_store_is_refused_in_one_line_not_a_sigbus(tmp_path, damage, r
     the command must refuse it first (run in a subprocess, so a regression cannot take the
     test runner down with it)."""
     data = _store_with_pages(tmp_path)
-    check_data_file(data)  # whole: accepted
+    check_lmdb_store(data.parent)  # whole: accepted
     size = data.stat().st_size
     with data.open("r+b") as f:
         damage(f, size)
     with pytest.raises(StoreDamaged, match=str(data)):
-        check_data_file(data)
+        check_lmdb_store(data.parent)
     done = subprocess.run([sys.executable, "-m", "autodidact.cli", "replay", "stats",
                            "--run-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)

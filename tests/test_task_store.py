@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from autodidact.tasks_cli import tasks as tasks_cli
 from protocol.errors import SchemaError
 from protocol.messages import Task
+from protocol.run_dir import RunDir
 from questioning.task_store import TaskStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,3 +249,18 @@ def test_verify(run_dir):
     assert res.exit_code == 1, res.output
     assert f"verified {len(good)}/{len(good) + 1} tasks" in res.output
     assert "no_reference: 1 (syn/broken)" in res.output
+
+
+def test_a_cut_short_task_store_is_refused_in_one_line_not_a_sigbus(run_dir):
+    """The task store is LMDB too: a truncated data file is refused before it is mapped (in a
+    subprocess, so a regression's SIGBUS cannot take the test runner down)."""
+    fill(run_dir, n=200)
+    data = RunDir(run_dir).task_store / "data.mdb"
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    done = subprocess.run([sys.executable, "-m", "autodidact.cli", "tasks", "list",
+                           "--run-dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and str(data) in errors[0] and "cut short" in errors[0]
