@@ -141,23 +141,34 @@ def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
     argv = run_argv(config, run_dir, budget.updates,
                     [*COMMON, *budget.sets, *sets, *ARMS[arm], f"seed={seed}",
                      f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
+    return run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh)
+
+
+def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path: Path,
+                 fresh: bool = False, may_run: bool = True) -> Result:
+    """The run ``argv`` makes in ``run_dir``: read back when it finished before with the same
+    ``argv`` (unless ``fresh``), else run from an empty directory (a half-finished run is not
+    resumed: every run has the same start) and stamped; with ``may_run`` false, an unfinished
+    result instead of running."""
     if not fresh and finished(run_dir, argv):
-        result = read_result(arm, seed, run_dir)
+        result = read_result(label, seed, run_dir)
         result.reused = True
         return result
-    shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished run is not resumed: same start
+    if not may_run:
+        return Result(label, seed, run_dir, error="not run yet")
+    shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.monotonic()
-    code = run_once(argv, out / f"{run_dir.name}.log")
+    code = run_once(argv, log_path)
     seconds = time.monotonic() - t0
     summary = RunDir(run_dir).summary
     if code != 0 or not summary.exists():
-        return Result(arm, seed, run_dir, seconds=seconds,
-                      error=f"exit code {code}; see {out / (run_dir.name + '.log')}")
+        return Result(label, seed, run_dir, seconds=seconds,
+                      error=f"exit code {code}; see {log_path}")
     data = json.loads(summary.read_text())
     data["ablation_seconds"] = seconds
     summary.write_text(json.dumps(data, indent=2, default=str))
     RunDir(run_dir).ablation_argv.write_text(json.dumps(argv[1:]))
-    return read_result(arm, seed, run_dir, data)
+    return read_result(label, seed, run_dir, data)
 
 
 def zero_shot(results: list[Result], seed: int) -> Result:

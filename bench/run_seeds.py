@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -30,14 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from autodidact.ablation import (  # noqa: E402
     Result,
-    finished,
     mean_std,
-    read_result,
     run_argv,
-    run_once,
+    run_or_reuse,
     verdict,
 )
-from protocol.run_dir import RunDir  # noqa: E402
 
 STAGES = ("base", "warm", "final")  # Result's evaluations, in the order they happen
 KEYS = ("avg", "best", "greedy")
@@ -49,24 +45,10 @@ def run_seed(config: Path, name: str, seed: int, sets: list[str], may_run: bool,
     else run (unless ``may_run`` is false, then an unfinished result)."""
     run_dir = (runs / f"{name}-s{seed}").resolve()
     argv = run_argv(config, run_dir, None, [*sets, f"seed={seed}", f"name={name}-s{seed}"])
-    if finished(run_dir, argv):
-        result = read_result(name, seed, run_dir)
-        result.reused = True
-        return result
-    if not may_run:
-        return Result(name, seed, run_dir, error="not run yet")
-    print(f"[seeds] seed {seed}: {' '.join(argv[2:])}", flush=True)
-    t0 = time.monotonic()
     log = run_dir.parent / f"{run_dir.name}.log"
-    code = run_once(argv, log)
-    summary_path = RunDir(run_dir).summary
-    if code != 0 or not summary_path.exists():
-        return Result(name, seed, run_dir, error=f"exit code {code}; see {log}")
-    summary = json.loads(summary_path.read_text())
-    summary["ablation_seconds"] = time.monotonic() - t0
-    summary_path.write_text(json.dumps(summary, indent=2, default=str))
-    RunDir(run_dir).ablation_argv.write_text(json.dumps(argv[1:]))
-    return read_result(name, seed, run_dir, summary)
+    print(f"[seeds] seed {seed}: {' '.join(argv[2:])} (reused if finished; log {log})",
+          flush=True)
+    return run_or_reuse(name, seed, run_dir, argv, log, may_run=may_run)
 
 
 def summarize(results: list[Result]) -> dict:
