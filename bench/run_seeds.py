@@ -22,8 +22,6 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -34,6 +32,7 @@ from autodidact.ablation import (  # noqa: E402
     run_or_reuse,
     verdict,
 )
+from protocol.config import load_config, read_yaml  # noqa: E402
 
 STAGES = ("base", "warm", "final")  # Result's evaluations, in the order they happen
 KEYS = ("avg", "best", "greedy")
@@ -108,9 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the per-seed results and summary here")
     parser.add_argument("--no-run", action="store_true", help="only read finished seeds")
     args = parser.parse_args(argv)
-    config_values = yaml.safe_load(args.config.read_text()) or {}
-    name = config_values.get("name") or args.config.stem
-    k = int((config_values.get("eval") or {}).get("k", 8))
+    name = read_yaml(args.config).get("name") or args.config.stem
+    k = load_config(args.config, args.sets).eval.k  # the config's own default when unset
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     results = [run_seed(args.config, name, s, args.sets, not args.no_run) for s in seeds]
     row = summarize(results)
