@@ -237,6 +237,15 @@ class Learner:
             self.metrics.log({"done": 1, "updates": self.updates, "version": self.version},
                              step=self.updates)
 
+    def close(self) -> None:
+        """Finish the weight write in flight and stop its server; close the metrics. A
+        publisher thread still writing when the interpreter exits dies inside torch's C++
+        code and aborts the process ("terminate called without an active exception")."""
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.publisher is not None:
+            self.publisher.close()  # stops the weight server, frees weights.address
+
     def alpha(self) -> float:
         """The process-reward weight now; 0 means outcome only."""
         return self.cfg.alpha_at(self.updates) if self.judged else 0.0
@@ -512,8 +521,6 @@ def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
         learner.run(max_updates)
     finally:
         replay.close()
-        if learner is not None and learner.metrics is not None:
-            learner.metrics.close()
-        if learner is not None and learner.publisher is not None:
-            learner.publisher.close()  # stops the weight server, frees weights.address
+        if learner is not None:
+            learner.close()
         ranks.close()

@@ -139,6 +139,7 @@ def run_scenarios(out: Path, model: str, redis_url: str) -> None:
         if sets.get("parallel") == "fsdp":
             state = check_fsdp_resume(learner, out / name, model, sets, ranks, control) or state
         torch.save({"state": state, "ledger": learner.consumed}, out / name / f"r{ranks.rank}.pt")
+        learner.close()
     ranks.close()
 
 
@@ -155,6 +156,7 @@ def check_fsdp_resume(learner, run_dir: Path, model: str, sets: dict, ranks, con
     for each in (learner, resumed):
         each.update(shares(0)[ranks.rank], 0.0)
     after, again = state_of(learner), state_of(resumed)
+    resumed.close()
     if ranks.is_main:
         torch.save({"after": after, "resumed": again}, run_dir / "resume.pt")
     return None
@@ -257,8 +259,7 @@ def one_rank(model, run_dir: Path, control, **sets):
     learner = Learner(learner_config(model, **sets), run_dir, control, None)
     for u in range(UPDATES):
         learner.update([g for share in shares(u) for g in share], 0.0)
-    learner.publisher.wait()  # its thread announces in Redis, whose client the fixture closes
-    learner.metrics.close()
+    learner.close()  # its publisher thread announces in Redis, whose client the fixture closes
     return learner
 
 
