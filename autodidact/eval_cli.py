@@ -1,12 +1,17 @@
 """``autodidact eval``: avg@k and best@k of a model (or the reference solutions) on an env's
 held-out tasks, through the same rollout code the actors train with.
 
-Writes one JSON line per task and a summary next to it, and prints a table per category.
+Writes one JSON line per task as each batch ends, a summary next to it (with the settings it
+was made with, ``"complete": false`` until the last batch), and prints a table per category.
+``--resume`` continues an interrupted evaluation: tasks already in the file with the same
+settings are not run again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,8 +54,12 @@ from protocol.run_dir import RunDir
               help="Run directory (default runs/<name>): the tiny model, split.json, eval/.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Per-task JSONL (default <run-dir>/eval/<env>-<split>-<policy>-k<k>.jsonl).")
+@click.option("--resume", is_flag=True,
+              help="Keep the tasks --out already holds from an evaluation with the same "
+                   "settings and run only the rest (a larger --per-category holds a smaller "
+                   "one's tasks).")
 def eval_command(config, sets, env_name, split, model_path, k, temperature, policy, limit,
-                 per_category, device, batch_tasks, run_dir, out):
+                 per_category, device, batch_tasks, run_dir, out, resume):
     """Evaluate on the env's held-out tasks: avg@k and best@k, overall and per category.
 
     \b
@@ -67,7 +76,7 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
         ensure_engine(cfg)
     try:
         summary = run_eval(cfg, path, split, model_path, k, temperature, policy, limit,
-                           batch_tasks, out, per_category=per_category)
+                           batch_tasks, out, per_category=per_category, resume=resume)
     except (KeyError, ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(render_table(summary))
@@ -75,11 +84,12 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
 
 def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, k: int,
              temperature: float | None, policy: str, limit: int, batch_tasks: int,
-             out: str | None, per_category: int = 0) -> dict:
+             out: str | None, per_category: int = 0, resume: bool = False) -> dict:
     """:func:`episodes.evaluate.evaluate_model` with ``autodidact eval``'s presentation:
-    progress lines, per-task JSONL and a summary beside it; returns the summary."""
+    progress lines, per-task JSONL written batch by batch and a summary beside it; returns
+    the summary."""
     from environments.base import env_maker
-    from episodes.evaluate import evaluate_model, select_tasks
+    from episodes.evaluate import evaluate_model, select_tasks, summarize
 
     env = env_maker(cfg.env)()
     write_split(run_dir, env)
@@ -88,32 +98,93 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
         raise ValueError(f"env {cfg.env.name!r} has no {split} tasks")
     model_path = model_folder(model_path) if model_path else prepare_model(cfg, run_dir)
     temperature = cfg.eval.temperature if temperature is None else temperature
+    settings = {"env": cfg.env.name, "split": split, "policy": policy, "model": model_path,
+                "k": k, "temperature": temperature, "seed": cfg.seed,
+                "backend": cfg.actor.backend, "env_settings": dataclasses.asdict(cfg.env)}
+    results = EvalResults(out or RunDir(run_dir).eval_results(cfg.env.name, split, policy, k),
+                          settings)
+    kept = results.start({t.task_id for t in tasks}, resume)
+    todo = [t for t in tasks if t.task_id not in {r["task_id"] for r in kept}]
     say(f"eval: {len(tasks)} {cfg.env.name} {split} tasks x {k} ({policy}, model {model_path}, "
-        f"T={temperature}, device {cfg.actor.device})")
+        f"T={temperature}, backend {cfg.actor.backend}, device {cfg.actor.device})"
+        + (f"; {len(kept)} kept from {results.path}" if resume else ""))
     t0 = time.monotonic()
+    new: list[dict] = []
 
-    def progress(done, total):
-        say(f"eval: {done}/{total} tasks ({time.monotonic() - t0:.0f}s)")
+    def on_batch(records: list[dict]) -> None:
+        new.extend(records)
+        results.append(records)
+        say(f"eval: {len(kept) + len(new)}/{len(tasks)} tasks "
+            f"({time.monotonic() - t0:.0f}s)")
 
-    result = evaluate_model(cfg, model_path, split, k=k, temperature=temperature, tasks=tasks,
-                            policy=policy, batch_tasks=batch_tasks, progress=progress)
-    summary = {"env": cfg.env.name, "split": split, "policy": policy, "model": model_path,
-               "k": k, "temperature": temperature, "seconds": time.monotonic() - t0,
+    if todo:
+        evaluate_model(cfg, model_path, split, k=k, temperature=temperature, tasks=todo,
+                       policy=policy, batch_tasks=batch_tasks, on_batch=on_batch)
+    result = summarize(kept + new)
+    summary = {**settings, "complete": True, "seconds": time.monotonic() - t0,
+               "kept_from_before": len(kept),
                **{key: v for key, v in result.items() if key != "per_task"}}
-    write_results(out or RunDir(run_dir).eval_results(cfg.env.name, split, policy, k),
-                  result["per_task"], summary)
+    results.finish(summary)
     return summary
 
 
-def write_results(path, per_task: list[dict], summary: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for record in per_task:
-            f.write(json.dumps(record) + "\n")
-    summary_path = path.with_suffix(".summary.json")
-    summary_path.write_text(json.dumps(summary, indent=1))
-    say(f"eval: per-task results in {path}, summary in {summary_path}")
+class EvalResults:
+    """The per-task JSONL and its summary. The summary holds the settings from the first
+    batch on (``complete`` false until the end), so an interrupted evaluation is known by
+    what made it and ``--resume`` keeps only records the same settings produced."""
+
+    def __init__(self, path, settings: dict):
+        self.path = Path(path)
+        self.summary_path = self.path.with_suffix(".summary.json")
+        self.settings = settings
+
+    def start(self, task_ids: set[str], resume: bool) -> list[dict]:
+        """Records to keep (with ``resume``: those of ``task_ids`` already on disk); the file
+        is rewritten to hold exactly them."""
+        kept = self._previous(task_ids) if resume else []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_summary({**self.settings, "complete": False})
+        with self.path.open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        return kept
+
+    def _previous(self, task_ids: set[str]) -> list[dict]:
+        if not self.path.exists():
+            return []
+        try:
+            before = json.loads(self.summary_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--resume: {self.summary_path} is unreadable ({exc}); drop "
+                             f"--resume to start over") from None
+        changed = sorted(key for key in self.settings if before.get(key) != self.settings[key])
+        if changed:
+            raise ValueError(f"--resume: {self.path} was made with other settings "
+                             f"({', '.join(changed)}); drop --resume to start over, or pass "
+                             f"--out for a new file")
+        records = {}
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # the line a kill cut short: that task runs again
+            if record.get("task_id") in task_ids:
+                records[record["task_id"]] = record
+        return list(records.values())
+
+    def append(self, records: list[dict]) -> None:
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish(self, summary: dict) -> None:
+        self._write_summary(summary)
+        say(f"eval: per-task results in {self.path}, summary in {self.summary_path}")
+
+    def _write_summary(self, summary: dict) -> None:
+        tmp = self.summary_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.summary_path)
 
 
 def render_table(summary: dict) -> str:

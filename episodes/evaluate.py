@@ -36,17 +36,20 @@ POLICIES = ("model", "ground-truth")
 def select_tasks(cfg: RunConfig, split: str = "test", limit: int = 0,
                  env: Environment | None = None, per_category: int = 0) -> list[Task]:
     """The ``split`` tasks of the config's env (or of ``env``, one already made); with
-    ``per_category``, that many of each category; with ``limit``, that many of them. Draws use
-    ``cfg.seed`` (the same draw every time, so runs and evaluations of one config share their
-    tasks)."""
+    ``per_category``, the first that many of each category in an order shuffled with the seed
+    (so a larger ``per_category`` holds a smaller one's tasks); with ``limit``, that many of
+    them. Draws use ``cfg.seed`` (the same draw every time, so runs and evaluations of one
+    config share their tasks)."""
     tasks = (env or env_maker(cfg.env)()).tasks(split)
     rng = random.Random(cfg.seed)
     if per_category:
         by_category = defaultdict(list)
         for task in tasks:
             by_category[task_category(task)].append(task)
-        tasks = [t for _, group in sorted(by_category.items())
-                 for t in rng.sample(group, min(per_category, len(group)))]
+        tasks = []
+        for _, group in sorted(by_category.items()):
+            rng.shuffle(group)
+            tasks += group[:per_category]
     if limit:
         tasks = rng.sample(tasks, min(limit, len(tasks)))
     return tasks
@@ -60,7 +63,7 @@ def task_category(task: Task) -> str:
 def evaluate_model(cfg: RunConfig, model_path: str, split: str = "test", k: int = 1,
                    temperature: float = 0.0, *, limit: int = 0, tasks: list[Task] | None = None,
                    greedy: bool = False, policy: str = "model", batch_tasks: int = 64,
-                   progress: Callable[[int, int], None] | None = None) -> dict:
+                   on_batch: Callable[[list[dict]], None] | None = None) -> dict:
     """avg@k and best@k of the model folder ``model_path`` on ``tasks`` (default:
     :func:`select_tasks` of ``split`` and ``limit``), with the config's env and rollout limits
     and the engine ``actor.backend`` names (:func:`inference.engines.make_backend`).
@@ -68,7 +71,8 @@ def evaluate_model(cfg: RunConfig, model_path: str, split: str = "test", k: int 
     The context guard is the smaller of ``env.max_context`` and the model's position limit, so
     no prompt outgrows the model. With ``greedy``, ``"greedy"`` is also the avg success at
     temperature 0 on the same tasks, with the same engine. ``policy="ground-truth"`` replays
-    the references (no engine; the model folder's tokenizer lays the episodes out). Returns
+    the references (no engine; the model folder's tokenizer lays the episodes out).
+    ``on_batch`` gets each batch's task records as soon as the batch ends. Returns
     :func:`evaluate`'s result: ``tasks``, ``avg``, ``best``, ``categories``, ``per_task``.
     """
     from inference.engines import make_backend
@@ -85,11 +89,11 @@ def evaluate_model(cfg: RunConfig, model_path: str, split: str = "test", k: int 
         from transformers import AutoTokenizer
 
         return evaluate(None, tasks, make_env, settings, k=k, batch_tasks=batch_tasks,
-                        seed=cfg.seed, policy=policy, progress=progress,
+                        seed=cfg.seed, policy=policy, on_batch=on_batch,
                         tokenizer=AutoTokenizer.from_pretrained(model_path))
     with make_backend(cfg, model_path) as backend:
         result = evaluate(backend, tasks, make_env, settings, temperature=temperature, k=k,
-                          batch_tasks=batch_tasks, seed=cfg.seed, progress=progress)
+                          batch_tasks=batch_tasks, seed=cfg.seed, on_batch=on_batch)
         if greedy:
             result["greedy"] = evaluate(backend, tasks, make_env, settings, temperature=0.0,
                                         batch_tasks=batch_tasks, seed=cfg.seed)["avg"]
@@ -108,9 +112,10 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
              make_env: Callable[[], Environment], settings: RolloutSettings,
              temperature: float = 0.0, k: int = 1, batch_tasks: int = 64, seed: int = 0,
              policy: str = "model", tokenizer=None,
-             progress: Callable[[int, int], None] | None = None) -> dict:
+             on_batch: Callable[[list[dict]], None] | None = None) -> dict:
     """avg@k and best@k success over ``tasks``, overall and per category, plus one record per
-    task (``per_task``). ``tokenizer`` lays out ground-truth episodes when no backend is given.
+    task (``per_task``). ``tokenizer`` lays out ground-truth episodes when no backend is given;
+    ``on_batch`` receives each batch's records when it ends (a long evaluation keeps them).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
@@ -126,9 +131,10 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
         else:
             for ep in episodes:
                 replay_reference(ep, codec, settings)
-        records += [task_record(episodes[j:j + k]) for j in range(0, len(episodes), k)]
-        if progress is not None:
-            progress(len(records), len(tasks))
+        batch = [task_record(episodes[j:j + k]) for j in range(0, len(episodes), k)]
+        records += batch
+        if on_batch is not None:
+            on_batch(batch)
     return summarize(records)
 
 

@@ -321,6 +321,9 @@ def test_per_category_draws_that_many_of_each_category_the_same_way_every_time()
     other_seed = select_tasks(RunConfig(seed=1), "test", env=env, per_category=3)
     assert [t.task_id for t in other_seed] != [t.task_id for t in drawn]
     assert len(select_tasks(RunConfig(), "test", env=env, per_category=3, limit=5)) == 5
+    # A larger draw holds the smaller one (eval --resume reuses its results).
+    larger = {t.task_id for t in select_tasks(RunConfig(), "test", env=env, per_category=10)}
+    assert {t.task_id for t in drawn} < larger and len(larger) == 10 * len(CATEGORIES)
 
 
 def test_task_fields():

@@ -46,6 +46,48 @@ def test_model_policy_reports_avg_and_best(tmp_path, files_policy_path):
     assert summary["avg"] <= summary["best"] and summary["temperature"] == 1.0
 
 
+def test_results_land_batch_by_batch_and_resume_runs_only_the_missing_tasks(
+        tmp_path, files_policy_path, monkeypatch):
+    import episodes.evaluate as evaluation
+
+    out = tmp_path / "gt.jsonl"
+    args = ["--run-dir", str(tmp_path), "--policy", "ground-truth", "-k", "1",
+            "--model", files_policy_path, "--out", str(out), "--batch-tasks", "2"]
+    seen = []
+    loop = evaluation.evaluate
+
+    def spy(backend, tasks, *a, on_batch=None, **kw):
+        def recorded(records):
+            seen.append(len(out.read_text().splitlines()))  # on disk before this batch
+            on_batch(records)
+        return loop(backend, tasks, *a, on_batch=recorded, **kw)
+
+    monkeypatch.setattr(evaluation, "evaluate", spy)
+    _eval(*args, "--limit", "6")
+    assert seen == [0, 2, 4] and len(out.read_text().splitlines()) == 6
+    # Killed after four tasks, the fifth line half written:
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])
+    summary_path = out.with_suffix(".summary.json")
+    summary = json.loads(summary_path.read_text())
+    summary_path.write_text(json.dumps({**summary, "complete": False}))
+    seen.clear()
+    result = _eval(*args, "--limit", "6", "--resume")
+    assert "4 kept" in result.output and seen == [4]  # one batch: the two missing tasks
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["task_id"] for r in records) == sorted(json.loads(l)["task_id"]
+                                                           for l in lines)
+    resumed = json.loads(summary_path.read_text())
+    assert resumed["complete"] and resumed["kept_from_before"] == 4 and resumed["tasks"] == 6
+    assert resumed["avg"] == 1.0
+    # Other settings: refused, nothing touched.
+    before = out.read_text()
+    refused = CliRunner().invoke(main, ["eval", *args, "--limit", "6", "--resume",
+                                        "--temperature", "0.5"])
+    assert refused.exit_code == 1 and "temperature" in refused.output
+    assert "drop --resume" in refused.output and out.read_text() == before
+
+
 def test_bad_k_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["eval", "--run-dir", str(tmp_path), "-k", "0"])
     assert result.exit_code == 2 and "-k" in result.output
