@@ -67,6 +67,12 @@ def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
     ensure_engine(cfg)
     check_curve(cfg, cfg.replay.address)
     path.mkdir(parents=True, exist_ok=True)
+    from autodidact.launcher import claim_run_dir
+
+    try:
+        claim_run_dir(path)  # held until this process exits, however it exits
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
     if single_process:
         from autodidact.single_process import run_single_process
 

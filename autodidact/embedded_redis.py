@@ -6,7 +6,9 @@ would be too long for the OS) and protected by a password generated once per run
 the server through its stdin, never its argv). Its append-only file and snapshot live under
 ``<run_dir>/redis`` so control-plane state survives a restart; :meth:`EmbeddedRedis.restart`
 brings a dead server back on the same URL. It is stopped on exit, Ctrl-C and error by the
-launcher's context manager; ``atexit`` is a last resort.
+launcher's context manager, and by the kernel's parent-death signal when its parent is killed
+outright; ``atexit`` is a last resort. A server of the same run directory that is still alive
+(an earlier launcher's) is refused, never doubled: two servers on one AOF corrupt it.
 
 Other machines: with ``bind="HOST:PORT"`` (config ``redis.bind``, e.g. ``0.0.0.0:6379``; port
 0 picks a free one, kept across restarts) the server also listens on TCP there, password
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import redis
 
+from autodidact.supervisor import die_with_parent
 from protocol.config import redact_url
 from protocol.run_dir import REDIS_REMOTE_URL, RunDir
 from protocol.transport import free_tcp_port
@@ -90,6 +93,7 @@ class EmbeddedRedis:
 
     def start(self) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._refuse_a_live_server()
         password = self._password()
         args = [redis_server_binary(), "--dir", str(self.data_dir), "--daemonize", "no",
                 "--appendonly", "yes", "--save", "60 1", "--loglevel", "warning",
@@ -115,7 +119,7 @@ class EmbeddedRedis:
         # The password goes in through stdin as a config line, not argv: ps shows argv.
         self.proc = subprocess.Popen([*args, "-"], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self.proc.stdin.write(f"requirepass {password}\n".encode())
         self.proc.stdin.close()
         if not self._atexit:
@@ -128,6 +132,19 @@ class EmbeddedRedis:
             log.info("embedded redis-server also on tcp %s:%d for other machines (URL in %s)",
                      self.bind_host, self.port, self.paths.redis_remote_url)
         return self.url
+
+    def _refuse_a_live_server(self) -> None:
+        """RuntimeError when the pid file names a live redis-server working in this data
+        directory (redis changes into ``--dir``; a reused pid works elsewhere)."""
+        try:
+            pid = int(self.paths.redis_pid.read_text().strip())
+            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        except (OSError, ValueError):
+            return  # no pid file, or its process is gone
+        if cwd == self.data_dir.resolve():
+            raise RuntimeError(f"a redis-server (pid {pid}) still serves {self.data_dir}, "
+                               f"left by an earlier run of this directory; stop it (kill "
+                               f"{pid}) before starting this run again")
 
     def _tcp_hosts(self, local: bool = True) -> list[str]:
         """Addresses of the TCP listener: the bind host, and loopback too (``local``) for this

@@ -1,6 +1,7 @@
 """``autodidact run``: compose one run on one machine, every role its own process.
 
     cfg: resolved once (autodidact/resolve.py); a new config once Redis, then the model, is known
+    the CLI holds the run directory's launcher lock (claim_run_dir) for the whole run
     with private Redis (unless redis.url), Supervisor() as roles:
         coordinator.start()                        run state, admission counters
         start replay; wait until it answers
@@ -15,7 +16,8 @@
             reporter.tick(roles)  every 10 s: progress line, replay stats, wandb, restarts
         stages.after_training: export the final weights, evaluate held-out success;
             summary.json; the summary line
-    everything is stopped on exit, Ctrl-C and error
+    everything is stopped on exit, Ctrl-C and error; every child, Redis included, also has
+    the parent-death signal, so a launcher killed outright takes its roles with it
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from autodidact.supervisor import Supervisor, stop_signals_interrupt
 from autodidact.tracking import WandbMirror, read_summary
 from protocol.config import RunConfig, redact_url, redacted_config
 from protocol.errors import TransportTimeout
-from protocol.run_dir import RunDir
+from protocol.run_dir import RunDir, single_writer_lock
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -66,6 +68,16 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
         except KeyboardInterrupt:
             console.print("[yellow]interrupted: stopping every role (the learner checkpoints)[/]")
             return 130
+
+
+def claim_run_dir(run_dir: Path) -> int:
+    """The run directory's launcher lock (an fd; held until closed or this process dies);
+    RuntimeError naming the holder's pid when another launcher has it. Two launchers on one
+    directory would run two Redis servers on one AOF and two learners on one ledger."""
+    rd = RunDir(run_dir)
+    return single_writer_lock(rd.path, rd.launcher_lock.name,
+                              f"{run_dir} is in use by another autodidact run (pid {{pid}}); "
+                              f"stop it first, or use another --run-dir")
 
 
 def start_control_plane(stack: contextlib.ExitStack, cfg: RunConfig,

@@ -183,8 +183,7 @@ def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
 
         def close_learner():  # what learner.main() does after run()
             learner.replay.close()
-            learner.metrics.close()
-            learner.publisher.close()
+            learner.close()
 
         roles["learner"] = RoleThread("learner", lambda: learner.run(max_updates),
                                       learner.request_stop, close_learner)

@@ -2,12 +2,15 @@
 
 Each role is a separate OS process running ``python -m <module> ...``; the supervisor only
 watches exit codes. Stopping sends SIGTERM (roles finish their current unit of work and close
-their sockets), then SIGKILL after a grace period.
+their sockets), then SIGKILL after a grace period. Every child also gets the kernel's
+parent-death signal (:func:`die_with_parent`): a supervisor killed with SIGKILL, which runs
+no clean-up of its own, still takes its roles with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -19,6 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+try:  # resolved here, not in the child: between fork and exec only the call itself is safe
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: stop() and process groups still clean up
+    _prctl = None
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for every child of a run: SIGTERM when the parent dies, however it
+    dies (the child then stops as if the run were stopped)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -67,7 +83,8 @@ class Supervisor:
             return subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT,
                                     env={**os.environ, **spec.env},
-                                    start_new_session=spec.process_group)
+                                    start_new_session=spec.process_group,
+                                    preexec_fn=die_with_parent)
         finally:
             if spec.log_path:
                 out.close()

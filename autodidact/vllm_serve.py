@@ -9,7 +9,6 @@ engine-core process).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -19,14 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: the session and stop() still clean up
-        pass
+from autodidact.supervisor import die_with_parent
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,7 +73,7 @@ class VLLMServer:
         try:
             self.proc = subprocess.Popen(self.argv(), env=self.env(), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         finally:
             log.close()
         try:

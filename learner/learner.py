@@ -45,7 +45,7 @@ from protocol.config import LearnerConfig, RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import RunDir
+from protocol.run_dir import LEARNER_LOCK, RunDir, single_writer_lock
 from protocol.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -497,9 +497,18 @@ def _mean(values: list[float]) -> float:
 
 def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
          resume: bool = False) -> None:
-    """One learner process; under ``torchrun`` (``WORLD_SIZE`` > 1) one rank of several."""
+    """One learner process; under ``torchrun`` (``WORLD_SIZE`` > 1) one rank of several. Rank 0
+    holds the run directory's learner lock: a second learner would train the same groups and
+    write the same checkpoint."""
     torch.set_num_threads(cfg.learner.torch_threads)
     ranks = Ranks.from_env()
+    if ranks.is_main:
+        try:
+            single_writer_lock(Path(run_dir), LEARNER_LOCK,
+                               f"another learner (pid {{pid}}) is training {run_dir}; stop it "
+                               f"first (two learners would train the same groups twice)")
+        except RuntimeError as exc:  # the lock stays held until this process exits
+            raise SystemExit(f"learner: {exc}") from None
     ranks.start(ranks.device(cfg.learner.device))
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     replay = ReplayClient.for_run(cfg)

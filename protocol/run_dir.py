@@ -11,6 +11,8 @@ never by spelling a name itself, so the layout below is the whole contract::
         summary.json                held-out success before/after warm-start and after RL,
                                     restarts, the learner's last record (autodidact run)
         pids.json                   pid of every supervised role; pids-<node>.json per node
+        launcher.lock, learner.lock held (flock) by the run's one launcher and one learner;
+                                    each holds its pid
         metrics.jsonl               every role's metrics records, appended
         split.json                  the env's task ids that train and those held out
         logs/<role>.log             each role's stdout and stderr
@@ -39,9 +41,10 @@ never by spelling a name itself, so the layout below is the whole contract::
         report/                     autodidact report's plots, report.md, series.json
         ablation-argv.json          the command an ablation arm ran (autodidact ablation)
 
-Each LMDB store has one writer: :func:`single_writer_lock` takes an ``flock`` on a file in the
-store's directory. The kernel drops the lock when the holder dies, even by SIGKILL, so a
-crashed writer never leaves a stale lock behind. Each is opened only after
+Each LMDB store has one writer, and a run directory one launcher and one learner:
+:func:`single_writer_lock` takes an ``flock`` on a file and writes the holder's pid into it.
+The kernel drops the lock when the holder dies, even by SIGKILL, so a crashed holder never
+leaves a stale lock behind. Each is opened only after
 :func:`check_lmdb_store` has compared its data file with the file's own meta pages.
 """
 
@@ -55,6 +58,8 @@ from pathlib import Path
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
 PIDS = "pids.json"
+LAUNCHER_LOCK = "launcher.lock"
+LEARNER_LOCK = "learner.lock"
 METRICS = "metrics.jsonl"
 SPLIT = "split.json"
 LOGS = "logs"
@@ -111,6 +116,14 @@ class RunDir:
     @property
     def pids(self) -> Path:
         return self.path / PIDS
+
+    @property
+    def launcher_lock(self) -> Path:
+        return self.path / LAUNCHER_LOCK
+
+    @property
+    def learner_lock(self) -> Path:
+        return self.path / LEARNER_LOCK
 
     def node_pids(self, node: str) -> Path:
         return self.path / f"pids-{node}.json"
@@ -252,15 +265,20 @@ class RunDir:
 
 
 def single_writer_lock(store_dir: Path, lock_name: str, busy_message: str) -> int:
-    """Take the lock ``store_dir/lock_name`` (creating the directory) and return its fd, which
-    holds the lock until closed; raise RuntimeError(``busy_message``) if another process has it."""
+    """Take the lock ``store_dir/lock_name`` (creating the directory), write this process's
+    pid into it and return its fd, which holds the lock until closed; raise
+    RuntimeError(``busy_message``, with ``{pid}`` replaced by the holder's) if another process
+    has it."""
     store_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(store_dir / lock_name, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(store_dir / lock_name, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RuntimeError(busy_message) from None
+        raise RuntimeError(busy_message.replace("{pid}", holder)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 

@@ -59,7 +59,8 @@ class TaskStore:
             # Two explorers on one run is a launch mistake that would interleave their tasks.
             lock = self.path / LOCK_FILE
             self._lock = single_writer_lock(self.path, LOCK_FILE,
-                                            f"another writer holds the task store {self.path} "
+                                            f"another writer (pid {{pid}}) holds the task "
+                                            f"store {self.path} "
                                             f"(lock {lock}); open it with readonly=True to read")
         try:
             check_lmdb_store(self.path)

@@ -105,8 +105,8 @@ class ReplayServer:
         with contextlib.ExitStack() as undo:  # a failed start releases what it took
             # Two servers would each trust their own in-memory index of the same store.
             path = store_path(run_dir)
-            self._lock = single_writer_lock(path, "server.lock",
-                                            f"another replay server is serving {path}")
+            self._lock = single_writer_lock(
+                path, "server.lock", f"another replay server (pid {{pid}}) is serving {path}")
             undo.callback(os.close, self._lock)
             self.store = Store(run_dir, map_size=cfg.map_size)
             undo.callback(self.store.close)

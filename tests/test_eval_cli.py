@@ -75,8 +75,8 @@ def test_results_land_batch_by_batch_and_resume_runs_only_the_missing_tasks(
     result = _eval(*args, "--limit", "6", "--resume")
     assert "4 kept" in result.output and seen == [4]  # one batch: the two missing tasks
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["task_id"] for r in records) == sorted(json.loads(l)["task_id"]
-                                                           for l in lines)
+    assert sorted(r["task_id"] for r in records) == sorted(json.loads(line)["task_id"]
+                                                           for line in lines)
     resumed = json.loads(summary_path.read_text())
     assert resumed["complete"] and resumed["kept_from_before"] == 4 and resumed["tasks"] == 6
     assert resumed["avg"] == 1.0
