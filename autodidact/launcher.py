@@ -120,12 +120,15 @@ def train(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, roles: Superv
                          cfg.tracking.group)
     try:
         try:
-            code = supervise(cfg, run_dir, coordinator, roles, mirror)
+            failed = supervise(cfg, run_dir, coordinator, roles, mirror)
         finally:
             coordinator.finishing()
             roles.stop()
+        code = 1 if failed else 0
         summary["restarts"] = coordinator.restarts(roles)
-        summary.update(after_training(cfg, run_dir, learner_finished=code == 0))
+        summary["failed_roles"] = failed
+        summary.pop("success_rl", None)  # an earlier run's, when this one was a resume
+        summary.update(after_training(cfg, run_dir, learner_finished=not failed))
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2, default=str))
     finally:
         mirror.close(summary)  # after the final evaluation, so wandb's summary has it
@@ -135,20 +138,20 @@ def train(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, roles: Superv
 
 
 def supervise(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, roles: Supervisor,
-              mirror: WandbMirror) -> int:
+              mirror: WandbMirror) -> list[str]:
     """Keep Redis and the task queue, restart dead roles and report progress until the
-    learner has finished (exited 0: returns 0) or a role failed for good (returns 1)."""
+    learner has finished (exited 0: returns []) or roles failed for good (returns them)."""
     reporter = Reporter(cfg, run_dir, coordinator, mirror)
     try:
         while True:
             coordinator.tick()
             failed = roles.check()
             if roles.exited("learner") == 0:
-                return 0
+                return []
             if failed:
                 console.print(f"[red]roles failed for good: {failed}; see "
                               f"{RunDir(run_dir).logs}[/]")
-                return 1
+                return failed
             reporter.tick(roles)
             time.sleep(0.5)
     finally:

@@ -115,6 +115,9 @@ def print_summary(summary: dict) -> None:
         return "n/a" if v is None else f"{v:.1%}"
 
     learner = summary.get("learner", {})
+    if summary.get("failed_roles"):
+        console.print(f"[red]run failed: {', '.join(summary['failed_roles'])} failed for good "
+                      f"(their logs are under logs/); no held-out success after RL[/]")
     console.print(f"[bold]summary[/]  held-out avg@k: base {pct('base')} -> warm-start "
                   f"{pct('warm')} -> RL {pct('rl')}   (greedy: {pct('base', 'greedy')} -> "
                   f"{pct('warm', 'greedy')} -> {pct('rl', 'greedy')})   "

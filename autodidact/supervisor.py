@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.errors import EXIT_UNRECOVERABLE
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -101,14 +103,15 @@ class Supervisor:
         return {name: run.restarts for name, run in self.roles.items()}
 
     def check(self) -> list[str]:
-        """Restart dead roles whose back-off has passed; returns the names of failed roles."""
+        """Restart dead roles whose back-off has passed; returns the names of failed roles
+    (those out of restarts, and at once those that exited with EXIT_UNRECOVERABLE)."""
         failed = []
         now = time.monotonic()
         for name, run in self.roles.items():
             code = run.proc.poll()
             if code is None:
                 continue
-            if code == 0 or not run.spec.restart:
+            if code == 0 or not run.spec.restart or code == EXIT_UNRECOVERABLE:
                 if code != 0:
                     failed.append(name)
                 continue

@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import pickle
-import random
-import re
 import signal
 import time
 from pathlib import Path
@@ -37,13 +33,21 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner.batching import build_batch, token_budget_parts
+from learner.checkpoint import (  # noqa: F401  (CheckpointError, load_checkpoint: the API)
+    CheckpointError,
+    load_checkpoint,
+    read_checkpoint,
+    rng_states,
+    save_checkpoint,
+    set_rng_states,
+)
 from learner.distributed import SINGLE, Ranks
 from learner.logprobs import prepare_for_training, token_logprobs
 from learner.losses import navigation_terms, policy_loss
 from metrics.jsonl import MetricsWriter
 from protocol.config import LearnerConfig, RunConfig
 from protocol.control import ControlPlane
-from protocol.errors import TransportTimeout
+from protocol.errors import TransportTimeout, exit_unrecoverable
 from protocol.replay_client import ReplayClient
 from protocol.run_dir import LEARNER_LOCK, RunDir, single_writer_lock
 from protocol.weights import WeightPublisher
@@ -53,62 +57,6 @@ log = logging.getLogger(__name__)
 # How long replay may hold a batch request it cannot serve yet (BatchRequest.timeout_s): it
 # answers as soon as a group is there, so this only bounds how late a stop is noticed.
 BATCH_WAIT_S = 1.0
-CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "updates", "version", "consumed",
-                   "torch_rng", "numpy_rng", "python_rng")
-
-
-# Checkpoints written before the RNG states were plain tensors hold numpy's as an ndarray.
-# Rebuilding an ndarray runs no code from the file (torch documents this allowlist), so those
-# still load, with weights_only=True all the same.
-_NUMPY_GLOBALS = [getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct,
-                  np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from (refused, not the expected content)."""
-
-
-def rng_states() -> dict:
-    """The RNG states as tensors, ints and lists only, so checkpoints load with
-    ``weights_only=True`` (numpy's state holds an ndarray, which that refuses)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    return {"torch_rng": torch.get_rng_state(),
-            "numpy_rng": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
-                          int(has_gauss), float(gauss)],
-            "python_rng": [version, list(internal), gauss_next]}
-
-
-def set_rng_states(state: dict) -> None:
-    torch.set_rng_state(state["torch_rng"])
-    name, keys, pos, has_gauss, gauss = state["numpy_rng"]
-    keys = keys.numpy() if torch.is_tensor(keys) else keys
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss_next = state["python_rng"]
-    random.setstate((version, tuple(internal), gauss_next))
-
-
-def load_checkpoint(path: Path) -> dict:
-    """Tensors and plain data only (``weights_only=True``): a checkpoint that would need any
-    other object unpickled is refused, before anything in it runs."""
-    try:
-        # CPU first: the saved RNG state must stay a CPU ByteTensor (set_rng_state refuses a
-        # CUDA one); load_state_dict moves model and optimizer tensors to the model's device.
-        with torch.serialization.safe_globals(_NUMPY_GLOBALS):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = f"it asks to unpickle {found.group(1)}" if found else str(exc).splitlines()[0]
-        raise CheckpointError(
-            f"refused to load {path}: not a plain tensor checkpoint ({what}); checkpoints are "
-            "loaded with weights_only=True and never run code from the file") from None
-    missing = [k for k in CHECKPOINT_KEYS if k not in state] if isinstance(state, dict) \
-        else list(CHECKPOINT_KEYS)
-    if missing:
-        raise CheckpointError(f"{path} is not a learner checkpoint: missing {missing}")
-    return state
-
-
 class Learner:
     # A class attribute, so subclasses that skip __init__ (bench/scale_actors.py) get one process.
     ranks: Ranks = SINGLE
@@ -167,12 +115,12 @@ class Learner:
     # --- lifecycle ---
 
     def resume(self) -> bool:
-        """Restore the latest checkpoint if there is one (every rank reads it, so all start
-        from the same weights, optimizer, RNG and ledger)."""
-        path = RunDir(self.run_dir).checkpoint
-        if not path.exists():
+        """Restore the newest good checkpoint if there is one (every rank reads it, so all
+        start from the same weights, optimizer, RNG and ledger)."""
+        found = read_checkpoint(self.run_dir)
+        if found is None:
             return False
-        state = load_checkpoint(path)
+        state, path = found
         self.ranks.load_model_state(self.model, state["model"])
         self.ranks.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -180,28 +128,21 @@ class Learner:
         self.consumed = list(state["consumed"])
         self._consumed_ids = set(self.consumed)
         set_rng_states(state)
-        log.info("resumed at update %d, version %d, %d groups consumed",
-                 self.updates, self.version, len(self.consumed))
+        log.info("resumed from %s at update %d, version %d, %d groups consumed",
+                 path, self.updates, self.version, len(self.consumed))
         return True
 
     def checkpoint(self) -> None:
-        """Write model, optimizer, RNG, version and ledger atomically, then tell replay.
-        Every rank calls it (FSDP gathers the shards); rank 0 writes and commits."""
+        """Write model, optimizer, RNG, version and ledger (learner/checkpoint.py), then tell
+        replay. Every rank calls it (FSDP gathers the shards); rank 0 writes and commits."""
         model = self.ranks.model_state(self.model)
         optimizer = self.ranks.optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_main:
             return
-        path = RunDir(self.run_dir).checkpoint
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {"model": model, "optimizer": optimizer,
-                 "scheduler": self.scheduler.state_dict(),
-                 "updates": self.updates, "version": self.version, "consumed": self.consumed,
-                 **rng_states()}
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        save_checkpoint(self.run_dir, {
+            "model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+            "updates": self.updates, "version": self.version, "consumed": self.consumed,
+            **rng_states()})
         if self._uncommitted:
             self.replay.commit_ledger(self.learner_id, self._uncommitted, self.version)
             self._uncommitted = []
@@ -508,7 +449,7 @@ def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
                                f"another learner (pid {{pid}}) is training {run_dir}; stop it "
                                f"first (two learners would train the same groups twice)")
         except RuntimeError as exc:  # the lock stays held until this process exits
-            raise SystemExit(f"learner: {exc}") from None
+            exit_unrecoverable(f"learner: {exc}")
     ranks.start(ranks.device(cfg.learner.device))
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
     replay = ReplayClient.for_run(cfg)
@@ -521,7 +462,7 @@ def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
             try:
                 learner.resume()
             except CheckpointError as exc:
-                raise SystemExit(f"learner: {exc}") from None
+                exit_unrecoverable(f"learner: {exc}")
         # Every rank reads the checkpoint itself: on nodes that do not share the run
         # directory they would start from different states, and the lockstep would break.
         if not ranks.agree(f"{learner.updates}/{learner.version}/{len(learner.consumed)}"):

@@ -26,6 +26,20 @@ REJECT_REASONS = (
 )
 
 
+# A role's exit code for a state no restart can change (a damaged checkpoint, a lock another
+# process holds): the supervisor gives up on the role at once instead of restarting it.
+EXIT_UNRECOVERABLE = 78  # EX_CONFIG in sysexits.h
+
+
+def exit_unrecoverable(message: str):
+    """Print ``message`` (one line naming the file and what to do) and exit with
+    :data:`EXIT_UNRECOVERABLE`."""
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_UNRECOVERABLE)
+
+
 class AutodidactError(Exception):
     """Base class for errors this package raises on purpose."""
 

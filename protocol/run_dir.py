@@ -20,7 +20,9 @@ never by spelling a name itself, so the layout below is the whole contract::
         policy_init/                the warm-started policy (a Hugging Face model folder)
         policy_final/               the newest published weights over the run's model
         weights/v000042.safetensors published policy versions (the newest weights.keep)
-        checkpoints/latest.pt       the learner's checkpoint (weights, optimizer, ledger)
+        checkpoints/latest.pt       the learner's checkpoint (weights, optimizer, ledger);
+                                    previous.pt the one before it, digests.json the sha256
+                                    of each (learner/checkpoint.py)
         replay.lmdb/                the replay store (written by the replay server only)
         replay.sock                 the replay server's default ipc address
         replay.addr                 the address the replay server bound (while it runs)
@@ -69,6 +71,8 @@ POLICY_FINAL = "policy_final"
 WEIGHTS = "weights"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT = "latest.pt"  # under checkpoints/
+PREVIOUS_CHECKPOINT = "previous.pt"
+CHECKPOINT_DIGESTS = "digests.json"
 REPLAY_STORE = "replay.lmdb"
 REPLAY_ADDR = "replay.addr"
 TASK_STORE = "tasks.lmdb"
@@ -175,6 +179,14 @@ class RunDir:
     @property
     def checkpoint(self) -> Path:
         return self.checkpoints / CHECKPOINT
+
+    @property
+    def previous_checkpoint(self) -> Path:
+        return self.checkpoints / PREVIOUS_CHECKPOINT
+
+    @property
+    def checkpoint_digests(self) -> Path:
+        return self.checkpoints / CHECKPOINT_DIGESTS
 
     # --- stores ---------------------------------------------------------------------------
 

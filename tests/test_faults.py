@@ -595,9 +595,11 @@ def test_checkpoint_round_trips_rng_state_with_weights_only(tmp_path, control,
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1])
     assert expected[2:] == again[2:]
 
-    # A checkpoint of the older format (numpy's RNG state as an ndarray) still resumes.
+    # A checkpoint of the older format (numpy's RNG state as an ndarray, no digests) still
+    # resumes.
     state.update(numpy_rng=np.random.get_state(), python_rng=random.getstate())
     torch.save(state, tmp_path / "checkpoints" / "latest.pt")
+    (tmp_path / "checkpoints" / "digests.json").unlink()
     expected = np.random.rand(3)
     assert resumed.resume() and np.array_equal(np.random.rand(3), expected)
     learner.metrics.close()

@@ -26,6 +26,19 @@ def test_dead_role_is_restarted_with_backoff(tmp_path):
     assert log.read_text().count("up") == 3
 
 
+def test_an_unrecoverable_exit_fails_at_once_without_restarts(tmp_path):
+    from protocol.errors import EXIT_UNRECOVERABLE
+
+    log = tmp_path / "bad.log"
+    spec = RoleSpec("bad", ["-c", f"print('up', flush=True); raise SystemExit("
+                            f"{EXIT_UNRECOVERABLE})"], max_restarts=5, log_path=log)
+    with Supervisor(backoff_s=0.05) as sup:
+        sup.start(spec)
+        wait_for(lambda: sup.check() == ["bad"])
+        assert sup.restart_log == []
+    assert log.read_text().count("up") == 1
+
+
 def test_clean_exit_is_not_restarted(tmp_path):
     with Supervisor(backoff_s=0.05) as sup:
         sup.start(RoleSpec("ok", ["-c", "pass"]))
