@@ -63,6 +63,7 @@ class Actor:
         self.outbox = Outbox(run_dir, actor_id)
         self.tokens = RateMeter()
         self.groups_done = 0
+        self._resend_at: dict[str, float] = {}  # group id -> when to push it again (disk_full)
         self._stop = False
         self._idle_s = 0.0
 
@@ -155,6 +156,7 @@ class Actor:
         while True:
             acks = self.replay.poll_acks(max(0.0, deadline - time.monotonic())
                                          if until_empty else timeout_s)
+            acks = self._hold_back_disk_full(acks)
             if acks:
                 self.outbox.acked(acks)  # logged before the slot is given up
                 stored = sum(status == "stored" for _, status in acks)
@@ -171,6 +173,24 @@ class Actor:
                     log.error("replay refused a group: %s", status)
             if not until_empty or not self.replay.unacked() or time.monotonic() > deadline:
                 return
+
+    def _hold_back_disk_full(self, acks: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Groups replay could not store for want of disk stay in the outbox and are pushed
+        again after a back-off; returns the other acks. Due ones are pushed here."""
+        now = time.monotonic()
+        rest = []
+        for gid, status in acks:
+            if status == "error:disk_full":
+                self._resend_at[gid] = now + self.replay.disk_full_backoff_s
+                self.control.incr("actor/disk_full")
+                log.warning("replay's disk is full: %s kept, pushed again in %.0f s", gid,
+                            self.replay.disk_full_backoff_s)
+            else:
+                rest.append((gid, status))
+        for gid in [g for g, at in self._resend_at.items() if at <= now]:
+            del self._resend_at[gid]
+            self.replay.push_group(self.outbox.group(gid))
+        return rest
 
     def _log(self, groups, rollout_s: float) -> None:
         rewards = [t.reward for g in groups for t in g.trajectories]

@@ -58,6 +58,10 @@ class Outbox:
     def add(self, group: Group) -> None:
         self._write(self._file(group.group_id), codec.encode_body(group))
 
+    def group(self, group_id: str) -> Group:
+        """A group still waiting for its acknowledgement."""
+        return codec.decode_body(Group.TYPE, self._file(group_id).read_bytes())
+
     def recover(self) -> tuple[list[Group], list[Task]]:
         """(groups to re-send, tasks to roll out again) a killed predecessor left behind."""
         tasks = []

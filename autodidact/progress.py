@@ -32,6 +32,7 @@ class ReplayMonitor:
         self.client = ReplayClient.for_run(cfg, timeout_s=5.0)
         self.metrics = MetricsWriter(run_dir, "replay")
         self._last: tuple[float, int] | None = None
+        self.disk_full = False  # the replay store's file system was full at the last look
 
     def log(self) -> None:
         try:
@@ -39,6 +40,7 @@ class ReplayMonitor:
         except (TransportTimeout, RemoteError) as exc:
             log.warning("replay stats unavailable: %s", exc)
             return
+        self.disk_full = bool(stats.get("disk_full_now"))
         now, groups = time.monotonic(), int(stats.get("groups", 0))
         if self._last is not None:
             stats["groups_per_s"] = (groups - self._last[1]) / max(now - self._last[0], 1e-9)
@@ -98,6 +100,9 @@ class Reporter:
             return
         self._last = time.monotonic()
         self.replay.log()
+        if self.replay.disk_full:
+            console.print("  [red]disk full: replay cannot store anything; clients keep their "
+                          "data and retry, the run goes on once space is freed[/]")
         self.mirror.sync(self.progress.update())
         self.coordinator.publish_restarts(roles)
         with contextlib.suppress(redis.RedisError):  # Redis is being restarted

@@ -261,6 +261,9 @@ def _replay(run_dir, cfg, records, live, replay_alive, timeout_s, notes):
             stats = {}
         else:
             source = "replay server"
+            if stats.get("disk_full_now"):
+                notes.append("disk full: the replay server cannot store anything until space "
+                             "is freed on the run directory's file system")
     if not stats:
         stats = store_stats(run_dir)
         if "error" in stats:

@@ -66,15 +66,20 @@ class JudgeWorker:
             try:
                 groups = self.replay.pull_judge_work(self.judge_id, self.cfg.max_groups,
                                                      self.cfg.lease_s)
-            except TransportTimeout:
-                log.warning("%s: replay did not answer a pull; retrying", self.judge_id)
+            except TransportTimeout as exc:  # no answer, or a full disk (ReplayDiskFull)
+                log.warning("%s: pull: %s; retrying", self.judge_id, exc)
                 continue
             if not groups:
                 time.sleep(poll_s)
             for group in groups:
                 if self._stop:  # the rest of the lease simply runs out
                     break
-                self.submit(self.judge_group(group))
+                try:
+                    self.submit(self.judge_group(group))
+                except TransportTimeout as exc:  # its lease runs out; it is judged again
+                    log.warning("%s: labels for %s not stored: %s", self.judge_id,
+                                group.group_id, exc)
+                    break
             if time.monotonic() >= next_log:
                 self.log_metrics()
                 next_log = time.monotonic() + log_every_s

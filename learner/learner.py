@@ -139,13 +139,21 @@ class Learner:
         optimizer = self.ranks.optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_main:
             return
-        save_checkpoint(self.run_dir, {
-            "model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
-            "updates": self.updates, "version": self.version, "consumed": self.consumed,
-            **rng_states()})
+        try:
+            save_checkpoint(self.run_dir, {
+                "model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+                "updates": self.updates, "version": self.version, "consumed": self.consumed,
+                **rng_states()})
+        except OSError as exc:  # a full disk: train on, the next checkpoint tries again
+            log.error("checkpoint at update %d not written (%s); the previous one stands",
+                      self.updates, exc)
+            return
         if self._uncommitted:
-            self.replay.commit_ledger(self.learner_id, self._uncommitted, self.version)
-            self._uncommitted = []
+            try:
+                self.replay.commit_ledger(self.learner_id, self._uncommitted, self.version)
+                self._uncommitted = []
+            except TransportTimeout as exc:  # kept: the next checkpoint commits them all
+                log.warning("ledger commit deferred: %s", exc)
 
     def request_stop(self, *_):
         self._stop = True
@@ -214,8 +222,8 @@ class Learner:
                     self.learner_id, self.share - len(groups), self.version,
                     self.cfg.max_staleness, require_labels=want_labels,
                     label_deadline_s=self.judge_deadline_s, timeout_s=wait)
-            except TransportTimeout:
-                log.warning("replay did not answer a batch request; retrying")
+            except TransportTimeout as exc:  # no answer, or a full disk (ReplayDiskFull)
+                log.warning("batch request: %s; retrying", exc)
                 continue
             if batch.stale_skipped:  # frees their admission slots (protocol/control.py)
                 self.control.free_stale_slots(batch.stale_skipped)

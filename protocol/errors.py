@@ -22,6 +22,7 @@ REJECT_REASONS = (
     "bad_array",  # array bytes that do not match dtype and shape
     "invalid",  # well-typed but inconsistent (e.g. masks of different lengths)
     "store_full",  # the replay store cannot take more data (map full)
+    "disk_full",  # the replay store's file system is full: nothing stored, send again later
     "auth",  # a CURVE handshake refused (unknown client key, plaintext client): no frame read
 )
 
@@ -61,6 +62,12 @@ class SchemaError(AutodidactError):
 
 class TransportTimeout(AutodidactError):
     """A request was not answered within its deadline (after retries)."""
+
+
+class ReplayDiskFull(TransportTimeout):
+    """Replay answered ``disk_full``: nothing was stored. A TransportTimeout, so every caller
+    that waits out an absent server waits out a full disk the same way (the client has
+    already backed off before raising it)."""
 
 
 class RemoteError(AutodidactError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from protocol.config import RunConfig
-from protocol.errors import RemoteError, TransportTimeout
+from protocol.errors import RemoteError, ReplayDiskFull, TransportTimeout
 from protocol.messages import (
     Ack,
     Batch,
@@ -33,6 +33,8 @@ from protocol.security import CurveKeys, curve_for
 from protocol.transport import Channel, ZmqChannel
 
 PUSH_PREFIX = "group:"
+# How long a client waits before it sends again what replay refused with ``disk_full``.
+DISK_FULL_BACKOFF_S = 5.0
 
 
 class ReplayClient:
@@ -43,6 +45,7 @@ class ReplayClient:
             raise ValueError("ReplayClient needs an address or a channel")
         self.channel = channel or ZmqChannel(address, retry_after_s=retry_after_s, curve=curve)
         self.timeout_s = timeout_s
+        self.disk_full_backoff_s = DISK_FULL_BACKOFF_S
         self._acks: list[tuple[str, str]] = []
         self._replies: dict[str, object] = {}  # answers to blocking calls, by msg id
 
@@ -62,7 +65,8 @@ class ReplayClient:
 
     def poll_acks(self, timeout_s: float = 0.0) -> list[tuple[str, str]]:
         """(group_id, status) for pushes answered since the last call: ``stored``,
-        ``duplicate``, or ``error:<reason>`` (refused, e.g. ``error:store_full``; not retried)."""
+        ``duplicate``, or ``error:<reason>`` (refused, e.g. ``error:store_full``; not retried;
+        ``error:disk_full`` means nothing was stored: push it again later)."""
         self._collect(timeout_s)
         out, self._acks = self._acks, []
         return out
@@ -131,6 +135,9 @@ class ReplayClient:
                 raise TransportTimeout(f"no answer to {type(msg).__name__} in time")
             self._collect(min(left, 0.1))
         reply = self._replies.pop(msg_id)
+        if isinstance(reply, Error) and reply.reason == "disk_full":
+            time.sleep(self.disk_full_backoff_s)
+            raise ReplayDiskFull(f"replay: {reply.detail}")
         if isinstance(reply, Error):
             raise RemoteError(reply.reason, reply.detail)
         if not isinstance(reply, expect):  # a confused or hostile server

@@ -5,6 +5,11 @@ commits its consumed ledger, all over one ZeroMQ ROUTER socket. Everything a bur
 changes is written in one LMDB transaction, and nothing is acknowledged before that
 transaction commits: an ack means "on disk".
 
+A write transaction that fails because the file system is full answers every write in it with
+``disk_full`` (nothing of it was stored; clients keep what they sent and try again after a
+back-off) and the stats say ``disk_full: 1`` until a write commits again: the run goes on
+writing by itself once space returns.
+
 LMDB is the truth. The server keeps an in-memory copy of the small per-group index (loaded at
 start) to pick work without scanning the store; whenever a write transaction aborts, the copy
 is reloaded from LMDB rather than patched.
@@ -71,6 +76,10 @@ MAX_KEY_BYTES = 500  # LMDB refuses keys longer than 511 bytes
 WRITES = (Group, StepLabels, LearnerHello, BatchRequest, LedgerCommit)  # handled in the txn
 READS = (JudgePull, StatsRequest, GroupsSince)  # handled after the commit: they see its writes
 STORE_FULL = "replay store is full: grow replay.map_size and restart the replay server"
+DISK_FULL = "no space left on the replay store's file system: nothing stored; send it again later"
+# LMDB reports a write the file system refused as a generic I/O error; with less than this
+# free on the store's file system it is taken for a full disk.
+DISK_FULL_FREE_BYTES = 16 << 20
 MAX_HELD = 1024  # batch requests held at once (one per learner id); past it they are answered
 HELD_TICK_S = 0.05  # how often held requests are tried again when nothing was stored meanwhile
 READ_REPLY_BYTES = 64 * 1024**2  # stored bodies in one StoredGroups reply (at least one group)
@@ -127,6 +136,7 @@ class ReplayServer:
         self._next_lease_sweep = 0.0
         self._nothing_evictable: tuple | None = None  # see _evict
         self._last_logged: dict[str, float] = {}
+        self.disk_full = False  # the last write transaction failed for want of space
         self._handlers = {Group: self._on_group, StepLabels: self._on_labels,
                           LearnerHello: self._on_hello, BatchRequest: self._on_batch_request,
                           LedgerCommit: self._on_ledger, JudgePull: self._on_judge_pull,
@@ -209,6 +219,8 @@ class ReplayServer:
                 elif isinstance(exc, lmdb.MapFullError) and refused != WRITES:
                     self._log_store_full()
                     refused = (Group,) if not refused else WRITES
+                elif isinstance(exc, lmdb.Error) and self._no_space():
+                    return self._refuse_for_space(writes)
                 else:
                     # Not one frame's fault (disk trouble, or a bug outside the handlers):
                     # answer nothing, so clients retry.
@@ -252,6 +264,9 @@ class ReplayServer:
                 self._evict(txn)
             self._save_counters(txn)
         self.counters["write_txns"] += 1
+        if self.disk_full:
+            self.disk_full = False
+            log.warning("replay store writes again: space returned on %s", self.run_dir)
         return replies
 
     def _dispatch(self, txn, inc: Incoming):
@@ -541,6 +556,23 @@ class ReplayServer:
         self.evicted += 1
         self.evicted_stale += stale
 
+    def _no_space(self) -> bool:
+        try:
+            st = os.statvfs(store_path(self.run_dir))
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < DISK_FULL_FREE_BYTES
+
+    def _refuse_for_space(self, writes: list[Incoming]) -> list[tuple[Incoming, object]]:
+        """Every write of the failed transaction answered ``disk_full`` (none was stored)."""
+        self.disk_full = True
+        self.counters["disk_full"] += len(writes)
+        if self._due("disk_full"):
+            log.error("no space left on the file system of %s: %d writes refused with "
+                      "disk_full; free space there and the run goes on by itself",
+                      store_path(self.run_dir), len(writes))
+        return self._settle([(inc, Error("disk_full", DISK_FULL)) for inc in writes])
+
     def _log_store_full(self) -> None:
         if self._due("store_full"):
             log.error("LMDB map full at replay.map_size=%d bytes (%s): pushes are refused with "
@@ -627,7 +659,7 @@ class ReplayServer:
             "evicted": self.evicted, "evicted_stale": self.evicted_stale,
             "oldest_version": min(versions, default=None),
             "newest_version": max(versions, default=None),
-            "learner_version": self.learner_version,
+            "learner_version": self.learner_version, "disk_full_now": int(self.disk_full),
             "received": self.rpc.counters.received, "replied": self.rpc.counters.replied,
         }
         values.update(self.counters)
