@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers_replay import ServerProc, make_group, push_all
+
 from protocol.replay_client import ReplayClient
 from replay.store import Store
 
