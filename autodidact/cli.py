@@ -20,6 +20,7 @@ from autodidact.cli_common import (
     config_option,
     load,
     load_run,
+    private_run_dir,
     role_config,
     role_options,
     set_option,
@@ -66,7 +67,7 @@ def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
     check_model(cfg.model.path)
     ensure_engine(cfg)
     check_curve(cfg, cfg.replay.address)
-    path.mkdir(parents=True, exist_ok=True)
+    private_run_dir(path)
     from autodidact.launcher import claim_run_dir
 
     try:
@@ -115,6 +116,7 @@ def replay(ctx, config, run_dir, sets, address):
     from replay.server import serve
 
     cfg, path = load_run(config, sets, run_dir)
+    private_run_dir(path)
     address = address or cfg.replay.address or None
     try:
         serve(path, cfg.replay, address, check_curve(cfg, address))

@@ -101,8 +101,16 @@ def role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr=None
         raise click.UsageError("a role started alone needs --redis-url and --replay-addr "
                                "(or redis.url / replay.address in its config)")
     check_curve(cfg, cfg.replay.address, cfg.weights.address)
-    path.mkdir(parents=True, exist_ok=True)
+    private_run_dir(path)
     return cfg, path
+
+
+def private_run_dir(path: Path) -> None:
+    """Make the run directory (mode 0700) and give this process, and every process it starts,
+    umask 077: stores, Redis's AOF, checkpoints and logs are the run owner's alone (0600)."""
+    os.umask(0o077)
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
 
 
 def role_options(f):

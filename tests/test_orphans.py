@@ -5,7 +5,8 @@
 - a live redis-server of a run directory is refused, never doubled;
 - run-directory locks name their holder's pid and free themselves when the holder dies;
 - end to end: ``autodidact run --resume`` on a live run directory is refused naming the
-  launcher's pid; SIGKILL of the launcher alone leaves no role and no Redis behind;
+  launcher's pid; SIGKILL of the launcher alone leaves no role and no Redis behind; the run
+  directory is 0700 and its stores, config and Redis AOF are not readable by others;
 - the test session itself fails when a process it started outlives it.
 """
 
@@ -174,12 +175,19 @@ def test_launcher_killed_alone_leaves_nothing_and_a_live_run_refuses_a_second(tm
     roles = []
     try:
         deadline = time.monotonic() + 240
-        while not (rd.pids.exists() and "learner" in json.loads(rd.pids.read_text() or "{}")):
+        while not (rd.pids.exists() and len(json.loads(rd.pids.read_text() or "{}")) >= 4):
             assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "training roles never started"
             time.sleep(0.5)
         roles = [*json.loads(rd.pids.read_text()).values(), int(rd.redis_pid.read_text())]
         assert len(roles) >= 4 and all(alive(p) for p in roles)
+        # The run's files are its owner's alone.
+        assert run_dir.stat().st_mode & 0o777 == 0o700
+        private = [rd.replay_store / "data.mdb", rd.config, rd.checkpoints.parent / "pids.json",
+                   *rd.redis.rglob("*.aof*")]
+        assert len(private) > 3
+        assert {str(p): oct(p.stat().st_mode & 0o077) for p in private if p.is_file()} == \
+            {str(p): "0o0" for p in private if p.is_file()}
 
         second = subprocess.run(run_argv(run_dir, "--resume"), cwd=ROOT, capture_output=True,
                                 text=True, timeout=60)
