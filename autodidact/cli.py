@@ -37,7 +37,7 @@ from autodidact.resolve import Flags
 from autodidact.status_cli import status
 from autodidact.tasks_cli import tasks
 from protocol.config import RunConfig, to_dict
-from protocol.run_dir import RunDir, StoreDamaged
+from protocol.run_dir import RunDir, StoreDamaged, learner_token
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -74,6 +74,7 @@ def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
         claim_run_dir(path)  # held until this process exits, however it exits
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
+    learner_token(path, create=True)  # before replay starts: it serves the learner alone
     if single_process:
         from autodidact.single_process import run_single_process
 

@@ -63,7 +63,7 @@ from learner.learner import Learner
 from protocol.config import RunConfig
 from protocol.messages import Error
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import RunDir
+from protocol.run_dir import RunDir, learner_token
 from protocol.transport import Incoming, LoopbackChannel
 from replay.server import HELD_TICK_S, ReplayServer
 
@@ -92,8 +92,8 @@ class InProcessReplay:
         self._cond = threading.Condition()
         self._answers: dict[int, object] = {}  # id(Incoming) -> reply, for held requests
 
-    def client(self) -> ReplayClient:
-        return ReplayClient(channel=_PacedLoopback(self._handle))
+    def client(self, learner_token: str = "") -> ReplayClient:
+        return ReplayClient(channel=_PacedLoopback(self._handle), learner_token=learner_token)
 
     def _handle(self, msg_id: str, body: bytes, msg) -> object:
         inc = Incoming(route=[], msg_id=msg_id, msg=msg, body=body, size=len(body))
@@ -177,7 +177,7 @@ def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
     with contextlib.ExitStack() as undo:  # a role that fails to build closes those before it
         undo.callback(lambda: [role.close() for role in roles.values()])
 
-        learner = Learner(cfg, run_dir, control, replay.client())
+        learner = Learner(cfg, run_dir, control, replay.client(learner_token(run_dir)))
         if resume:
             learner.resume()
 

@@ -28,10 +28,12 @@ import numpy as np
 from protocol.errors import SchemaError
 
 MAGIC = "autodidact"
-SCHEMA_VERSION = 3  # bump on any incompatible change to a message in protocol/messages.py
+SCHEMA_VERSION = 4  # bump on any incompatible change to a message in protocol/messages.py
 # v2: label deadline (BatchRequest.label_deadline_s, Batch.judge_timeouts). v3: GroupsSince /
 # StoredGroups, and BatchRequest.timeout_s is a long-poll (at most MAX_BATCH_WAIT_S): a v2
 # server would answer at once and let a v3 learner spin, so it refuses v3 frames instead.
+# v4: the learner's requests (LearnerHello, BatchRequest, LedgerCommit) carry its token; an
+# older learner's have none and are refused where the run has one.
 MIN_SCHEMA_VERSION = 1  # oldest version this build still decodes
 ARRAY_EXT = 1
 

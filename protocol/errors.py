@@ -23,6 +23,7 @@ REJECT_REASONS = (
     "invalid",  # well-typed but inconsistent (e.g. masks of different lengths)
     "store_full",  # the replay store cannot take more data (map full)
     "disk_full",  # the replay store's file system is full: nothing stored, send again later
+    "unauthorized",  # a learner-only request without the run's learner token
     "auth",  # a CURVE handshake refused (unknown client key, plaintext client): no frame read
 )
 

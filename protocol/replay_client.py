@@ -40,11 +40,12 @@ DISK_FULL_BACKOFF_S = 5.0
 class ReplayClient:
     def __init__(self, address: str | None = None, retry_after_s: float = 2.0,
                  timeout_s: float = 30.0, channel: Channel | None = None,
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None, learner_token: str = ""):
         if channel is None and address is None:
             raise ValueError("ReplayClient needs an address or a channel")
         self.channel = channel or ZmqChannel(address, retry_after_s=retry_after_s, curve=curve)
         self.timeout_s = timeout_s
+        self.learner_token = learner_token  # sent with the learner's requests only
         self.disk_full_backoff_s = DISK_FULL_BACKOFF_S
         self._acks: list[tuple[str, str]] = []
         self._replies: dict[str, object] = {}  # answers to blocking calls, by msg id
@@ -90,7 +91,8 @@ class ReplayClient:
     # --- learner ---------------------------------------------------------------------------
 
     def hello(self, learner_id: str, version: int, consumed: list[str] = ()) -> dict:
-        return self._request(LearnerHello(learner_id, version, list(consumed)), Ack).info
+        return self._request(LearnerHello(learner_id, version, list(consumed),
+                                          self.learner_token), Ack).info
 
     def request_batch(self, learner_id: str, num_groups: int, version: int,
                       max_staleness: int = 4, require_labels: bool = False,
@@ -101,7 +103,8 @@ class ReplayClient:
         and answers as soon as it has, or empty once ``timeout_s`` has passed; this call waits
         that much longer than its usual deadline."""
         return self._request(BatchRequest(learner_id, num_groups, version, max_staleness,
-                                          require_labels, label_deadline_s, timeout_s), Batch,
+                                          require_labels, label_deadline_s, timeout_s,
+                                          self.learner_token), Batch,
                              timeout_s=self.timeout_s + timeout_s)
 
     # --- readers (the experience role) -----------------------------------------------------
@@ -112,7 +115,8 @@ class ReplayClient:
         return self._request(GroupsSince(since_seq, max_groups), StoredGroups)
 
     def commit_ledger(self, learner_id: str, group_ids: list[str], version: int = 0) -> dict:
-        return self._request(LedgerCommit(learner_id, list(group_ids), version), Ack).info
+        return self._request(LedgerCommit(learner_id, list(group_ids), version,
+                                          self.learner_token), Ack).info
 
     def stats(self) -> dict:
         reply: Stats = self._request(StatsRequest(), Stats)

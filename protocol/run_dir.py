@@ -13,6 +13,8 @@ never by spelling a name itself, so the layout below is the whole contract::
         pids.json                   pid of every supervised role; pids-<node>.json per node
         launcher.lock, learner.lock held (flock) by the run's one launcher and one learner;
                                     each holds its pid
+        learner.token               the secret only the learner's replay requests carry
+                                    (batches, ledger, hello); mode 0600
         metrics.jsonl               every role's metrics records, appended
         split.json                  the env's task ids that train and those held out
         logs/<role>.log             each role's stdout and stderr
@@ -62,6 +64,7 @@ SUMMARY = "summary.json"
 PIDS = "pids.json"
 LAUNCHER_LOCK = "launcher.lock"
 LEARNER_LOCK = "learner.lock"
+LEARNER_TOKEN = "learner.token"
 METRICS = "metrics.jsonl"
 SPLIT = "split.json"
 LOGS = "logs"
@@ -128,6 +131,10 @@ class RunDir:
     @property
     def learner_lock(self) -> Path:
         return self.path / LEARNER_LOCK
+
+    @property
+    def learner_token(self) -> Path:
+        return self.path / LEARNER_TOKEN
 
     def node_pids(self, node: str) -> Path:
         return self.path / f"pids-{node}.json"
@@ -274,6 +281,24 @@ class RunDir:
     @property
     def ablation_argv(self) -> Path:
         return self.path / ABLATION_ARGV
+
+
+def learner_token(run_dir: Path, create: bool = False) -> str:
+    """The run's learner token ("" when it has none; with ``create``, made once, mode 0600).
+    The replay server started on a run directory that has one serves batches, ledger commits
+    and hellos only to requests that carry it."""
+    path = RunDir(run_dir).learner_token
+    if create and not path.exists():
+        import secrets
+
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # made meanwhile by another process
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(24))
+    return path.read_text().strip() if path.exists() else ""
 
 
 def single_writer_lock(store_dir: Path, lock_name: str, busy_message: str) -> int:

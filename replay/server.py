@@ -5,6 +5,11 @@ commits its consumed ledger, all over one ZeroMQ ROUTER socket. Everything a bur
 changes is written in one LMDB transaction, and nothing is acknowledged before that
 transaction commits: an ack means "on disk".
 
+The learner's requests (hello, batches, ledger commits) move what every other role sees: the
+stale floor, what is consumed. On a run directory with a learner token
+(:func:`protocol.run_dir.learner_token`, made by ``autodidact run``) only requests carrying
+it are served; others are refused ``unauthorized`` and counted.
+
 A write transaction that fails because the file system is full answers every write in it with
 ``disk_full`` (nothing of it was stored; clients keep what they sent and try again after a
 back-off) and the stats say ``disk_full: 1`` until a write commits again: the run goes on
@@ -25,6 +30,7 @@ Start it with ``autodidact replay --run-dir DIR [--address A] [--set key=value .
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import signal
@@ -55,7 +61,7 @@ from protocol.messages import (
     StepLabels,
     StoredGroups,
 )
-from protocol.run_dir import RunDir, single_writer_lock
+from protocol.run_dir import RunDir, learner_token, single_writer_lock
 from protocol.security import CurveKeys
 from protocol.transport import Incoming, RouterServer, local_address
 from replay.store import (
@@ -76,6 +82,9 @@ MAX_KEY_BYTES = 500  # LMDB refuses keys longer than 511 bytes
 WRITES = (Group, StepLabels, LearnerHello, BatchRequest, LedgerCommit)  # handled in the txn
 READS = (JudgePull, StatsRequest, GroupsSince)  # handled after the commit: they see its writes
 STORE_FULL = "replay store is full: grow replay.map_size and restart the replay server"
+UNAUTHORIZED = ("only the run's learner may ask for batches, commit the ledger or say hello "
+                "(its requests carry <run-dir>/learner.token)")
+LEARNER_ONLY = (LearnerHello, BatchRequest, LedgerCommit)
 DISK_FULL = "no space left on the replay store's file system: nothing stored; send it again later"
 # LMDB reports a write the file system refused as a generic I/O error; with less than this
 # free on the store's file system it is taken for a full disk.
@@ -137,14 +146,17 @@ class ReplayServer:
         self._nothing_evictable: tuple | None = None  # see _evict
         self._last_logged: dict[str, float] = {}
         self.disk_full = False  # the last write transaction failed for want of space
+        self.learner_token = learner_token(self.run_dir)  # "": any client may act as learner
         self._handlers = {Group: self._on_group, StepLabels: self._on_labels,
                           LearnerHello: self._on_hello, BatchRequest: self._on_batch_request,
                           LedgerCommit: self._on_ledger, JudgePull: self._on_judge_pull,
                           StatsRequest: self._on_stats, GroupsSince: self._on_groups_since}
         self._reload()
-        log.info("replay server on %s: %d groups in %s; %s", self.address, len(self.index),
-                 store_path(run_dir), f"CURVE, {len(curve.authorized)} authorized client keys"
-                 if curve else "plaintext (security.keys_dir empty)")
+        log.info("replay server on %s: %d groups in %s; %s; learner requests %s", self.address,
+                 len(self.index), store_path(run_dir),
+                 f"CURVE, {len(curve.authorized)} authorized client keys"
+                 if curve else "plaintext (security.keys_dir empty)",
+                 "need the learner token" if self.learner_token else "open (no learner.token)")
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -270,6 +282,12 @@ class ReplayServer:
         return replies
 
     def _dispatch(self, txn, inc: Incoming):
+        if isinstance(inc.msg, LEARNER_ONLY) and not self._from_learner(inc.msg):
+            self.rpc.counters.rejected["unauthorized"] += 1
+            if self._due("unauthorized"):
+                log.warning("refused %s from %r: it does not carry the run's learner token",
+                            type(inc.msg).TYPE, inc.msg.learner_id[:80])
+            return Error("unauthorized", UNAUTHORIZED)
         try:
             return self._handlers[type(inc.msg)](txn, inc)
         except SchemaError as exc:  # well-formed but inconsistent with what is stored
@@ -282,6 +300,10 @@ class ReplayServer:
             if txn is None:
                 return self._internal_error(exc)
             raise _HandlerCrash(inc, exc) from exc
+
+    def _from_learner(self, msg) -> bool:
+        return not self.learner_token or hmac.compare_digest(msg.token.encode(),
+                                                             self.learner_token.encode())
 
     def _internal_error(self, exc: Exception) -> Error:
         self.counters["errors/internal"] += 1
