@@ -140,6 +140,33 @@ def replay_stats(run_dir):
         raise click.ClickException(str(exc)) from None
 
 
+@replay.command("check")
+@click.option("--run-dir", type=click.Path(exists=True, file_okay=False), required=True,
+              help="Run directory holding replay.lmdb.")
+def replay_check(run_dir):
+    """Verify every stored group against its checksum (read-only; safe while replay runs).
+
+    Prints what was checked and each damaged group; exits 1 when any is damaged."""
+    from replay.store import check_store
+
+    store = RunDir(run_dir).replay_store
+    if not store.exists():
+        raise click.UsageError(f"no replay store at {store}")
+    try:
+        found = check_store(run_dir)
+    except StoreDamaged as exc:
+        raise click.ClickException(str(exc)) from None
+    for gid, why in sorted(found["damaged"].items()):
+        click.echo(f"damaged {gid}: {why}")
+    click.echo(f"replay check {store}: {found['groups']} groups, {found['verified']} verified, "
+               f"{found['unchecked']} stored before checksums (decoded only), "
+               f"{len(found['damaged'])} damaged")
+    if found["damaged"]:
+        raise click.ClickException(
+            f"{len(found['damaged'])} damaged groups in {store}: restore it from a copy, or "
+            f"stop the run and move it away to start an empty store")
+
+
 # --- actor and learner ------------------------------------------------------------------------
 
 

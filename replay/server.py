@@ -393,7 +393,7 @@ class ReplayServer:
         if got != want:
             raise SchemaError("invalid", f"labels per step {got} for a group with steps {want}",
                               "labels")
-        self.store.put_labels(txn, labels.group_id, inc.body)
+        self.store.put_labels(txn, labels.group_id, inc.body, rec)
         rec.judged = True
         self.store.put_record(txn, labels.group_id, rec)
         self.unjudged.pop(labels.group_id, None)

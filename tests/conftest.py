@@ -25,9 +25,13 @@ SESSION_MARK = f"AUTODIDACT_TEST_SESSION={uuid.uuid4().hex}"
 os.environ["AUTODIDACT_TEST_SESSION"] = SESSION_MARK.partition("=")[2]
 
 
+# Python's own helpers of this process: they exit when it does.
+OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def session_processes() -> dict[int, str]:
     """pid -> command line of every live process started under this session (not this one:
-    its own environment is the one it started with)."""
+    its own environment is the one it started with; not Python's helpers of this one)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -37,9 +41,13 @@ def session_processes() -> dict[int, str]:
                 if SESSION_MARK.encode() not in f.read().split(b"\0"):
                     continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rpartition(")")[2].split()[1])
         except OSError:  # gone meanwhile, or a zombie
             continue
+        if not (parent == os.getpid() and any(h in cmd for h in OWN_HELPERS)):
+            found[int(entry)] = cmd
     return found
 
 

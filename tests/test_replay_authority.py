@@ -6,8 +6,8 @@ with a hello; the refusals are counted, and the real learner is served as before
 from __future__ import annotations
 
 import pytest
-
 from helpers_replay import ServerProc, labels_for, make_group, push_all
+
 from protocol.errors import RemoteError
 from protocol.messages import MAX_VERSION
 from protocol.replay_client import ReplayClient
