@@ -12,9 +12,20 @@ only:
 - lost = acknowledged but not stored; duplicates = ids the ledger holds more than once;
 - skipped = ids replay marks consumed that the checkpoint's ledger does not hold.
 
+Faults beyond role kills, each once, at a share of the time (``--faults``):
+
+- ``launcher``: SIGKILL the launcher alone; every role and Redis must be gone within 20 s
+  (``orphans`` counts those that were not), then ``autodidact run --resume`` carries on;
+- ``checkpoint``: flip 64 bytes of ``checkpoints/latest.pt``, then SIGKILL the learner: the
+  restarted learner refuses the damaged file and resumes from ``previous.pt``
+  (``checkpoint_fallbacks``); replay serves again what only the lost checkpoint covered;
+- ``--map-size`` small: the store fills, pushes are refused ``store_full`` and the run goes on
+  (``store_full`` in the report).
+
 Usage::
 
     .venv/bin/python bench/soak.py [--minutes 10] [--kill-every 60] [--run-dir runs/soak]
+                                   [--faults launcher,checkpoint] [--map-size BYTES]
 
 Exits 1 when anything was lost or trained twice.
 """
@@ -36,19 +47,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from metrics.jsonl import read_metrics  # noqa: E402
 from replay.store import Store  # noqa: E402
 
 QUICK = ROOT / "configs" / "quick.yaml"
 
 
-def start_run(run_dir: Path, args) -> subprocess.Popen:
+def start_run(run_dir: Path, args, resume: bool = False) -> subprocess.Popen:
     sets = [f"actor.num_actors={args.actors}", f"judge.workers={args.judges}",
             "eval.num_tasks=0", "learner.max_updates=1000000", "tracking.wandb=disabled",
             f"learner.max_minutes={args.minutes + 30}", "learner.checkpoint_every=5",
             f"name=soak-{args.seed}", f"seed={args.seed}"]
+    if args.map_size:
+        sets.append(f"replay.map_size={args.map_size}")
     cmd = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
-           "-c", str(QUICK), *[a for s in sets for a in ("--set", s)]]
-    log = open(run_dir / "launcher.log", "wb")
+           "-c", str(QUICK), *[a for s in sets for a in ("--set", s)],
+           *(["--resume"] if resume else [])]
+    log = open(run_dir / "launcher.log", "ab")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -72,9 +87,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for_rl(run_dir: Path, launcher: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_for_rl(run_dir: Path, launcher: subprocess.Popen, timeout_s: float = 600,
+                require_new_learner: int | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    while "learner" not in role_pids(run_dir):
+    while role_pids(run_dir).get("learner") in (None, require_new_learner):
         if launcher.poll() is not None or time.monotonic() > deadline:
             sys.exit(f"the run did not reach RL; see {run_dir / 'launcher.log'}")
         time.sleep(1)
@@ -85,15 +101,20 @@ def kind(role: str) -> str:
     return role.split("-")[0]
 
 
-def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, Counter]:
-    """Kill a random role every ~kill_every s until the time is up; count kills and restarts
-    (a role whose pid changed was restarted)."""
+def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, Counter,
+                                                                      Counter, subprocess.Popen]:
+    """Kill a random role every ~kill_every s until the time is up, and inject each of
+    ``args.faults`` once; count kills, restarts (a role whose pid changed) and fault results.
+    Returns them and the launcher running at the end."""
     rng = random.Random(args.seed)
     kills: Counter = Counter()
     restarts: Counter = Counter()
+    faults: Counter = Counter()
     seen = role_pids(run_dir)
     t0 = time.monotonic()
     end = t0 + 60 * args.minutes
+    pending = sorted((t0 + 60 * args.minutes * (i + 1) / (len(args.faults) + 1), fault)
+                     for i, fault in enumerate(args.faults))
     next_kill = t0 + rng.uniform(0.5, 1.5) * args.kill_every
     while time.monotonic() < end and launcher.poll() is None:
         now_pids = role_pids(run_dir)
@@ -101,7 +122,12 @@ def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, C
             if role in seen and seen[role] != pid:
                 restarts[role] += 1
         seen.update(now_pids)
-        if time.monotonic() >= next_kill:
+        if pending and time.monotonic() >= pending[0][0]:
+            _, fault = pending.pop(0)
+            print(f"  [{time.monotonic() - t0:5.0f}s] fault: {fault}", flush=True)
+            launcher = FAULTS[fault](run_dir, launcher, now_pids, faults, args)
+            seen = role_pids(run_dir)
+        elif time.monotonic() >= next_kill:
             victims = [r for r, pid in now_pids.items() if alive(pid)]
             if victims:
                 # Random, but the least-killed kinds first: every kind dies in a long soak.
@@ -113,7 +139,42 @@ def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, C
                       flush=True)
             next_kill = time.monotonic() + rng.uniform(0.5, 1.5) * args.kill_every
         time.sleep(0.5)
-    return kills, restarts
+    return kills, restarts, faults, launcher
+
+
+def kill_launcher(run_dir: Path, launcher: subprocess.Popen, pids: dict, faults: Counter,
+                  args) -> subprocess.Popen:
+    """SIGKILL the launcher alone; count the roles still alive 20 s later; resume the run."""
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    orphans = [r for r, p in pids.items() if alive(p)]
+    faults["orphans"] += len(orphans)
+    for role in orphans:  # so the resumed run is not refused or doubled
+        os.kill(pids[role], signal.SIGKILL)
+    faults["launcher_kills"] += 1
+    resumed = start_run(run_dir, args, resume=True)
+    wait_for_rl(run_dir, resumed, require_new_learner=pids.get("learner"))
+    return resumed
+
+
+def damage_checkpoint(run_dir: Path, launcher: subprocess.Popen, pids: dict, faults: Counter,
+                      args) -> subprocess.Popen:
+    """Flip 64 bytes of the latest checkpoint, then SIGKILL the learner: its restart must
+    fall back to the previous checkpoint."""
+    path = run_dir / "checkpoints" / "latest.pt"
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))  # in place: a disk error, not a new checkpoint
+    os.kill(pids["learner"], signal.SIGKILL)
+    faults["checkpoints_damaged"] += 1
+    return launcher
+
+
+FAULTS = {"launcher": kill_launcher, "checkpoint": damage_checkpoint}
 
 
 def audit(run_dir: Path) -> dict:
@@ -147,6 +208,10 @@ def audit(run_dir: Path) -> dict:
         # learner start commits them with its hello.
         "ledger_uncommitted": len(set(ledger) - marked),
         "learner_updates": int(ckpt["updates"]), "learner_version": int(ckpt["version"]),
+        "checkpoint_fallbacks": (run_dir / "logs" / "learner.log").read_text(
+            errors="replace").count("resuming from"),
+        "store_full": max((r.get("replay/store_full", 0)
+                           for r in read_metrics(run_dir, "replay")), default=0),
     }
 
 
@@ -158,7 +223,15 @@ def main() -> int:
     parser.add_argument("--judges", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=str(ROOT / "runs" / "soak"))
+    parser.add_argument("--faults", default="",
+                        help=f"comma-separated, each injected once: {', '.join(FAULTS)}")
+    parser.add_argument("--map-size", type=int, default=0,
+                        help="replay.map_size in bytes (small: the store fills up)")
     args = parser.parse_args()
+    args.faults = [f for f in args.faults.split(",") if f]
+    unknown = set(args.faults) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown faults {sorted(unknown)}; known: {sorted(FAULTS)}")
     run_dir = Path(args.run_dir).resolve()
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -168,19 +241,20 @@ def main() -> int:
     launcher = start_run(run_dir, args)
     try:
         wait_for_rl(run_dir, launcher)
-        kills, restarts = torment(run_dir, launcher, args)
+        kills, restarts, faults, launcher = torment(run_dir, launcher, args)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)  # as Ctrl-C: every role stops, checkpoints
         launcher.wait(300)
     report = {"minutes": args.minutes, "kills": dict(kills), "restarts": dict(restarts),
-              "launcher_exit": launcher.returncode, **audit(run_dir)}
+              "faults": dict(faults), "launcher_exit": launcher.returncode, **audit(run_dir)}
     (run_dir / "soak.json").write_text(json.dumps(report, indent=1))
     width = max(map(len, report))
     for key, value in report.items():
         print(f"  {key:<{width}}  {value}")
     ok = not (report["lost"] or report["duplicates"] or report["skipped"]
-              or report["ledger_not_stored"])
+              or report["ledger_not_stored"] or faults["orphans"]
+              or ("checkpoint" in args.faults and not report["checkpoint_fallbacks"]))
     print("soak: PASS" if ok else "soak: FAIL")
     return 0 if ok else 1
 

@@ -503,13 +503,19 @@ class ReplayServer:
         return Ack(status="ok", info={"consumed": marked, "unknown": unknown})
 
     def _on_hello(self, txn, inc: Incoming):
-        """A learner (re)starts from a checkpoint: what it covers is consumed; whatever was
-        delivered after it was trained by a learner whose state is gone, so it is served again."""
+        """A learner (re)starts from a checkpoint: what it covers is consumed, and only that.
+        Whatever was delivered after it was trained by a learner whose state is gone, so it is
+        served again; so are groups consumed under a newer checkpoint than the one it resumed
+        from (a damaged latest it fell back from): the weights that learned them are gone."""
         hello: LearnerHello = inc.msg
         self.learner_version = hello.version  # a resume may go back to an older version
         marked, unknown = self._consume(txn, hello.consumed)
-        reset = 0
+        covered = set(hello.consumed)
+        reset = unconsumed = 0
         for gid, rec in self.index.items():
+            if rec.consumed and gid not in covered:
+                rec.consumed = False
+                unconsumed += 1
             if rec.delivered and not rec.consumed:
                 rec.delivered = False
                 self.store.put_record(txn, gid, rec)
@@ -521,9 +527,11 @@ class ReplayServer:
             self._release(learner_id, "batch_held_dropped")
         self._held_stale = True
         self.store.delete_meta(txn, LAST_BATCH + hello.learner_id)
-        log.info("learner %s at version %d: %d consumed, %d to deliver again, %d unknown ids",
-                 hello.learner_id, hello.version, marked, reset, unknown)
-        return Ack(status="ok", info={"consumed": marked, "redeliver": reset, "unknown": unknown})
+        log.info("learner %s at version %d: %d consumed, %d to deliver again (%d of them "
+                 "consumed under a newer checkpoint), %d unknown ids", hello.learner_id,
+                 hello.version, marked, reset, unconsumed, unknown)
+        return Ack(status="ok", info={"consumed": marked, "redeliver": reset,
+                                      "unconsumed": unconsumed, "unknown": unknown})
 
     def _consume(self, txn, group_ids) -> tuple[int, int]:
         marked = unknown = 0

@@ -110,7 +110,7 @@ def test_ledger_resume_neither_repeats_nor_skips(server, client):
 
     # The learner crashes and resumes from its checkpoint, which covers `first` only.
     info = client.hello("L", 1, consumed=first)
-    assert info == {"consumed": 0, "redeliver": 15, "unknown": 0}
+    assert info == {"consumed": 0, "redeliver": 15, "unconsumed": 0, "unknown": 0}
     resumed = []
     while batch := client.request_batch("L", 4, version=1).groups:
         resumed += [g.group_id for g in batch]

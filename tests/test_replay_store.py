@@ -220,3 +220,21 @@ def test_replay_check_verifies_every_group_and_names_a_damaged_one(tmp_path):
     assert "5 groups, 2 verified, 1 stored before checksums (decoded only), 2 damaged" in \
         bad.output
     assert "restore it from a copy" in bad.output
+
+
+def test_a_hello_from_an_older_checkpoint_serves_again_what_only_a_newer_one_covered(server):
+    """A learner that fell back to its previous checkpoint (the latest was damaged) says hello
+    with the older ledger: groups consumed under the lost checkpoint are trained again, once."""
+    from protocol.messages import BatchRequest, LearnerHello, LedgerCommit
+
+    groups = [make_group(i) for i in range(3)]
+    ids = [g.group_id for g in groups]
+    server.handle([incoming(g, g.group_id) for g in groups])
+    server.handle([incoming(LearnerHello("learner", 0), "h1")])
+    (_, batch), = server.handle([incoming(BatchRequest("learner", 3, 0), "b1")])
+    assert sorted(g.group_id for g in batch.groups) == sorted(ids)
+    server.handle([incoming(LedgerCommit("learner", ids, 1), "c1")])
+    (_, ack), = server.handle([incoming(LearnerHello("learner", 0, ids[:1]), "h2")])
+    assert ack.info["unconsumed"] == 2 and ack.info["redeliver"] == 2
+    (_, again), = server.handle([incoming(BatchRequest("learner", 3, 0), "b2")])
+    assert sorted(g.group_id for g in again.groups) == sorted(ids[1:])
