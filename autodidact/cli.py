@@ -35,6 +35,7 @@ from autodidact.node_cli import node
 from autodidact.report import report
 from autodidact.resolve import Flags
 from autodidact.status_cli import status
+from autodidact.supervisor import exit_when_orphaned
 from autodidact.tasks_cli import tasks
 from protocol.config import RunConfig, to_dict
 from protocol.run_dir import RunDir, StoreDamaged, learner_token
@@ -45,6 +46,7 @@ from protocol.run_dir import RunDir, StoreDamaged, learner_token
 def main(verbose: bool) -> None:
     """Autodidact: LLM agents that teach themselves in tool-using environments."""
     setup_logging(verbose)
+    exit_when_orphaned()  # a role whose launcher died goes within seconds
 
 
 @main.command()

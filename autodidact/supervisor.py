@@ -17,11 +17,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.errors import EXIT_UNRECOVERABLE
+
+# Set in every supervised child's environment: the supervisor's pid (see exit_when_orphaned).
+PARENT_ENV = "AUTODIDACT_SUPERVISOR_PID"
+ORPHAN_GRACE_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,26 @@ try:  # resolved here, not in the child: between fork and exec only the call its
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: stop() and process groups still clean up
     _prctl = None
+
+
+def exit_when_orphaned(grace_s: float = ORPHAN_GRACE_S) -> None:
+    """In a supervised role: once the supervisor is gone (the parent-death SIGTERM has asked
+    the role to stop), give it ``grace_s`` to stop cleanly, then exit outright. A role whose
+    Redis and replay server went down with the launcher would otherwise retry for a minute.
+    Does nothing in a process a supervisor did not start (a role started by hand, nohup'd)."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent != str(os.getppid()):
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.5)
+        time.sleep(grace_s)
+        log.error("supervisor %s is gone and this role did not stop within %.0f s: exiting",
+                  parent, grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
 
 
 def die_with_parent() -> None:
@@ -84,7 +109,8 @@ class Supervisor:
         try:
             return subprocess.Popen([sys.executable, *argv], stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **spec.env},
+                                    env={**os.environ, **spec.env,
+                                         PARENT_ENV: str(os.getpid())},
                                     start_new_session=spec.process_group,
                                     preexec_fn=die_with_parent)
         finally:

@@ -1,12 +1,14 @@
 """No orphan roles, no second launcher or learner (issue 21, part 1).
 
 - a supervisor killed outright (SIGKILL: no clean-up of its own runs) takes its roles and the
-  embedded redis-server with it (the kernel's parent-death signal);
+  embedded redis-server with it (the kernel's parent-death signal), and a role that ignores
+  that signal is ended by its orphan watchdog;
 - a live redis-server of a run directory is refused, never doubled;
 - run-directory locks name their holder's pid and free themselves when the holder dies;
 - end to end: ``autodidact run --resume`` on a live run directory is refused naming the
   launcher's pid; SIGKILL of the launcher alone leaves no role and no Redis behind; the run
-  directory is 0700 and its stores, config and Redis AOF are not readable by others;
+  directory is 0700 and its stores, config and Redis AOF are not readable by others; a
+  resume on damaged checkpoints fails once, says so and drops the earlier run's numbers;
 - the test session itself fails when a process it started outlives it.
 """
 
@@ -66,7 +68,13 @@ PARENT = textwrap.dedent("""
     server.start()
     roles = Supervisor()
     role = roles.start(RoleSpec("sleeper", ["-c", "import time; time.sleep(300)"]))
-    (run_dir / "pids.json").write_text(json.dumps([role.pid, server.proc.pid]))
+    # A role that ignores SIGTERM (stuck retrying a Redis that went down with the launcher):
+    # its orphan watchdog ends it.
+    stubborn = roles.start(RoleSpec("stubborn", ["-c", (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "from autodidact.supervisor import exit_when_orphaned; exit_when_orphaned(1.0); "
+        "time.sleep(300)")]))
+    (run_dir / "pids.json").write_text(json.dumps([role.pid, stubborn.pid, server.proc.pid]))
     time.sleep(300)
 """)
 
@@ -82,6 +90,7 @@ def test_a_supervisor_killed_outright_takes_its_roles_and_redis_with_it(tmp_path
             assert parent.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         children = json.loads((tmp_path / "pids.json").read_text())
+        time.sleep(0.5)  # the stubborn role has set its SIGTERM handler
         assert all(alive(p) for p in children)
         parent.kill()
         parent.wait()
@@ -204,3 +213,18 @@ def test_launcher_killed_alone_leaves_nothing_and_a_live_run_refuses_a_second(tm
         launcher.wait()
         kill_all(roles)
         log.close()
+
+    # Damaged checkpoints: the resumed run's learner refuses them in one line, is not
+    # restarted, and the run says it failed instead of printing the earlier numbers.
+    rd.checkpoints.mkdir(exist_ok=True)
+    for path in (rd.checkpoint, rd.previous_checkpoint):
+        path.write_bytes(b"PK\x03\x04" + os.urandom(4096))  # cut-short zip archives
+    rd.summary.write_text(json.dumps({"success_rl": {"avg": 0.99}}))  # an earlier run's
+    failed = subprocess.run(run_argv(run_dir, "--resume"), cwd=ROOT, capture_output=True,
+                            text=True, timeout=200)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "run failed: learner failed for good" in failed.stderr
+    summary = json.loads(rd.summary.read_text())
+    assert summary["failed_roles"] == ["learner"] and "success_rl" not in summary
+    learner_log = (rd.logs / "learner.log").read_text()
+    assert learner_log.count("learner: no good checkpoint in") == 1  # not restarted
