@@ -32,7 +32,7 @@ from pathlib import Path
 
 import redis
 
-from autodidact.supervisor import die_with_parent
+from autodidact.supervisor import parent_death_preexec
 from protocol.config import redact_url
 from protocol.run_dir import REDIS_REMOTE_URL, RunDir
 from protocol.transport import free_tcp_port
@@ -119,7 +119,7 @@ class EmbeddedRedis:
         # The password goes in through stdin as a config line, not argv: ps shows argv.
         self.proc = subprocess.Popen([*args, "-"], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+                                     start_new_session=True, preexec_fn=parent_death_preexec())
         self.proc.stdin.write(f"requirepass {password}\n".encode())
         self.proc.stdin.close()
         if not self._atexit:

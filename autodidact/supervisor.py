@@ -64,6 +64,13 @@ def die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def parent_death_preexec():
+    """``die_with_parent`` when called from the main thread, else None. The kernel sends the
+    signal when the *thread* that forked the child ends: a child started from a short-lived
+    thread (a timer restarting Redis) would be killed when that thread returns."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
+
+
 @dataclass
 class RoleSpec:
     name: str  # unique label, e.g. "replay" or "actor-1"
@@ -112,7 +119,7 @@ class Supervisor:
                                     env={**os.environ, **spec.env,
                                          PARENT_ENV: str(os.getpid())},
                                     start_new_session=spec.process_group,
-                                    preexec_fn=die_with_parent)
+                                    preexec_fn=parent_death_preexec())
         finally:
             if spec.log_path:
                 out.close()

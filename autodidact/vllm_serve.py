@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from autodidact.supervisor import die_with_parent
+from autodidact.supervisor import parent_death_preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,7 +73,7 @@ class VLLMServer:
         try:
             self.proc = subprocess.Popen(self.argv(), env=self.env(), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                                         preexec_fn=parent_death_preexec())
         finally:
             log.close()
         try:
