@@ -104,7 +104,8 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     results = EvalResults(out or RunDir(run_dir).eval_results(cfg.env.name, split, policy, k),
                           settings)
     kept = results.start({t.task_id for t in tasks}, resume)
-    todo = [t for t in tasks if t.task_id not in {r["task_id"] for r in kept}]
+    done = {r["task_id"] for r in kept}
+    todo = [t for t in tasks if t.task_id not in done]
     say(f"eval: {len(tasks)} {cfg.env.name} {split} tasks x {k} ({policy}, model {model_path}, "
         f"T={temperature}, backend {cfg.actor.backend}, device {cfg.actor.device})"
         + (f"; {len(kept)} kept from {results.path}" if resume else ""))

@@ -137,7 +137,7 @@ class Supervisor:
 
     def check(self) -> list[str]:
         """Restart dead roles whose back-off has passed; returns the names of failed roles
-    (those out of restarts, and at once those that exited with EXIT_UNRECOVERABLE)."""
+        (those out of restarts, and at once those that exited with EXIT_UNRECOVERABLE)."""
         failed = []
         now = time.monotonic()
         for name, run in self.roles.items():

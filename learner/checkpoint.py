@@ -10,8 +10,9 @@
 
 The digests are written before the files move, so whichever moment a crash picks, each file
 on disk is either one the digest file knows or damaged. A damaged latest falls back to the
-checkpoint before it, losing the updates between the two (their groups stay consumed in
-replay: lost to training, never trained twice), never loading wrong weights. A run directory
+checkpoint before it, losing the updates between the two, never loading wrong weights; the
+learner's hello then carries the older ledger, and replay serves the groups only the lost
+checkpoint covered again (trained once more, never twice in the surviving weights). A run directory
 from before digests existed has no digests.json: its checkpoint loads unverified, with a
 warning.
 """
@@ -145,7 +146,7 @@ def read_checkpoint(run_dir: Path) -> tuple[dict, Path] | None:
             continue
         if problems:
             log.warning("%s; resuming from %s instead, at update %d: the updates after it are "
-                        "lost (replay keeps their groups consumed, so none is trained twice)",
+                        "lost, and replay serves the groups they trained on again",
                         problems[0], path, state["updates"])
         return state, path
     raise CheckpointError(f"no good checkpoint in {rd.checkpoints}: {'; '.join(problems)}; "

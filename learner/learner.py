@@ -49,7 +49,7 @@ from protocol.config import LearnerConfig, RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout, exit_unrecoverable
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import LEARNER_LOCK, RunDir, learner_token, single_writer_lock
+from protocol.run_dir import RunDir, learner_token, single_writer_lock
 from protocol.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -453,7 +453,8 @@ def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
     ranks = Ranks.from_env()
     if ranks.is_main:
         try:
-            single_writer_lock(Path(run_dir), LEARNER_LOCK,
+            rd = RunDir(run_dir)
+            single_writer_lock(rd.path, rd.learner_lock.name,
                                f"another learner (pid {{pid}}) is training {run_dir}; stop it "
                                f"first (two learners would train the same groups twice)")
         except RuntimeError as exc:  # the lock stays held until this process exits

@@ -6,6 +6,8 @@ vocabulary: add one here rather than inventing strings at call sites.
 
 from __future__ import annotations
 
+import sys
+
 # Why a frame was refused. Stable strings: they appear in metrics, logs and error replies.
 REJECT_REASONS = (
     "oversize",  # frame longer than the configured maximum
@@ -36,8 +38,6 @@ EXIT_UNRECOVERABLE = 78  # EX_CONFIG in sysexits.h
 def exit_unrecoverable(message: str):
     """Print ``message`` (one line naming the file and what to do) and exit with
     :data:`EXIT_UNRECOVERABLE`."""
-    import sys
-
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(EXIT_UNRECOVERABLE)
 

@@ -48,8 +48,8 @@ never by spelling a name itself, so the layout below is the whole contract::
 Each LMDB store has one writer, and a run directory one launcher and one learner:
 :func:`single_writer_lock` takes an ``flock`` on a file and writes the holder's pid into it.
 The kernel drops the lock when the holder dies, even by SIGKILL, so a crashed holder never
-leaves a stale lock behind. Each is opened only after
-:func:`check_lmdb_store` has compared its data file with the file's own meta pages.
+leaves a stale lock behind. Each LMDB store is opened only after :func:`check_lmdb_store` has
+compared its data file with the file's own meta pages.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ it are served; others are refused ``unauthorized`` and counted.
 
 A write transaction that fails because the file system is full answers every write in it with
 ``disk_full`` (nothing of it was stored; clients keep what they sent and try again after a
-back-off) and the stats say ``disk_full: 1`` until a write commits again: the run goes on
+back-off) and the stats say ``disk_full_now: 1`` until a write commits again: the run goes on
 writing by itself once space returns.
 
 LMDB is the truth. The server keeps an in-memory copy of the small per-group index (loaded at

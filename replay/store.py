@@ -25,6 +25,8 @@ from pathlib import Path
 import lmdb
 import msgpack
 
+from protocol import codec
+from protocol.errors import SchemaError
 from protocol.run_dir import RunDir, check_lmdb_store
 
 MAX_DBS = 8  # five sub-dbs today, room to add a few without touching existing stores
@@ -218,9 +220,6 @@ def check_store(run_dir) -> dict:
     """Verify every stored group of the store at ``run_dir``, read-only (also while the server
     runs): its body and labels against their checksums, that each decodes, and that index,
     order and bodies agree. Returns counts and the ids of damaged groups with why."""
-    from protocol import codec
-    from protocol.errors import SchemaError
-
     out = {"groups": 0, "verified": 0, "unchecked": 0, "damaged": {}}
     store = Store(run_dir, readonly=True)
     try:
@@ -230,7 +229,7 @@ def check_store(run_dir) -> dict:
             ordered = {key.decode() for _, key in txn.cursor(db=store.db["order"])}
             for gid, rec in index.items():
                 out["groups"] += 1
-                problem = _record_problem(txn, store, gid, rec, codec, SchemaError)
+                problem = _record_problem(txn, store, gid, rec)
                 if gid not in ordered:
                     problem = problem or "missing from the ingest order"
                 if problem:
@@ -246,7 +245,8 @@ def check_store(run_dir) -> dict:
     return out
 
 
-def _record_problem(txn, store, gid, rec, codec, schema_error) -> str:
+def _record_problem(txn, store: Store, gid: str, rec: GroupRecord) -> str:
+    """Why the stored group ``gid`` is damaged; "" when it is not."""
     body = store.body(txn, gid)
     if body is None:
         return "indexed, but its body is missing"
@@ -257,6 +257,6 @@ def _record_problem(txn, store, gid, rec, codec, schema_error) -> str:
         return "labels do not match their checksum"
     try:
         codec.decode_body("group", bytes(body))
-    except schema_error as exc:
+    except SchemaError as exc:
         return f"body does not decode ({exc})"
     return ""
