@@ -214,7 +214,7 @@ class Actor:
 def main(cfg: RunConfig, run_dir: Path, actor_id: str) -> None:
     torch.set_num_threads(cfg.actor.torch_threads)
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient.for_run(cfg)
+    replay = ReplayClient.for_run(cfg, role="actor", run_dir=run_dir)
     serve(Actor(cfg, run_dir, control, replay, make_backend(cfg), actor_id))
 
 

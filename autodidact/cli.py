@@ -38,7 +38,8 @@ from autodidact.status_cli import status
 from autodidact.supervisor import exit_when_orphaned
 from autodidact.tasks_cli import tasks
 from protocol.config import RunConfig, to_dict
-from protocol.run_dir import RunDir, StoreDamaged, learner_token
+from protocol.messages import REPLAY_ROLES
+from protocol.run_dir import RunDir, StoreDamaged, role_token
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -76,7 +77,8 @@ def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
         claim_run_dir(path)  # held until this process exits, however it exits
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
-    learner_token(path, create=True)  # before replay starts: it serves the learner alone
+    for role in REPLAY_ROLES:  # before replay starts: it serves each role's requests to it alone
+        role_token(path, role, create=True)
     if single_process:
         from autodidact.single_process import run_single_process
 

@@ -3,10 +3,14 @@
 The layout it writes is the one ``security.keys_dir`` reads (see ``protocol/security.py``)::
 
     DIR/server.key, server.key_secret     the replay server's pair
-    DIR/client.key, client.key_secret     a client pair for this machine's own roles ("local")
-    DIR/authorized/<name>.key             every client public key the server accepts
-    DIR/nodes/<name>/                     server.key + client.key + client.key_secret: copy it
-                                          to node <name> and point its security.keys_dir there
+    DIR/client.key, client.key_secret     this machine's ("local") pair for what only reads
+                                          (status, progress, experience) and weight links
+    DIR/<role>.key, <role>.key_secret     its pair for each role it runs: learner, actor, judge
+    DIR/authorized/<role>/<name>.key      the keys the replay server serves as <role>
+    DIR/authorized/reader/<name>.key      client keys it serves read-only requests
+    DIR/nodes/<name>/                     server.key, client, actor and judge pairs (a worker
+                                          node runs no learner): copy it to node <name> and
+                                          point its security.keys_dir there
 
 DIR itself is the replay server's keys_dir. Secret keys are written mode 0600.
 """
@@ -21,7 +25,10 @@ from pathlib import Path
 
 import click
 
-from protocol.security import AUTHORIZED, CLIENT_KEY, NODES, SERVER_KEY
+from protocol.security import AUTHORIZED, CLIENT_KEY, NODES, READER, SERVER_KEY
+
+LOCAL_ROLES = ("learner", "actor", "judge")  # the head runs every role
+NODE_ROLES = ("actor", "judge")  # a worker node (``autodidact node``) runs actors and judges
 
 LOCAL = "local"  # the client pair of the server's own machine
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -49,11 +56,9 @@ def keys():
 def generate(out, clients, names, force):
     """Create the server key pair, a client pair for this machine and one per other node.
 
-    Only clients whose public key is in DIR/authorized/ are served. Servers read it at start:
-    restart the replay server after changing it.
+    Only clients whose public key is in DIR/authorized/ are served, and only as the role of
+    its folder there. Servers read it at start: restart the replay server after changing it.
     """
-    import zmq.auth
-
     out = Path(out)
     nodes = [f"client-{i}" for i in range(1, clients + 1)] + list(names)
     bad = [n for n in nodes if not NAME.match(n) or n == LOCAL]
@@ -74,34 +79,47 @@ def generate(out, clients, names, force):
     # Generated in a private (0700) staging directory, secrets chmod 0600 before they move in.
     stage = Path(tempfile.mkdtemp(prefix=".keys-", dir=out))
     try:
-        for name in ["server", LOCAL, *nodes]:
-            zmq.auth.create_certificates(stage, name)
-            (stage / f"{name}.key_secret").chmod(0o600)
-            (stage / f"{name}.key").chmod(0o644)
-        _install(stage, "server", out, SERVER_KEY)
-        for name in [LOCAL, *nodes]:
-            shutil.copyfile(stage / f"{name}.key", out / AUTHORIZED / f"{name}.key")
-        _install(stage, LOCAL, out, CLIENT_KEY)
+        _pair(stage, "server", out, SERVER_KEY)
+        _client_pairs(stage, LOCAL, out, LOCAL_ROLES)
         for name in nodes:
             node = out / NODES / name
             node.mkdir(parents=True, mode=0o700)
             shutil.copyfile(out / SERVER_KEY, node / SERVER_KEY)
-            _install(stage, name, node, CLIENT_KEY)
+            _client_pairs(stage, name, node, NODE_ROLES, authorized=out / AUTHORIZED)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     _say_how(out, nodes)
 
 
-def _install(stage: Path, name: str, dest: Path, as_name: str) -> None:
+def _client_pairs(stage: Path, node: str, dest: Path, roles: tuple[str, ...],
+                  authorized: Path | None = None) -> None:
+    """Node ``node``'s client pair and one pair per role into ``dest``; each public key also
+    into ``authorized/<role>/<node>.key`` (the client pair under ``reader/``)."""
+    authorized = authorized or dest / AUTHORIZED
+    for role, as_name in [(READER, CLIENT_KEY), *((r, f"{r}.key") for r in roles)]:
+        public = _pair(stage, f"{node}.{role}", dest, as_name)
+        (authorized / role).mkdir(exist_ok=True)
+        shutil.copyfile(public, authorized / role / f"{node}.key")
+
+
+def _pair(stage: Path, name: str, dest: Path, as_name: str) -> Path:
+    """A new key pair ``dest/as_name`` (public) + ``as_name_secret`` (0600); the public path."""
+    import zmq.auth
+
+    zmq.auth.create_certificates(stage, name)
+    (stage / f"{name}.key_secret").chmod(0o600)
+    (stage / f"{name}.key").chmod(0o644)
     os.replace(stage / f"{name}.key", dest / as_name)
     os.replace(stage / f"{name}.key_secret", dest / f"{as_name}_secret")
+    return dest / as_name
 
 
 def _say_how(out: Path, nodes: list[str]) -> None:
     d = str(out.resolve())  # roles may run from another working directory
     rows = [(f"{SERVER_KEY}, {SERVER_KEY}_secret", "the replay server's key pair"),
             (f"{CLIENT_KEY}, {CLIENT_KEY}_secret", f"this machine's client pair ({LOCAL})"),
-            (f"{AUTHORIZED}/", "client public keys the server accepts: "
+            (", ".join(f"{r}.key" for r in LOCAL_ROLES), "its pair for each role"),
+            (f"{AUTHORIZED}/<role>/", "client public keys the server serves as <role>: "
              + ", ".join([LOCAL, *nodes]))]
     rows += [(f"{NODES}/{n}/", f"keys for node {n}") for n in nodes]
     lines = [f"wrote CURVE keys to {d}/"] + [f"  {a:<34} {b}" for a, b in rows]

@@ -294,4 +294,9 @@ def worker_hint(cfg, run_dir: Path, host: str | None = None) -> str:
     if cfg.security.keys_dir:
         parts.append(f"--set security.keys_dir=<copy of {cfg.security.keys_dir}/nodes/NAME>")
     parts.append("-c <this run's config> [--set ... as here]")
-    return "  workers: " + " ".join(parts)
+    hint = "  workers: " + " ".join(parts)
+    if not cfg.security.keys_dir:  # replay tells roles apart by token: the node needs them
+        rd = RunDir(run_dir)
+        hint += (f"\n  (without keys, copy {rd.role_token('actor')} and "
+                 f"{rd.role_token('judge')} into the node's --run-dir first)")
+    return hint

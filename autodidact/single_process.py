@@ -63,7 +63,7 @@ from learner.learner import Learner
 from protocol.config import RunConfig
 from protocol.messages import Error
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import RunDir, learner_token
+from protocol.run_dir import RunDir, role_token
 from protocol.transport import Incoming, LoopbackChannel
 from replay.server import HELD_TICK_S, ReplayServer
 
@@ -92,11 +92,12 @@ class InProcessReplay:
         self._cond = threading.Condition()
         self._answers: dict[int, object] = {}  # id(Incoming) -> reply, for held requests
 
-    def client(self, learner_token: str = "") -> ReplayClient:
-        return ReplayClient(channel=_PacedLoopback(self._handle), learner_token=learner_token)
+    def client(self, run_dir: Path, role: str | None = None) -> ReplayClient:
+        """A client acting as ``role`` (its token from ``run_dir``; None: a reader)."""
+        token = role_token(run_dir, role) if role else ""
+        return ReplayClient(channel=_PacedLoopback(self._handle, token))
 
-    def _handle(self, msg_id: str, body: bytes, msg) -> object:
-        inc = Incoming(route=[], msg_id=msg_id, msg=msg, body=body, size=len(body))
+    def _handle(self, inc: Incoming) -> object:
         with self._cond:
             self._collect(self.server.handle([inc]))
             while id(inc) not in self._answers:
@@ -130,8 +131,8 @@ class _PacedLoopback(LoopbackChannel):
     poll does: the roles pace their idle loops on it (an actor not admitted polls acks). It
     keeps only the last frames it recorded: a run sends gigabytes."""
 
-    def __init__(self, handler):
-        super().__init__(handler)
+    def __init__(self, handler, credential: str = ""):
+        super().__init__(handler, credential)
         self.sent, self.received = deque(maxlen=KEEP_FRAMES), deque(maxlen=KEEP_FRAMES)
 
     def _poll_wire(self, timeout_s: float) -> list[tuple[str, object]]:
@@ -177,7 +178,7 @@ def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
     with contextlib.ExitStack() as undo:  # a role that fails to build closes those before it
         undo.callback(lambda: [role.close() for role in roles.values()])
 
-        learner = Learner(cfg, run_dir, control, replay.client(learner_token(run_dir)))
+        learner = Learner(cfg, run_dir, control, replay.client(run_dir, "learner"))
         if resume:
             learner.resume()
 
@@ -188,7 +189,8 @@ def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
         roles["learner"] = RoleThread("learner", lambda: learner.run(max_updates),
                                       learner.request_stop, close_learner)
 
-        actor = Actor(cfg, run_dir, control, replay.client(), make_backend(cfg), "actor-0")
+        actor = Actor(cfg, run_dir, control, replay.client(run_dir, "actor"), make_backend(cfg),
+                      "actor-0")
 
         def close_actor():  # what actor.serve() does after run()
             actor.replay.close()
@@ -200,8 +202,8 @@ def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
 
         if cfg.judge.workers > 0:
             judge, cross_check, hook = make_judges(cfg, control, "judge-0", run_dir)
-            worker = JudgeWorker(cfg, run_dir, replay.client(), judge, cross_check, "judge-0",
-                                 control, hook)
+            worker = JudgeWorker(cfg, run_dir, replay.client(run_dir, "judge"), judge,
+                                 cross_check, "judge-0", control, hook)
 
             def close_judge():
                 worker.pool.shutdown(wait=True, cancel_futures=True)
@@ -216,7 +218,7 @@ def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
 
             pool = open_pool(cfg, run_dir=run_dir)
             pool.restore()
-            extractor = ExperienceWorker(cfg, run_dir, control, pool, replay=replay.client())
+            extractor = ExperienceWorker(cfg, run_dir, control, pool, replay=replay.client(run_dir))
 
             def close_experience():
                 extractor.close()

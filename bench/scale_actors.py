@@ -238,7 +238,7 @@ def actor_main(cfg: RunConfig, run_dir: Path, actor_id: str, group_seconds: floa
 
     torch.set_num_threads(1)
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = TimedReplayClient.for_run(cfg)
+    replay = TimedReplayClient.for_run(cfg, role="actor", run_dir=run_dir)
     serve(_fixed_actor_class()(cfg, run_dir, control, replay,
                                _fixed_backend_class()(cfg.model.path), actor_id,
                                group_seconds=group_seconds, tokens=tokens))
@@ -329,7 +329,7 @@ def _fixed_learner_class():
 def learner_main(cfg: RunConfig, run_dir: Path, update_seconds: float) -> None:
     """The fixed-cost learner process (as ``learner.learner.main``)."""
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient.for_run(cfg)
+    replay = ReplayClient.for_run(cfg, role="learner", run_dir=run_dir)
     learner = _fixed_learner_class()(cfg, run_dir, control, replay, update_seconds)
     signal.signal(signal.SIGTERM, learner.request_stop)
     signal.signal(signal.SIGINT, learner.request_stop)

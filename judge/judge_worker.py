@@ -201,7 +201,7 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
 
 def main(cfg: RunConfig, run_dir: Path, judge_id: str = "judge-0") -> None:
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient.for_run(cfg)
+    replay = ReplayClient.for_run(cfg, role="judge", run_dir=run_dir)
     judge, cross_check, hook = make_judges(cfg, control, judge_id, run_dir)
     worker = JudgeWorker(cfg, run_dir, replay, judge, cross_check, judge_id, control, hook)
     signal.signal(signal.SIGTERM, worker.request_stop)

@@ -49,7 +49,7 @@ from protocol.config import LearnerConfig, RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout, exit_unrecoverable
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import RunDir, learner_token, single_writer_lock
+from protocol.run_dir import RunDir, single_writer_lock
 from protocol.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -461,7 +461,7 @@ def main(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
             exit_unrecoverable(f"learner: {exc}")
     ranks.start(ranks.device(cfg.learner.device))
     control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient.for_run(cfg, learner_token=learner_token(run_dir))
+    replay = ReplayClient.for_run(cfg, role="learner", run_dir=run_dir)
     learner = None
     try:
         learner = Learner(cfg, run_dir, control, replay, ranks=ranks)

@@ -2,7 +2,11 @@
 
 A frame is a msgpack array::
 
-    ["autodidact", schema_version, type_tag, msg_id, body]
+    ["autodidact", schema_version, type_tag, msg_id, body, credential]
+
+``credential`` (v5) is the sender's role token (``protocol.run_dir.role_token``, "" when it
+has none): the replay server decides with it which role a plaintext client may act as. It
+rides in the envelope, not the body, so a store that keeps bodies never keeps a secret.
 
 ``body`` is itself msgpack bytes (a map of field name to value), kept as opaque bytes in the
 envelope so a server can store exactly what a client sent (byte-identical) after validating it.
@@ -28,13 +32,16 @@ import numpy as np
 from protocol.errors import SchemaError
 
 MAGIC = "autodidact"
-SCHEMA_VERSION = 4  # bump on any incompatible change to a message in protocol/messages.py
+SCHEMA_VERSION = 5  # bump on any incompatible change to a message in protocol/messages.py
 # v2: label deadline (BatchRequest.label_deadline_s, Batch.judge_timeouts). v3: GroupsSince /
 # StoredGroups, and BatchRequest.timeout_s is a long-poll (at most MAX_BATCH_WAIT_S): a v2
 # server would answer at once and let a v3 learner spin, so it refuses v3 frames instead.
 # v4: the learner's requests (LearnerHello, BatchRequest, LedgerCommit) carry its token; an
-# older learner's have none and are refused where the run has one.
+# older learner's have none and are refused where the run has one. v5: the token moved out of
+# those bodies into the envelope's ``credential``, and every role (actor, judge) sends its own.
 MIN_SCHEMA_VERSION = 1  # oldest version this build still decodes
+CREDENTIAL_SINCE = 5  # frames of this version or later carry a credential
+MAX_CREDENTIAL_CHARS = 128  # a role token is 48 hex characters as made
 ARRAY_EXT = 1
 
 # Array dtypes allowed on the wire. Byte order is fixed to little-endian.
@@ -95,13 +102,18 @@ def encode_body(msg) -> bytes:
     return msgpack.packb(_fields_of(msg), default=_ext_default, use_bin_type=True)
 
 
-def encode(msg, msg_id: str = "") -> bytes:
-    """A whole frame for ``msg``. ``msg_id`` correlates replies and makes retries idempotent."""
-    return pack_frame(msg.TYPE, msg_id, encode_body(msg))
+def encode(msg, msg_id: str = "", credential: str = "") -> bytes:
+    """A whole frame for ``msg``. ``msg_id`` correlates replies and makes retries idempotent;
+    ``credential`` is the sender's role token."""
+    return pack_frame(msg.TYPE, msg_id, encode_body(msg), credential=credential)
 
 
-def pack_frame(type_tag: str, msg_id: str, body: bytes, version: int = SCHEMA_VERSION) -> bytes:
-    return msgpack.packb([MAGIC, version, type_tag, msg_id, body], use_bin_type=True)
+def pack_frame(type_tag: str, msg_id: str, body: bytes, version: int = SCHEMA_VERSION,
+               credential: str = "") -> bytes:
+    outer = [MAGIC, version, type_tag, msg_id, body]
+    if version >= CREDENTIAL_SINCE:
+        outer.append(credential)
+    return msgpack.packb(outer, use_bin_type=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +128,7 @@ class Envelope:
     type_tag: str
     msg_id: str
     body: bytes
+    credential: str = ""  # the sender's role token (v5); "" before v5 or when it has none
 
 
 def unpack_envelope(frame: bytes, max_bytes: int | None = None) -> Envelope:
@@ -125,18 +138,28 @@ def unpack_envelope(frame: bytes, max_bytes: int | None = None) -> Envelope:
         outer = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise SchemaError("not_msgpack", type(exc).__name__) from None
-    if not (isinstance(outer, list) and len(outer) == 5 and outer[0] == MAGIC):
-        raise SchemaError("bad_envelope", "expected [magic, version, type, id, body]")
-    _, version, type_tag, msg_id, body = outer
-    if not (isinstance(version, int) and not isinstance(version, bool)
-            and isinstance(type_tag, str) and isinstance(msg_id, str)
-            and isinstance(body, bytes)):
+    if not (isinstance(outer, list) and len(outer) >= 5 and outer[0] == MAGIC):
+        raise SchemaError("bad_envelope", "expected [magic, version, type, id, body, "
+                          "credential]")
+    version = outer[1]
+    if not isinstance(version, int) or isinstance(version, bool):
         raise SchemaError("bad_envelope", "envelope field of the wrong type")
     if version > SCHEMA_VERSION:
         raise SchemaError("future_version", f"v{version} > v{SCHEMA_VERSION}")
     if version < MIN_SCHEMA_VERSION:
         raise SchemaError("old_version", f"v{version} < v{MIN_SCHEMA_VERSION}")
-    return Envelope(version, type_tag, msg_id, body)
+    if len(outer) != (6 if version >= CREDENTIAL_SINCE else 5):
+        raise SchemaError("bad_envelope", f"a v{version} envelope has "
+                          f"{6 if version >= CREDENTIAL_SINCE else 5} fields")
+    _, _, type_tag, msg_id, body, *rest = outer
+    credential = rest[0] if rest else ""
+    if not (isinstance(type_tag, str) and isinstance(msg_id, str) and isinstance(body, bytes)
+            and isinstance(credential, str)):
+        raise SchemaError("bad_envelope", "envelope field of the wrong type")
+    if len(credential) > MAX_CREDENTIAL_CHARS:
+        raise SchemaError("bad_envelope", f"credential longer than {MAX_CREDENTIAL_CHARS} "
+                          "characters")
+    return Envelope(version, type_tag, msg_id, body, credential)
 
 
 def decode_body(type_tag: str, body: bytes):

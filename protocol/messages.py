@@ -24,7 +24,6 @@ WEIGHTS_CHUNK_BYTES = 4 * 1024 * 1024  # one chunk of a published version (weigh
 MAX_WEIGHTS_CHUNKS = 2**20  # 4 TiB of weights in 4 MiB chunks
 MAX_BATCH_WAIT_S = 60.0  # a batch request held open longer would hold its learner past a stop
 MAX_GROUPS_PER_READ = 4096  # groups one StoredGroups reply may carry (it is bounded in bytes too)
-MAX_TOKEN_CHARS = 128  # the learner token (48 hex characters as made)
 MAX_SEQ = 2**63 - 1  # ingest sequence numbers are 8-byte keys in the replay store
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -32,12 +31,6 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 def _check_id(value: str, name: str) -> None:
     if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
         raise SchemaError("invalid", f"{name} longer than {MAX_ID_BYTES} bytes", name)
-
-
-def _check_token(value: str) -> None:
-    if not isinstance(value, str) or len(value) > MAX_TOKEN_CHARS:
-        raise SchemaError("invalid", f"token is a string of at most {MAX_TOKEN_CHARS} "
-                          "characters", "token")
 
 
 def _check_count(value: int, name: str, lo: int = 0, hi: int = MAX_VERSION) -> None:
@@ -232,12 +225,10 @@ class LearnerHello:
     version: int  # its current policy version
     # the ledger from its checkpoint: ids of the groups it has trained on
     consumed: list[str] = field(default_factory=list)
-    token: str = ""  # the run's learner token (protocol.run_dir.learner_token), v4
 
     def validate(self):
         _check_id(self.learner_id, "learner_id")
         _check_count(self.version, "version")
-        _check_token(self.token)
 
 
 @message("batch_request")
@@ -253,7 +244,6 @@ class BatchRequest:
     # and answers as soon as a group (or a stale skip) is there; 0 = answer at once, maybe empty.
     # The client's own deadline for the answer must be longer.
     timeout_s: float = 0.0
-    token: str = ""  # the run's learner token, v4
 
     def validate(self):
         # A bad bound here is not harmless: version and max_staleness move the server's stale
@@ -264,7 +254,6 @@ class BatchRequest:
         _check_count(self.max_staleness, "max_staleness")
         _check_seconds(self.label_deadline_s, "label_deadline_s")
         _check_seconds(self.timeout_s, "timeout_s", MAX_BATCH_WAIT_S)
-        _check_token(self.token)
 
 
 @message("batch")
@@ -280,12 +269,10 @@ class LedgerCommit:
     learner_id: str
     group_ids: list[str]  # consumed groups now covered by a durable learner checkpoint
     version: int = 0  # the checkpoint's policy version
-    token: str = ""  # the run's learner token, v4
 
     def validate(self):
         _check_id(self.learner_id, "learner_id")
         _check_count(self.version, "version")
-        _check_token(self.token)
 
 
 # --- reading what was stored (the experience role) ----------------------------------------------
@@ -392,3 +379,20 @@ class Error:
     detail: str = ""
 
 
+
+
+# --- who may send what to the replay server ----------------------------------------------------
+
+# The roles a replay client can be (its token file is <run dir>/<role>.token, its CURVE pair
+# <keys dir>/<role>.key; see protocol.run_dir.role_token and protocol.security).
+REPLAY_ROLES = ("learner", "actor", "judge")
+# The one role that may send each writing request. A request not named here only reads
+# (StatsRequest, GroupsSince): any client the socket admits may send it.
+REPLAY_SENDER = {
+    Group: "actor",  # push a rollout group
+    JudgePull: "judge",  # lease groups to label
+    StepLabels: "judge",  # write labels back
+    LearnerHello: "learner",  # announce a (re)start: moves the stale floor
+    BatchRequest: "learner",  # take groups for training
+    LedgerCommit: "learner",  # mark groups consumed
+}

@@ -29,6 +29,7 @@ from protocol.messages import (
     StepLabels,
     StoredGroups,
 )
+from protocol.run_dir import role_token
 from protocol.security import CurveKeys, curve_for
 from protocol.transport import Channel, ZmqChannel
 
@@ -40,23 +41,30 @@ DISK_FULL_BACKOFF_S = 5.0
 class ReplayClient:
     def __init__(self, address: str | None = None, retry_after_s: float = 2.0,
                  timeout_s: float = 30.0, channel: Channel | None = None,
-                 curve: CurveKeys | None = None, learner_token: str = ""):
+                 curve: CurveKeys | None = None, credential: str = ""):
+        """``credential``: this role's token (``protocol.run_dir.role_token``), sent in every
+        frame it sends over a socket it makes; a given ``channel`` carries its own."""
         if channel is None and address is None:
             raise ValueError("ReplayClient needs an address or a channel")
-        self.channel = channel or ZmqChannel(address, retry_after_s=retry_after_s, curve=curve)
+        self.channel = channel or ZmqChannel(address, retry_after_s=retry_after_s, curve=curve,
+                                             credential=credential)
         self.timeout_s = timeout_s
-        self.learner_token = learner_token  # sent with the learner's requests only
         self.disk_full_backoff_s = DISK_FULL_BACKOFF_S
         self._acks: list[tuple[str, str]] = []
         self._replies: dict[str, object] = {}  # answers to blocking calls, by msg id
 
     @classmethod
-    def for_run(cls, cfg: RunConfig, address: str | None = None, **kw) -> ReplayClient:
-        """A client of the run's replay server (``replay.address`` unless ``address``), with
-        CURVE keys from ``security.keys_dir``; a plaintext address off this machine is refused
-        (ConfigError) unless ``security.allow_plaintext_remote``."""
+    def for_run(cls, cfg: RunConfig, address: str | None = None, role: str | None = None,
+                run_dir=None, **kw) -> ReplayClient:
+        """A client of the run's replay server (``replay.address`` unless ``address``) acting
+        as ``role`` (protocol.messages.REPLAY_ROLES; None: a reader). CURVE keys come from
+        ``security.keys_dir`` (the role's own pair when the directory has one); the role's
+        token from ``run_dir`` when it has one. A plaintext address off this machine is
+        refused (ConfigError) unless ``security.allow_plaintext_remote``."""
         address = address or cfg.replay.address
-        return cls(address, curve=curve_for(cfg.security, address), **kw)
+        credential = role_token(run_dir, role) if role and run_dir is not None else ""
+        return cls(address, curve=curve_for(cfg.security, address, role=role),
+                   credential=credential, **kw)
 
     # --- actors ----------------------------------------------------------------------------
 
@@ -91,8 +99,7 @@ class ReplayClient:
     # --- learner ---------------------------------------------------------------------------
 
     def hello(self, learner_id: str, version: int, consumed: list[str] = ()) -> dict:
-        return self._request(LearnerHello(learner_id, version, list(consumed),
-                                          self.learner_token), Ack).info
+        return self._request(LearnerHello(learner_id, version, list(consumed)), Ack).info
 
     def request_batch(self, learner_id: str, num_groups: int, version: int,
                       max_staleness: int = 4, require_labels: bool = False,
@@ -103,8 +110,7 @@ class ReplayClient:
         and answers as soon as it has, or empty once ``timeout_s`` has passed; this call waits
         that much longer than its usual deadline."""
         return self._request(BatchRequest(learner_id, num_groups, version, max_staleness,
-                                          require_labels, label_deadline_s, timeout_s,
-                                          self.learner_token), Batch,
+                                          require_labels, label_deadline_s, timeout_s), Batch,
                              timeout_s=self.timeout_s + timeout_s)
 
     # --- readers (the experience role) -----------------------------------------------------
@@ -115,8 +121,7 @@ class ReplayClient:
         return self._request(GroupsSince(since_seq, max_groups), StoredGroups)
 
     def commit_ledger(self, learner_id: str, group_ids: list[str], version: int = 0) -> dict:
-        return self._request(LedgerCommit(learner_id, list(group_ids), version,
-                                          self.learner_token), Ack).info
+        return self._request(LedgerCommit(learner_id, list(group_ids), version), Ack).info
 
     def stats(self) -> dict:
         reply: Stats = self._request(StatsRequest(), Stats)

@@ -13,8 +13,10 @@ never by spelling a name itself, so the layout below is the whole contract::
         pids.json                   pid of every supervised role; pids-<node>.json per node
         launcher.lock, learner.lock held (flock) by the run's one launcher and one learner;
                                     each holds its pid
-        learner.token               the secret only the learner's replay requests carry
-                                    (batches, ledger, hello); mode 0600
+        learner.token, actor.token, the secret each role's replay requests carry (its
+        judge.token                 frames' credential): only the learner may take batches,
+                                    commit the ledger and say hello, only actors push,
+                                    only judges lease and label; mode 0600
         metrics.jsonl               every role's metrics records, appended
         split.json                  the env's task ids that train and those held out
         logs/<role>.log             each role's stdout and stderr
@@ -64,7 +66,7 @@ SUMMARY = "summary.json"
 PIDS = "pids.json"
 LAUNCHER_LOCK = "launcher.lock"
 LEARNER_LOCK = "learner.lock"
-LEARNER_TOKEN = "learner.token"
+TOKEN_SUFFIX = ".token"
 METRICS = "metrics.jsonl"
 SPLIT = "split.json"
 LOGS = "logs"
@@ -132,9 +134,8 @@ class RunDir:
     def learner_lock(self) -> Path:
         return self.path / LEARNER_LOCK
 
-    @property
-    def learner_token(self) -> Path:
-        return self.path / LEARNER_TOKEN
+    def role_token(self, role: str) -> Path:
+        return self.path / f"{role}{TOKEN_SUFFIX}"
 
     def node_pids(self, node: str) -> Path:
         return self.path / f"pids-{node}.json"
@@ -283,11 +284,12 @@ class RunDir:
         return self.path / ABLATION_ARGV
 
 
-def learner_token(run_dir: Path, create: bool = False) -> str:
-    """The run's learner token ("" when it has none; with ``create``, made once, mode 0600).
-    The replay server started on a run directory that has one serves batches, ledger commits
-    and hellos only to requests that carry it."""
-    path = RunDir(run_dir).learner_token
+def role_token(run_dir: Path, role: str, create: bool = False) -> str:
+    """The run's token for ``role`` (one of protocol.messages.REPLAY_ROLES; "" when the run
+    has none; with ``create``, made once, mode 0600). A replay server started on a run
+    directory that has one serves that role's requests (protocol.messages.REPLAY_SENDER) only
+    to frames that carry it, when its socket has no CURVE keys to tell roles apart."""
+    path = RunDir(run_dir).role_token(role)
     if create and not path.exists():
         import secrets
 

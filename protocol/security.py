@@ -6,13 +6,20 @@ A keys directory (``security.keys_dir``, made by ``autodidact keys generate``) h
     server.key_secret     the replay server's secret key            the server's node only
     client.key            this node's client public key             every node
     client.key_secret     this node's client secret key             every node
-    authorized/*.key      client public keys the server accepts     the server's node
+    <role>.key(_secret)   the pair a role of this node uses           every node, a pair per
+                          (learner, actor, judge; else client.key)    role it runs
+    authorized/<role>/    public keys the server serves as <role>     the server's node
+    authorized/*.key      keys it serves as any role (older layout)   the server's node
     nodes/<name>/         (generate's output only) a ready keys_dir for node <name>
 
 Files are pyzmq certificates (``zmq.auth.load_certificate``). A server refuses every client
 whose public key is not in ``authorized/``; ZeroMQ refuses such a handshake before any frame
 reaches the application, so an unknown client simply gets no answer. Refusals are counted from
 a socket monitor (``rejected/auth`` in the server's stats) and logged, rate-limited.
+
+A key's folder says which role it may act as (protocol.messages.REPLAY_SENDER): the replay
+server reads each frame's sender key (its ZAP User-Id) and refuses an actor's key that asks for
+a batch, a judge's that pushes. Every authorized key may send the requests that only read.
 """
 
 from __future__ import annotations
@@ -30,12 +37,14 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol.errors import ConfigError
+from protocol.messages import REPLAY_ROLES
 
 log = logging.getLogger(__name__)
 
 SERVER_KEY = "server.key"
 CLIENT_KEY = "client.key"
 AUTHORIZED = "authorized"
+READER = "reader"  # authorized/reader/: keys served the requests that only read
 NODES = "nodes"
 ZAP_DOMAIN = "autodidact"
 AUTH_REASON = "auth"  # key of refused handshakes in ServerCounters.rejected
@@ -55,24 +64,33 @@ class CurveKeys:
     server_secret: bytes | None = None  # only on the replay server's node
     authorized: frozenset = field(default_factory=frozenset)  # client public keys it accepts
     keys_dir: str = ""
+    # the roles each authorized key may act as (a key of the older flat layout: all of them)
+    roles_by_key: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, keys_dir) -> CurveKeys:
+    def load(cls, keys_dir, role: str | None = None) -> CurveKeys:
+        """The keys of ``keys_dir``; the client pair is ``<role>.key`` when the directory has
+        one for ``role``, else ``client.key``."""
         d = Path(keys_dir).expanduser()
         where = f"security.keys_dir={keys_dir}"
         if not d.is_dir():
             raise ConfigError(f"{where}: no such directory (make one with `autodidact keys "
                               "generate --out DIR`)")
         server_public, server_secret = _load_pair(d / SERVER_KEY, where)
-        client_public, client_secret = _load_pair(d / CLIENT_KEY, where)
+        client = d / f"{role}.key" if role else None
+        if client is None or not client.with_name(client.name + "_secret").exists():
+            client = d / CLIENT_KEY
+        client_public, client_secret = _load_pair(client, where)
         if client_secret is None:
-            raise ConfigError(f"{where}: {CLIENT_KEY}_secret is missing (this node's client "
+            raise ConfigError(f"{where}: {client.name}_secret is missing (this node's client "
                               "key pair; see nodes/<name>/ in the generated directory)")
-        authorized = frozenset()
-        if (d / AUTHORIZED).is_dir():
-            authorized = frozenset(load_certificates(d / AUTHORIZED))
-        return cls(server_public, client_public, client_secret, server_secret, authorized,
-                   str(d))
+        roles_by_key = _authorized_roles(d / AUTHORIZED)
+        return cls(server_public, client_public, client_secret, server_secret,
+                   frozenset(roles_by_key), str(d), roles_by_key)
+
+    def roles_of(self, client_public: bytes) -> frozenset:
+        """The roles the client holding this public key may act as on the replay socket."""
+        return self.roles_by_key.get(client_public, frozenset())
 
     # --- the two ends of a link -------------------------------------------------------------
 
@@ -91,6 +109,20 @@ class CurveKeys:
             raise ConfigError(f"security.keys_dir={self.keys_dir}: no client keys in "
                               f"{AUTHORIZED}/, the server would refuse every client")
         return CurveGuard(sock, self)
+
+
+def _authorized_roles(folder: Path) -> dict:
+    """{public key: roles} from ``authorized/<role>/*.key``, ``authorized/reader/*.key`` (no
+    role: reads only) and the flat ``authorized/*.key`` (every role)."""
+    roles: dict = collections.defaultdict(set)
+    if folder.is_dir():
+        for key in load_certificates(folder):
+            roles[key].update(REPLAY_ROLES)
+        for role in (READER, *REPLAY_ROLES):
+            if (folder / role).is_dir():
+                for key in load_certificates(folder / role):
+                    roles[key].update({role} - {READER})
+    return {key: frozenset(r) for key, r in roles.items()}
 
 
 def _load_pair(path: Path, where: str) -> tuple[bytes, bytes | None]:
@@ -190,14 +222,15 @@ def leaves_loopback(address: str) -> bool:
         return True
 
 
-def curve_for(security, *addresses: str | None) -> CurveKeys | None:
-    """The keys a socket of this node uses, from ``security`` (a SecurityConfig, or None for
-    plain sockets): loaded from ``keys_dir`` when set; else None, after refusing any of
-    ``addresses`` that leaves loopback unless ``allow_plaintext_remote``."""
+def curve_for(security, *addresses: str | None, role: str | None = None) -> CurveKeys | None:
+    """The keys a socket of this node uses (``role``'s client pair when there is one), from
+    ``security`` (a SecurityConfig, or None for plain sockets): loaded from ``keys_dir`` when
+    set; else None, after refusing any of ``addresses`` that leaves loopback unless
+    ``allow_plaintext_remote``."""
     if security is None:
         return None
     if security.keys_dir:
-        return CurveKeys.load(security.keys_dir)
+        return CurveKeys.load(security.keys_dir, role)
     for address in addresses:
         if address and leaves_loopback(address) and not security.allow_plaintext_remote:
             raise ConfigError(

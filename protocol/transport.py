@@ -53,6 +53,8 @@ class Incoming:
     error: SchemaError | None = None
     body: bytes = b""  # the raw body, for stores that keep exactly what was sent
     size: int = 0  # bytes on the wire
+    credential: str = ""  # the sender's role token, from the envelope (codec v5)
+    peer_key: bytes = b""  # the sender's CURVE public key (z85) on a CURVE server, else b""
 
 
 @dataclass
@@ -112,21 +114,27 @@ class RouterServer:
         batch = []
         while len(batch) < max_batch:
             try:
-                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                # Frames (not bytes) on a CURVE socket: only a frame tells whose key sent it.
+                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=self._curve is None)
             except zmq.Again:
                 break
-            batch.append(self._decode(parts))
+            peer_key = b""
+            if self._curve is not None:
+                peer_key = parts[-1].get("User-Id").encode()  # z85, set by the ZAP handler
+                parts = [p.bytes for p in parts]
+            batch.append(self._decode(parts, peer_key))
         return batch
 
-    def _decode(self, parts: list[bytes]) -> Incoming:
+    def _decode(self, parts: list[bytes], peer_key: bytes = b"") -> Incoming:
         self.counters.received += 1
         # DEALER peers send [route, frame]; REQ peers add an empty delimiter frame.
         route, frame = parts[:-1], parts[-1]
-        incoming = Incoming(route=route, msg_id="", size=len(frame))
+        incoming = Incoming(route=route, msg_id="", size=len(frame), peer_key=peer_key)
         try:
             env = codec.unpack_envelope(frame, self.max_frame_bytes)
             incoming.msg_id = env.msg_id
             incoming.body = env.body
+            incoming.credential = env.credential
             incoming.msg = codec.decode_body(env.type_tag, env.body)
         except SchemaError as exc:
             incoming.error = exc
@@ -227,9 +235,11 @@ class ZmqChannel(Channel):
 
     def __init__(self, address: str, retry_after_s: float = 2.0,
                  context: zmq.Context | None = None, identity: str | None = None,
-                 curve: CurveKeys | None = None, max_reply_bytes: int = MAX_REPLY_BYTES):
+                 curve: CurveKeys | None = None, max_reply_bytes: int = MAX_REPLY_BYTES,
+                 credential: str = ""):
         super().__init__()
         self.address = address
+        self.credential = credential  # this role's token, in every frame's envelope
         self.retry_after_s = retry_after_s
         self.resends = 0
         self.dropped: Counter = Counter()  # replies refused, by reason: a confused server
@@ -249,7 +259,7 @@ class ZmqChannel(Channel):
 
     def send(self, msg, msg_id: str | None = None) -> str:
         msg_id = msg_id or new_id()
-        frame = codec.encode(msg, msg_id)
+        frame = codec.encode(msg, msg_id, self.credential)
         self._pending[msg_id] = _Pending(msg, frame, time.monotonic())
         self._send_frame(frame)
         return msg_id
@@ -299,25 +309,28 @@ class ZmqChannel(Channel):
 
 
 class LoopbackChannel(Channel):
-    """In-process channel: frames go through the real codec to ``handler(msg_id, body, msg)``.
+    """In-process channel: frames go through the real codec to ``handler(incoming)``, which
+    gets what a :class:`RouterServer` would have decoded and returns the reply.
 
     Every frame sent and received is recorded in ``sent`` / ``received`` so tests and debugging
     sessions can inspect exactly what crossed the boundary.
     """
 
-    def __init__(self, handler: Callable[[str, bytes, object], object]):
+    def __init__(self, handler: Callable[[Incoming], object], credential: str = ""):
         super().__init__()
         self._handler = handler
+        self.credential = credential  # this role's token, in every frame's envelope
         self._replies: list[tuple[str, object]] = []
         self.sent: list[bytes] = []
         self.received: list[bytes] = []
 
     def send(self, msg, msg_id: str | None = None) -> str:
         msg_id = msg_id or new_id()
-        frame = codec.encode(msg, msg_id)
+        frame = codec.encode(msg, msg_id, self.credential)
         self.sent.append(frame)
         env, decoded = codec.decode(frame)
-        reply = self._handler(msg_id, env.body, decoded)
+        reply = self._handler(Incoming(route=[], msg_id=msg_id, msg=decoded, body=env.body,
+                                       size=len(frame), credential=env.credential))
         self.received.append(codec.encode(reply, msg_id))
         self._replies.append((msg_id, reply))
         return msg_id

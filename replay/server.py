@@ -5,10 +5,12 @@ commits its consumed ledger, all over one ZeroMQ ROUTER socket. Everything a bur
 changes is written in one LMDB transaction, and nothing is acknowledged before that
 transaction commits: an ack means "on disk".
 
-The learner's requests (hello, batches, ledger commits) move what every other role sees: the
-stale floor, what is consumed. On a run directory with a learner token
-(:func:`protocol.run_dir.learner_token`, made by ``autodidact run``) only requests carrying
-it are served; others are refused ``unauthorized`` and counted.
+Each writing request belongs to one role (``protocol.messages.REPLAY_SENDER``): only actors
+push, only judges lease and label, and only the learner says hello, takes batches and commits
+the ledger (its requests move what every other role sees: the stale floor, what is consumed).
+With CURVE keys the sender's key decides (``authorized/<role>/``); without, the role token in
+the frame's envelope, on a run directory that has one (``<role>.token``, made by ``autodidact
+run``). Anything else is refused ``unauthorized`` and counted.
 
 A write transaction that fails because the file system is full answers every write in it with
 ``disk_full`` (nothing of it was stored; clients keep what they sent and try again after a
@@ -46,6 +48,8 @@ from protocol import codec
 from protocol.config import ReplayConfig
 from protocol.errors import SchemaError
 from protocol.messages import (
+    REPLAY_ROLES,
+    REPLAY_SENDER,
     Ack,
     Batch,
     BatchRequest,
@@ -61,7 +65,7 @@ from protocol.messages import (
     StepLabels,
     StoredGroups,
 )
-from protocol.run_dir import RunDir, learner_token, single_writer_lock
+from protocol.run_dir import RunDir, role_token, single_writer_lock
 from protocol.security import CurveKeys
 from protocol.transport import Incoming, RouterServer, local_address
 from replay.store import (
@@ -82,9 +86,8 @@ MAX_KEY_BYTES = 500  # LMDB refuses keys longer than 511 bytes
 WRITES = (Group, StepLabels, LearnerHello, BatchRequest, LedgerCommit)  # handled in the txn
 READS = (JudgePull, StatsRequest, GroupsSince)  # handled after the commit: they see its writes
 STORE_FULL = "replay store is full: grow replay.map_size and restart the replay server"
-UNAUTHORIZED = ("only the run's learner may ask for batches, commit the ledger or say hello "
-                "(its requests carry <run-dir>/learner.token)")
-LEARNER_ONLY = (LearnerHello, BatchRequest, LedgerCommit)
+UNAUTHORIZED = ("only the run's {role} may send {request}: its frames carry "
+                "<run-dir>/{role}.token, or with CURVE keys it holds a key in authorized/{role}/")
 DISK_FULL = "no space left on the replay store's file system: nothing stored; send it again later"
 # LMDB reports a write the file system refused as a generic I/O error; with less than this
 # free on the store's file system it is taken for a full disk.
@@ -146,7 +149,9 @@ class ReplayServer:
         self._nothing_evictable: tuple | None = None  # see _evict
         self._last_logged: dict[str, float] = {}
         self.disk_full = False  # the last write transaction failed for want of space
-        self.learner_token = learner_token(self.run_dir)  # "": any client may act as learner
+        self.curve = curve  # with keys, a frame's sender key says which roles it may act as
+        # without: a role that has a token is served only to frames carrying it
+        self.tokens = {role: t for role in REPLAY_ROLES if (t := role_token(self.run_dir, role))}
         self._handlers = {Group: self._on_group, StepLabels: self._on_labels,
                           LearnerHello: self._on_hello, BatchRequest: self._on_batch_request,
                           LedgerCommit: self._on_ledger, JudgePull: self._on_judge_pull,
@@ -156,7 +161,8 @@ class ReplayServer:
                  len(self.index), store_path(run_dir),
                  f"CURVE, {len(curve.authorized)} authorized client keys"
                  if curve else "plaintext (security.keys_dir empty)",
-                 "need the learner token" if self.learner_token else "open (no learner.token)")
+                 "roles by client key" if curve else
+                 f"roles by token: {', '.join(self.tokens) or 'none (any client, any role)'}")
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -282,12 +288,14 @@ class ReplayServer:
         return replies
 
     def _dispatch(self, txn, inc: Incoming):
-        if isinstance(inc.msg, LEARNER_ONLY) and not self._from_learner(inc.msg):
+        role = REPLAY_SENDER.get(type(inc.msg))
+        if role is not None and not self._may_act_as(inc, role):
             self.rpc.counters.rejected["unauthorized"] += 1
             if self._due("unauthorized"):
-                log.warning("refused %s from %r: it does not carry the run's learner token",
-                            type(inc.msg).TYPE, inc.msg.learner_id[:80])
-            return Error("unauthorized", UNAUTHORIZED)
+                log.warning("refused %s: the sender is not the run's %s (%s)", type(inc.msg).TYPE,
+                            role, "its key is not in authorized/" + role if self.curve
+                            else f"no {role}.token in the frame")
+            return Error("unauthorized", UNAUTHORIZED.format(role=role, request=type(inc.msg).TYPE))
         try:
             return self._handlers[type(inc.msg)](txn, inc)
         except SchemaError as exc:  # well-formed but inconsistent with what is stored
@@ -301,9 +309,11 @@ class ReplayServer:
                 return self._internal_error(exc)
             raise _HandlerCrash(inc, exc) from exc
 
-    def _from_learner(self, msg) -> bool:
-        return not self.learner_token or hmac.compare_digest(msg.token.encode(),
-                                                             self.learner_token.encode())
+    def _may_act_as(self, inc: Incoming, role: str) -> bool:
+        if self.curve is not None:
+            return role in self.curve.roles_of(inc.peer_key)
+        token = self.tokens.get(role)
+        return token is None or hmac.compare_digest(inc.credential.encode(), token.encode())
 
     def _internal_error(self, exc: Exception) -> Error:
         self.counters["errors/internal"] += 1

@@ -76,6 +76,11 @@ def test_encode_body_is_deterministic():
     (codec.pack_frame("task", "x", msgpack.packb({}), version=0), "old_version"),
     (codec.pack_frame("task", "x", msgpack.packb({"task_id": "t"})), "missing_field"),
     (codec.pack_frame("task", "x", b"\xc1"), "not_msgpack"),
+    # v5 envelopes have a credential, older ones none; a string of bounded length
+    (msgpack.packb(["autodidact", 5, "task", "x", msgpack.packb({})]), "bad_envelope"),
+    (msgpack.packb(["autodidact", 4, "task", "x", msgpack.packb({}), ""]), "bad_envelope"),
+    (msgpack.packb(["autodidact", 5, "task", "x", msgpack.packb({}), 7]), "bad_envelope"),
+    (codec.pack_frame("task", "x", msgpack.packb({}), credential="t" * 129), "bad_envelope"),
 ])
 def test_malformed_frames_are_refused_with_a_reason(frame, reason):
     assert reason_of(frame) == reason
@@ -118,3 +123,12 @@ def test_no_pickle_types_accepted():
         pass
     with pytest.raises(TypeError):
         codec.encode(WeightsAnnouncement(1, 1, 1, "x", chunk_sha256=[Evil()]))
+
+
+def test_the_credential_rides_in_the_envelope_not_the_body():
+    task = Task("t", "files", "q", 1)
+    env, decoded = codec.decode(codec.encode(task, "m", credential="secret"))
+    assert env.credential == "secret" and decoded == task
+    assert b"secret" not in env.body  # what a store keeps never holds it
+    old = codec.pack_frame("task", "m", codec.encode_body(task), version=4)
+    assert codec.decode(old)[0].credential == ""  # a v4 frame still decodes, with none

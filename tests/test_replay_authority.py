@@ -1,60 +1,107 @@
-"""Only the run's learner has the learner's powers on the replay socket (issue 21, part 6): on a
-run directory with a learner token, a client without it (or with a wrong one) can still push
-groups and judge them, but cannot take batches, commit the ledger or move the learner version
-with a hello; the refusals are counted, and the real learner is served as before."""
+"""Each role has only its own powers on the replay socket (issue 21, part 6): only actors push,
+only judges lease and label, only the learner takes batches, commits the ledger and moves the
+learner version with a hello. Without CURVE keys the role token in the frame's envelope
+decides (on a run directory that has tokens); with keys, the sender's key. Refusals are
+counted and named; every role is still served its own requests."""
 
 from __future__ import annotations
+
+import shutil
+import threading
 
 import pytest
 from helpers_replay import ServerProc, labels_for, make_group, push_all
 
+from protocol.config import ReplayConfig
 from protocol.errors import RemoteError
-from protocol.messages import MAX_VERSION
+from protocol.messages import MAX_VERSION, REPLAY_ROLES
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import RunDir, learner_token
+from protocol.run_dir import RunDir, role_token
+from protocol.security import CurveKeys
+from replay.server import ReplayServer
+
+
+def push_one(client: ReplayClient, group) -> str:
+    """A push answered or refused, as a blocking call (pushes are pipelined)."""
+    client.push_group(group)
+    for _ in range(100):
+        for _gid, status in client.poll_acks(0.1):
+            if status.startswith("error:"):
+                raise RemoteError(status[len("error:"):], "")
+            return status
+    raise AssertionError("push not answered")
+
+
+# One request per writing role, sent as that role would.
+ATTEMPTS = {
+    "actor": lambda c, groups: push_one(c, groups[-1]),
+    "judge": lambda c, groups: c.pull_judge_work("judge-0", max_groups=1),
+    "learner": lambda c, groups: c.request_batch("learner", 1, 0),
+}
+
+
+def assert_refused(role: str, call, *args) -> None:
+    """``call(*args)`` is refused as not coming from the run's ``role``."""
+    with pytest.raises(RemoteError) as refused:
+        call(*args)
+    assert refused.value.reason == "unauthorized"
+    if refused.value.detail:  # a push's refusal comes back as an ack status only
+        assert f"{role}.token" in refused.value.detail and f"authorized/{role}/" \
+            in refused.value.detail
 
 
 @pytest.mark.timeout(60)
-def test_only_the_token_holder_takes_batches_commits_or_says_hello(tmp_path):
-    token = learner_token(tmp_path, create=True)
-    assert len(token) == 48 and RunDir(tmp_path).learner_token.stat().st_mode & 0o077 == 0
-    assert learner_token(tmp_path, create=True) == token  # made once
+def test_role_tokens_give_each_role_its_own_requests_only(tmp_path):
+    tokens = {role: role_token(tmp_path, role, create=True) for role in REPLAY_ROLES}
+    assert len(set(tokens.values())) == 3 and all(len(t) == 48 for t in tokens.values())
+    for role in REPLAY_ROLES:
+        assert RunDir(tmp_path).role_token(role).stat().st_mode & 0o077 == 0
+        assert role_token(tmp_path, role, create=True) == tokens[role]  # made once
     groups = [make_group(i) for i in range(6)]
     with ServerProc(tmp_path) as server:
-        actor = ReplayClient(server.address, timeout_s=10)
-        impostors = [ReplayClient(server.address, timeout_s=10),
-                     ReplayClient(server.address, timeout_s=10, learner_token="0" * 48)]
-        learner = ReplayClient(server.address, timeout_s=10, learner_token=token)
+        clients = {role: ReplayClient(server.address, timeout_s=10, credential=token)
+                   for role, token in tokens.items()}
+        strangers = [ReplayClient(server.address, timeout_s=10),
+                     ReplayClient(server.address, timeout_s=10, credential="0" * 48)]
+        actor, judge, learner = clients["actor"], clients["judge"], clients["learner"]
         try:
-            assert set(push_all(actor, groups).values()) == {"stored"}  # actors need no token
-            work = actor.pull_judge_work("judge-0", max_groups=1)  # nor do judges
-            assert actor.submit_labels(labels_for(work[0])) == "stored"
-            for impostor in impostors:
-                for attempt in (lambda c: c.request_batch("learner", 4, 0),
-                                lambda c: c.commit_ledger("learner", [groups[0].group_id]),
-                                lambda c: c.hello("learner", MAX_VERSION)):
-                    with pytest.raises(RemoteError) as refused:
-                        attempt(impostor)
-                    assert refused.value.reason == "unauthorized"
-                    assert "learner.token" in refused.value.detail
-            stats = actor.stats()
-            assert stats["rejected/unauthorized"] == 6
-            assert stats["delivered"] == stats["consumed"] == 0
+            assert set(push_all(actor, groups[:5]).values()) == {"stored"}
+            work = judge.pull_judge_work("judge-0", max_groups=1)
+            assert judge.submit_labels(labels_for(work[0])) == "stored"
+            refused = 0
+            for holder, client in [*clients.items(), ("none", strangers[0]),
+                                   ("wrong", strangers[1])]:
+                for role, attempt in ATTEMPTS.items():
+                    if role != holder:
+                        assert_refused(role, attempt, client, groups)
+                        refused += 1
+                if holder != "learner":
+                    assert_refused("learner", client.hello, "learner", MAX_VERSION)
+                    refused += 1
+                if holder != "judge":
+                    assert_refused("judge", client.submit_labels, labels_for(groups[1]))
+                    refused += 1
+            stats = strangers[0].stats()  # reads need no role
+            assert stats["rejected/unauthorized"] == refused == 20
+            assert stats["groups"] == 5 and stats["judged"] == 1  # nothing refused was stored
             assert stats["learner_version"] != MAX_VERSION
-            assert "does not carry the run's learner token" in server.log_text()
+            assert "the sender is not the run's" in server.log_text()
 
             learner.hello("learner", 0)
             batch = learner.request_batch("learner", 6, 0)
-            assert sorted(g.group_id for g in batch.groups) == sorted(g.group_id for g in groups)
+            assert sorted(g.group_id for g in batch.groups) == \
+                sorted(g.group_id for g in groups[:5])
             assert learner.commit_ledger("learner", [g.group_id for g in batch.groups],
-                                         1)["consumed"] == 6
+                                         1)["consumed"] == 5
         finally:
-            for client in (actor, learner, *impostors):
+            for client in (*clients.values(), *strangers):
                 client.close()
+    store = (tmp_path / "replay.lmdb" / "data.mdb").read_bytes()
+    assert not any(t.encode() in store for t in tokens.values())  # envelopes are not stored
 
 
 @pytest.mark.timeout(60)
-def test_a_run_directory_without_a_token_serves_any_learner(tmp_path):
+def test_a_run_directory_without_tokens_serves_any_role(tmp_path):
     """Stores made before tokens existed, and bare test directories, keep working."""
     with ServerProc(tmp_path) as server:
         client = ReplayClient(server.address, timeout_s=10)
@@ -63,3 +110,48 @@ def test_a_run_directory_without_a_token_serves_any_learner(tmp_path):
             assert len(client.request_batch("learner", 1, 0).groups) == 1
         finally:
             client.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_curve_keys_the_sender_key_decides_the_role(tmp_path, keys_dir):
+    """Keys from ``autodidact keys generate``: the head's learner pair takes batches, a worker
+    node's actor pair only pushes, its judge pair only judges, a client pair only reads; a key
+    of the older flat authorized/ layout may act as every role. Tokens play no part."""
+    keys = shutil.copytree(keys_dir, tmp_path / "keys")
+    node = keys / "nodes" / "gpu1"
+    shutil.copyfile(node / "client.key", keys / "authorized" / "old.key")  # flat: any role
+    (tmp_path / "run").mkdir()
+    role_token(tmp_path / "run", "learner", create=True)  # ignored when keys are on
+    server = ReplayServer(tmp_path / "run", ReplayConfig(), "tcp://127.0.0.1:*",
+                          curve=CurveKeys.load(keys))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def client(keys: CurveKeys) -> ReplayClient:
+        return ReplayClient(server.address, retry_after_s=0.5, timeout_s=10, curve=keys)
+
+    actor, judge = client(CurveKeys.load(node, "actor")), client(CurveKeys.load(node, "judge"))
+    learner = client(CurveKeys.load(keys, "learner"))
+    reader = client(CurveKeys.load(keys))  # the head's client pair: authorized/reader/ only
+    old = client(CurveKeys.load(node))
+    groups = [make_group(i) for i in range(4)]
+    try:
+        assert set(push_all(actor, groups[:3]).values()) == {"stored"}
+        assert_refused("learner", actor.request_batch, "learner", 1, 0)
+        assert_refused("actor", push_one, judge, groups[3])
+        work = judge.pull_judge_work("judge-0", max_groups=1)
+        assert judge.submit_labels(labels_for(work[0])) == "stored"
+        assert_refused("judge", learner.pull_judge_work, "judge-1")
+        for role, attempt in ATTEMPTS.items():
+            assert_refused(role, attempt, reader, groups)
+        assert reader.stats()["groups"] == 3
+        assert len(learner.request_batch("learner", 2, 0).groups) == 2
+        assert push_one(old, groups[3]) == "stored"  # the flat layout: any role
+        assert len(old.request_batch("learner", 2, 0).groups) == 2
+        assert reader.stats()["rejected/unauthorized"] == 3 + 3
+    finally:
+        for c in (actor, judge, learner, reader, old):
+            c.close()
+        server.stop()
+        thread.join(5)
+        server.close()

@@ -194,7 +194,7 @@ def test_flipped_bytes(live, frame, flips):
 @given(st.sampled_from(BASE), st.data())
 @SETTINGS
 def test_mutated_fields(live, frame, data):
-    _, _, type_tag, msg_id, body = msgpack.unpackb(frame, raw=False)
+    _, _, type_tag, msg_id, body, _credential = msgpack.unpackb(frame, raw=False)
     tree = msgpack.unpackb(body, raw=False)  # arrays stay opaque ExtType values
     mutate_tree(tree, data, wrong_values)
     mutated = codec.pack_frame(type_tag, msg_id, msgpack.packb(tree, use_bin_type=True))
@@ -209,7 +209,7 @@ def test_extreme_field_values(live, which, data):
     """Fields of a valid frame of each type set to extreme values of their type (num_groups
     2**64-1, lease_s inf, version -1, a 600-byte learner_id...): one top-level field alone, or
     each with even odds and then up to two anywhere (values of any type)."""
-    _, _, type_tag, msg_id, body = msgpack.unpackb(BASE[which], raw=False)
+    _, _, type_tag, msg_id, body, _credential = msgpack.unpackb(BASE[which], raw=False)
     tree = msgpack.unpackb(body, raw=False)
     values = st.one_of(extreme_values, wrong_values)
     names = [n for n in sorted(tree) if type(tree[n]) in EXTREME]
@@ -238,7 +238,7 @@ def test_broken_envelopes(live, which, data):
     outer = msgpack.unpackb(BASE[which], raw=False)
     other = msgpack.unpackb(BASE[data.draw(st.sampled_from(range(len(BASE))))], raw=False)
     how = data.draw(st.sampled_from(["version", "tag", "body", "msg_id", "magic", "length",
-                                     "body_type"]))
+                                     "body_type", "credential"]))
     if how == "version":
         outer[1] = data.draw(st.sampled_from([0, -1, 1, 3, 99, 2**63 - 1, 2**64 - 1, True,
                                               1.0, 2.0, "2", None, [2]]))
@@ -254,8 +254,10 @@ def test_broken_envelopes(live, which, data):
                                               "\x00", "group:decoy-0"]))
     elif how == "magic":
         outer[0] = data.draw(st.sampled_from(["Autodidact", "", None, b"autodidact", 0]))
+    elif how == "credential":  # not a string, far too long, or another role's made-up one
+        outer[5] = data.draw(st.sampled_from([None, 5, b"x", ["x"], "x" * 100_000, "0" * 48]))
     elif how == "length":
-        outer = outer[:data.draw(st.integers(0, 4))] if data.draw(st.booleans()) \
+        outer = outer[:data.draw(st.integers(0, 5))] if data.draw(st.booleans()) \
             else outer + [data.draw(wrong_values)]
     else:
         outer[4] = data.draw(st.one_of(

@@ -65,21 +65,31 @@ def test_generate_writes_private_secrets_and_refuses_to_overwrite(tmp_path):
     result = generate(out, "--clients", "2", "--client", "gpu1")
     assert result.exit_code == 0, result.output
     assert "security.keys_dir=" in result.output and "nodes/gpu1" in result.output
+    nodes = ("client-1", "client-2", "gpu1")
     secrets = [out / "server.key_secret", out / "client.key_secret",
-               *(out / "nodes" / n / "client.key_secret" for n in ("client-1", "client-2",
-                                                                   "gpu1"))]
+               *(out / f"{r}.key_secret" for r in ("learner", "actor", "judge")),
+               *(out / "nodes" / n / f"{k}.key_secret" for n in nodes
+                 for k in ("client", "actor", "judge"))]
     for path in secrets:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
-    assert sorted(p.name for p in (out / "authorized").iterdir()) == [
-        "client-1.key", "client-2.key", "gpu1.key", "local.key"]
+    authorized = {d.name: sorted(p.name for p in d.iterdir())
+                  for d in (out / "authorized").iterdir()}
+    every = ["client-1.key", "client-2.key", "gpu1.key", "local.key"]
+    assert authorized == {"reader": every, "actor": every, "judge": every,
+                          "learner": ["local.key"]}  # worker nodes run no learner
     assert not (out / "nodes" / "gpu1" / "server.key_secret").exists()  # never leaves
+    assert not (out / "nodes" / "gpu1" / "learner.key_secret").exists()
 
     server = CurveKeys.load(out)
     node = CurveKeys.load(out / "nodes" / "gpu1")
     assert server.server_secret and node.server_secret is None
     assert node.server_public == server.server_public
     assert node.client_public in server.authorized and server.client_public in server.authorized
-    assert len(server.authorized) == 4
+    assert len(server.authorized) == 4 * 4 - 3  # a client pair per node + one per role
+    assert server.roles_of(node.client_public) == frozenset()  # reads only
+    assert server.roles_of(CurveKeys.load(out, "learner").client_public) == {"learner"}
+    assert server.roles_of(CurveKeys.load(out / "nodes" / "gpu1", "actor").client_public) \
+        == {"actor"}
 
     before = (out / "server.key_secret").read_bytes()
     again = generate(out)
@@ -89,7 +99,7 @@ def test_generate_writes_private_secrets_and_refuses_to_overwrite(tmp_path):
     assert forced.exit_code == 0, forced.output
     assert (out / "server.key_secret").read_bytes() != before
     assert not (out / "nodes").exists()  # the old nodes' keys belong to the old server
-    assert [p.name for p in (out / "authorized").iterdir()] == ["local.key"]
+    assert sorted(p.name for p in (out / "authorized").rglob("*.key")) == ["local.key"] * 4
 
 
 def test_generate_refuses_bad_client_names(tmp_path):
@@ -109,12 +119,12 @@ def test_authorized_node_is_served_by_a_server_started_from_config(tmp_path, key
     and a node that holds only its nodes/<name>/ copy."""
     with ServerProc(tmp_path / "run", f"security.keys_dir={keys_dir}") as server:
         node = ReplayClient.for_run(run_cfg(keys_dir / "nodes" / "gpu1", server.address),
-                                    retry_after_s=0.5, timeout_s=10)
+                                    role="actor", retry_after_s=0.5, timeout_s=10)
         assert push_all(node, [make_group(1), make_group(2)]) == {"g-1": "stored",
                                                                   "g-2": "stored"}
         assert node.stats()["groups"] == 2
         node.close()
-    assert "CURVE, 2 authorized client keys" in server.log_text()
+    assert "CURVE, 7 authorized client keys" in server.log_text()
 
 
 @pytest.mark.timeout(20)
@@ -132,7 +142,8 @@ def test_unknown_client_key_gets_no_answer_and_is_counted(curve_server, keys_dir
     wait_until(lambda: refused(curve_server) >= 1)
 
     # ... and the server goes on serving the clients it knows.
-    client = ReplayClient(curve_server.address, retry_after_s=0.5, timeout_s=5, curve=known)
+    client = ReplayClient(curve_server.address, retry_after_s=0.5, timeout_s=5,
+                          curve=CurveKeys.load(keys_dir, "actor"))
     assert push_all(client, [make_group(1)]) == {"g-1": "stored"}
     stats = client.stats()
     client.close()

@@ -102,7 +102,7 @@ def test_request_times_out_cleanly():
 def test_error_reply_raises_remote_error():
     from protocol.messages import Error
 
-    ch = LoopbackChannel(lambda msg_id, body, msg: Error("invalid", "nope"))
+    ch = LoopbackChannel(lambda inc: Error("invalid", "nope"))
     with pytest.raises(RemoteError) as info:
         ch.request(StatsRequest())
     assert info.value.reason == "invalid"
@@ -110,9 +110,9 @@ def test_error_reply_raises_remote_error():
 
 
 def test_loopback_records_frames():
-    ch = LoopbackChannel(lambda msg_id, body, msg: Ack(info={"type": msg.TYPE}))
+    ch = LoopbackChannel(lambda inc: Ack(info={"type": inc.msg.TYPE}))
     assert ch.request(Task("t", "files", "q", 1)).info == {"type": "task"}
-    assert ch.sent[0].startswith(b"\x95")  # a 5-element msgpack array: the envelope
+    assert ch.sent[0].startswith(b"\x96")  # a 6-element msgpack array: the v5 envelope
 
 
 def test_exit_with_unsent_messages_does_not_hang():
