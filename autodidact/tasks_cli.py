@@ -141,8 +141,9 @@ def _verify_one(task: Task, cfg, env_class, verify_task) -> str:
         cls = env_class(task.env)
     except KeyError:
         return "unknown_env"
-    # The config's options are for the env it names; another env gets its defaults.
-    options = dict(cfg.env.options) if task.env == cfg.env.name else {}
+    # The config's options are for the env it names (a plugin's ``pkg.module:name`` registers
+    # as ``name``, which Task.env holds); another env gets its defaults.
+    options = dict(cfg.env.options) if cls is env_class(cfg.env.name) else {}
     try:
         ok, reason = verify_task(cls, task, **options)
     except Exception as exc:  # one broken task must not hide the verdict on the others
@@ -157,11 +158,18 @@ def _verify_one(task: Task, cfg, env_class, verify_task) -> str:
 def verify(config, sets, run_dir):
     """Replay each task's reference in a fresh env: the goal must hold after it, not before.
 
+    The run's own config.yaml is used unless -c names another: it says which environment
+    (a plugin module included, imported here) and with which options the tasks were made.
     Exits 1 when any task fails.
     """
-    cfg = load(config, sets)
+    run_config = RunDir(run_dir).config
+    cfg = load(config or (str(run_config) if run_config.exists() else None), sets)
     stored = _read_all(run_dir)
     env_class, verify_task = _verifier()
+    try:
+        env_class(cfg.env.name)  # imports a plugin module, which registers its env
+    except (KeyError, ImportError) as exc:
+        raise click.ClickException(f"env.name={cfg.env.name}: {exc}") from None
     failed: dict[str, list[str]] = {}
     for task in stored:
         reason = _verify_one(task, cfg, env_class, verify_task)

@@ -36,16 +36,34 @@ _BOOL_WORDS = {"true": True, "false": False}
 
 @dataclass(frozen=True)
 class ArgSpec:
-    """One tool argument: a name, a literal type ("str" or "int"), and whether it is required."""
+    """One tool argument: a name, a literal type (one of ARG_TYPES), whether it is required,
+    and, where the environment knows it, its domain (what self-questioning draws from)."""
 
     name: str
     type: str = "str"
     description: str = ""
     required: bool = True
+    # The values the argument can take, when the environment can list them (an enumeration:
+    # colours, warehouse names); the explorer draws from these instead of guessing.
+    choices: tuple = ()
+    # For int and float arguments, the (low, high) range that makes sense, both included.
+    bounds: tuple | None = None
+    # "id": a str naming something the call *creates* (an order id, a new file name): the
+    # explorer invents fresh values in the style of ids it has seen, not only seen names.
+    kind: str = ""
 
     def __post_init__(self):
         if self.type not in ARG_TYPES:
             raise ValueError(f"arg {self.name!r}: type must be one of {ARG_TYPES}")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.bounds is not None:
+            if self.type not in ("int", "float") or len(self.bounds) != 2 \
+                    or self.bounds[0] > self.bounds[1]:
+                raise ValueError(f"arg {self.name!r}: bounds is (low, high) with low <= high, "
+                                 "for int and float arguments")
+            object.__setattr__(self, "bounds", tuple(self.bounds))
+        if self.kind not in ("", "id"):
+            raise ValueError(f"arg {self.name!r}: kind is '' or 'id'")
 
     def usage(self) -> str:
         return self.name if self.required else f"[{self.name}]"
@@ -87,6 +105,9 @@ class ToolSpec:
                     "type": a.type,
                     "description": a.description,
                     "required": a.required,
+                    **({"choices": list(a.choices)} if a.choices else {}),
+                    **({"bounds": list(a.bounds)} if a.bounds else {}),
+                    **({"kind": a.kind} if a.kind else {}),
                 }
                 for a in self.args
             ],

@@ -33,6 +33,8 @@ never by spelling a name itself, so the layout below is the whole contract::
         tasks.lmdb/                 the synthesized tasks (the explorer writes)
         explore/explorations.jsonl  every exploration: actions, observations, states
         explore/profile.json        the environment profile built from them
+        explore/coverage.json       per tool: successful calls, share of stored tasks using it;
+                                    per argument: values tried; the gaps (autodidact explore)
         experiences.log             the experience pool's durable copy (append-only)
         llm/<caller>.jsonl          every request to the LLM endpoint and its raw reply (the
                                     judge, the extractor, the proposer; autodidact llm-check)
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -84,6 +87,7 @@ TASK_STORE = "tasks.lmdb"
 EXPLORE = "explore"
 EXPLORATIONS = "explorations.jsonl"  # under explore/
 PROFILE = "profile.json"  # under explore/
+COVERAGE = "coverage.json"  # under explore/
 EXPERIENCES = "experiences.log"
 LLM_REPLIES = "llm"
 ACKS = "acks"
@@ -223,6 +227,10 @@ class RunDir:
         return self.explore / PROFILE
 
     @property
+    def coverage(self) -> Path:
+        return self.explore / COVERAGE
+
+    @property
     def experiences(self) -> Path:
         return self.path / EXPERIENCES
 
@@ -273,7 +281,10 @@ class RunDir:
         return self.path / EVAL
 
     def eval_results(self, env: str, split: str, policy: str, k: int) -> Path:
-        return self.eval / f"{env}-{split}-{policy}-k{k}.jsonl"
+        """A plugin env's ``pkg.module:name`` becomes ``pkg.module_name``: no colon in a file
+        name (Windows and some shells refuse or misread it)."""
+        parts = (_file_safe(p) for p in (env, split, policy))
+        return self.eval / ("-".join(parts) + f"-k{k}.jsonl")
 
     @property
     def report(self) -> Path:
@@ -282,6 +293,10 @@ class RunDir:
     @property
     def ablation_argv(self) -> Path:
         return self.path / ABLATION_ARGV
+
+
+def _file_safe(word: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", word)
 
 
 def role_token(run_dir: Path, role: str, create: bool = False) -> str:

@@ -5,8 +5,9 @@ temperature, preferring tool x entity pairs it has not tried yet, then for ``dep
 lower temperature, chaining actions on the names the last ``k`` observations showed. Actions
 come from an LLM when one is configured (an OpenAI-compatible endpoint, or the policy itself);
 a model that cannot yet write valid calls is replaced by :class:`SchemaSampler`, which samples
-well-formed calls from the declared tool schemas with arguments drawn from names seen in
-observations. Every exploration keeps its actions, observations and state snapshots.
+well-formed calls from the declared tool schemas with typed arguments (see
+:class:`ArgumentDrafter`). Every exploration keeps its actions, observations and state
+snapshots.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from protocol.messages import Task
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9_.~+-]{1,64}")
+_NUMBER = re.compile(r"(?<![\w.])[0-9]{1,6}(?![\w.])")
+_DIGITS = re.compile(r"[0-9]+")
 SMALL_INTS = (0, 1, 2, 3)
 SMALL_FLOATS = ("0.5", "1.0", "2.5", "10.0")
+FRESH_SHARE = 0.15  # str draws that invent an identifier where the schema does not say "id"
 _SHELL_TYPES = ("str", "int", "float", "bool")  # what one shell word can carry
 
 
@@ -85,17 +89,103 @@ def seed_tasks(env: Environment, limit: int = 0) -> list[Task]:
 # --- proposers ----------------------------------------------------------------------------------
 
 
+class ArgumentDrafter:
+    """Typed values for one argument slot, learned from what the environment showed.
+
+    * declared ``choices`` (an enumeration the env knows) are drawn from directly;
+    * ints come from the declared ``bounds``, else from small numbers, every number seen in an
+      observation or a refusal ("only 5 left") and its neighbours, up to twice the largest;
+    * ``kind="id"`` arguments (and a share of other str ones) get *fresh* identifiers in the
+      style of those this slot accepted or the env showed (``ord-0042`` -> ``ord-0917``): a
+      task that creates something needs a name nobody has used yet. In an env with a closed
+      vocabulary (``Environment.vocabulary()`` not empty) a fresh name is an unused word of
+      it of the same shape (``budget.md`` -> ``plan.txt``), never a made-up one;
+    * other str arguments are names seen in observations (chosen by the sampler's weights).
+    """
+
+    def __init__(self, rng: random.Random, vocabulary: Sequence[str] = ()):
+        self.rng = rng
+        self.vocabulary = sorted({w for w in vocabulary if _NAME.fullmatch(w)})
+        self.numbers: Counter = Counter()  # numbers seen in any observation
+        self.accepted: dict[tuple, Counter] = {}  # (tool, slot) -> values of calls that worked
+        self.tried: dict[tuple, set] = {}  # (tool, arg name) -> values tried (for coverage)
+
+    def observe_numbers(self, text: str) -> None:
+        self.numbers.update(int(n) for n in _NUMBER.findall(text))
+
+    def integer(self, arg) -> int:
+        if arg.choices:
+            return self.rng.choice(arg.choices)
+        if arg.bounds:
+            lo, hi = int(arg.bounds[0]), int(arg.bounds[1])
+            return self.rng.choice((lo, hi)) if self.rng.random() < 0.2 else \
+                self.rng.randint(lo, hi)
+        seen = list(self.numbers)
+        if seen and self.rng.random() < 0.6:
+            n = self.rng.choice(seen)
+            return max(0, n + self.rng.choice((-1, 0, 0, 1)))
+        top = max([3, *seen])
+        return self.rng.choice(SMALL_INTS) if self.rng.random() < 0.5 else \
+            self.rng.randint(0, 2 * top)
+
+    def decimal(self, arg) -> str:
+        if arg.choices:
+            return str(self.rng.choice(arg.choices))
+        if arg.bounds:
+            return f"{self.rng.uniform(*map(float, arg.bounds)):.2f}"
+        return self.rng.choice(SMALL_FLOATS)
+
+    def fresh_id(self, tool: str, slot: int, names: Sequence[str], taken) -> str | None:
+        """A value for ``tool``'s ``slot`` that is not in ``taken``, shaped like the ids it
+        accepted before (else like a seen name with digits, else any seen name); None when a
+        closed vocabulary has no unused word of that shape."""
+        accepted = list(self.accepted.get((tool, slot), ()))
+        with_digits = [n for n in names if _DIGITS.search(n)]
+        template = self.rng.choice(accepted or with_digits or list(names) or ["item"])
+        if self.vocabulary:
+            unused = [w for w in self.vocabulary if _shape(w) == _shape(template)
+                      and w not in taken]
+            return self.rng.choice(unused) if unused else None
+        for _ in range(20):
+            value = _restyle(template, self.rng)
+            if value not in taken and _NAME.fullmatch(value):
+                return value
+        return f"new{self.rng.randint(100, 999)}"
+
+    def record(self, tool: str, args: Sequence[tuple], ok: bool) -> None:
+        """``args``: (slot, arg name, value) of one call."""
+        for slot, name, value in args:
+            self.tried.setdefault((tool, name), set()).add(value)
+            if ok:
+                self.accepted.setdefault((tool, slot), Counter())[value] += 1
+
+
+def _restyle(template: str, rng: random.Random) -> str:
+    """``template`` with its last digit run replaced by a new number of the same width (or a
+    number appended, joined as the template joins its words)."""
+    runs = list(_DIGITS.finditer(template))
+    if runs:
+        last = runs[-1]
+        width = len(last.group())
+        number = str(rng.randint(0, 10 ** max(width, 2) - 1)).zfill(width)
+        return template[:last.start()] + number + template[last.end():]
+    joiner = "-" if "-" in template else "_" if "_" in template else ""
+    return f"{template[:56]}{joiner}{rng.randint(2, 999)}"
+
+
 class SchemaSampler:
-    """Well-formed calls from the tool schemas; str arguments are names seen in observations.
+    """Well-formed calls from the tool schemas, arguments drafted by :class:`ArgumentDrafter`.
 
     Names are remembered across seeds (a name seen in one world can be new in another, which is
-    how ``mkdir``/``touch`` find names to create). Breadth prefers tool x name pairs tried least;
-    names that keep failing lose weight, names that worked gain it.
+    how ``mkdir``/``touch`` find names to create). Words that appeared only in refusals
+    ("cannot", "qty") are not names. Breadth prefers tool x name pairs tried least; names that
+    keep failing lose weight, names that worked gain it.
     """
 
     name = "schema"
 
-    def __init__(self, tools: Sequence[ToolSpec], rng: random.Random, candidates: int = 16):
+    def __init__(self, tools: Sequence[ToolSpec], rng: random.Random, candidates: int = 16,
+                 vocabulary: Sequence[str] = ()):
         # A required list or dict argument cannot be written as one word: such tools are left
         # to an LLM proposer.
         self.tools = [t for t in tools
@@ -115,6 +205,10 @@ class SchemaSampler:
         # dotted names, without knowing what a file is.
         self.slot_fit: dict[tuple, list[int]] = {}
         self.effects: dict[str, list[int]] = {}  # tool -> [calls that changed state, calls]
+        self.drafter = ArgumentDrafter(rng, vocabulary)
+        self.by_name = {t.name: t for t in self.tools}
+        # Tools no stored task uses yet (set by the task factory): depth chains favour them.
+        self.gaps: set[str] = set()
 
     def start(self, first_observation: str) -> None:
         """A new exploration: forget which names belong to the current state."""
@@ -122,7 +216,11 @@ class SchemaSampler:
         self.last_calls.clear()
         self.observe(first_observation)
 
-    def observe(self, text: str) -> None:
+    def observe(self, text: str, refused: bool = False) -> None:
+        """An observation; a refusal's words are not names (its numbers still count)."""
+        self.drafter.observe_numbers(text)
+        if refused:
+            return
         found = names_in(text)
         self.names.update(found)
         self.here.update(found)
@@ -131,6 +229,10 @@ class SchemaSampler:
         words = action.split()
         if not words:
             return
+        spec = self.by_name.get(words[0])
+        if spec is not None:
+            self.drafter.record(words[0], [(i, a.name, w) for i, (a, w)
+                                           in enumerate(zip(spec.args, words[1:]))], ok)
         if ok:
             self.coverage[(words[0], words[1] if len(words) > 1 else "")] += 1
             self.tool_ok[words[0]] += 1
@@ -164,18 +266,30 @@ class SchemaSampler:
         for slot, arg in enumerate(tool.args):
             if arg.type not in _SHELL_TYPES or not arg.required and self.rng.random() < 0.5:
                 break
-            if arg.type == "int":
-                words.append(str(self.rng.choice(SMALL_INTS)))
-            elif arg.type == "float":
-                words.append(self.rng.choice(SMALL_FLOATS))
-            elif arg.type == "bool":
-                words.append(self.rng.choice(("true", "false")))
-            elif pool:
-                words.append(self.rng.choices(pool, self._weights(tool.name, slot, pool,
-                                                                  latest))[0])
-            else:
+            value = self._value(tool.name, slot, arg, pool, latest)
+            if value is None:
                 break
+            words.append(str(value))
         return " ".join(words)
+
+    def _value(self, tool: str, slot: int, arg, pool: list[str], latest: set[str]):
+        d = self.drafter
+        if arg.type == "int":
+            return d.integer(arg)
+        if arg.type == "float":
+            return d.decimal(arg)
+        if arg.type == "bool":
+            return self.rng.choice(("true", "false"))
+        if arg.choices:
+            return self.rng.choice(arg.choices)
+        if arg.kind == "id" and self.rng.random() < 0.7 or pool and \
+                self.rng.random() < FRESH_SHARE:
+            fresh = d.fresh_id(tool, slot, pool or list(self.names), self.names)
+            if fresh is not None:
+                return fresh
+        if not pool:
+            return None
+        return self.rng.choices(pool, self._weights(tool, slot, pool, latest))[0]
 
     def _weights(self, tool: str, slot: int, pool: list[str], latest: set[str]) -> list[float]:
         """Names that worked, of a shape this slot accepted, just seen: drawn more often."""
@@ -197,7 +311,8 @@ class SchemaSampler:
             return 2.0 * novelty - repeat
         # Depth chains on what it found: calls that change the state are worth more there.
         changed, calls = self.effects.get(words[0], [0, 0])
-        return 0.5 * novelty + 2.0 * (changed + 1) / (calls + 2) - repeat
+        gap = 1.0 if words[0] in self.gaps else 0.0
+        return 0.5 * novelty + 2.0 * (changed + 1) / (calls + 2) + gap - repeat
 
 
 class LLMProposer:
@@ -303,7 +418,8 @@ class Explorer:
         self.make_env, self.settings = make_env, settings
         self.env = make_env()
         self.rng = random.Random(seed)
-        self.sampler = SchemaSampler(self.env.tools(), self.rng)
+        self.sampler = SchemaSampler(self.env.tools(), self.rng,
+                                     vocabulary=type(self.env).vocabulary())
         self.llm = llm
         self.counts: Counter = Counter()
 
@@ -322,7 +438,7 @@ class Explorer:
             obs, _, info = env.step(action)
             ok = info["valid"] and info["error"] is None
             after = env.state()
-            self.sampler.observe(obs)
+            self.sampler.observe(obs, refused=not ok)
             self.sampler.record(action, ok, after != before)
             self.counts["steps"] += 1
             self.counts["errors" if not ok else "ok"] += 1

@@ -20,8 +20,10 @@ from environments.base import env_class, env_maker, verify_task
 from protocol.config import RunConfig
 from protocol.messages import Task
 from protocol.run_dir import RunDir
+from questioning.coverage import coverage
+from questioning.coverage import render as render_coverage
 from questioning.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
-from questioning.profile import ProfileBuilder, build_profile, render_toc, save_profile
+from questioning.profile import ProfileBuilder, build_profile, render_toc, save_json
 from questioning.synthesis import (
     HindsightSynthesizer,
     LLMSynthesizer,
@@ -112,7 +114,8 @@ class TaskFactory:
             candidates = hindsight(exploration) + llm(exploration, tasks of this seed)
             keep, best first: verified in a fresh env, within the preferences, not a duplicate
             store.put_many(keep); redis synthetic pool += keep
-        save profile.json; log explore/... metrics
+            explorer's depth phase favours tools no stored task uses yet (coverage gaps)
+        save profile.json and coverage.json; log explore/... metrics
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, store, chat=None, control=None,
@@ -157,6 +160,8 @@ class TaskFactory:
     def run(self, rounds: int, stop: Callable[[], bool] = lambda: False) -> dict:
         """Explore ``rounds`` times over the seeds (0 = until ``stop`` or ``max_tasks``)."""
         t0, done_rounds = time.monotonic(), 0
+        if self.chat is not None and self.cfg.explore.proposer != "llm" and not self.cfg.llm.url:
+            self._probe_policy()  # the chat is the policy being trained
         self.say(f"explore: {len(self.seeds)} seeds x {self.cfg.explore.explorations_per_seed}"
                  f" explorations, {self.store.count()} tasks stored, proposer "
                  f"{getattr(self.chat, 'name', 'schema sampling')}")
@@ -169,8 +174,34 @@ class TaskFactory:
                 if (i + 1) % 10 == 0 or i + 1 == len(self.seeds):
                     self._progress(t0, done_rounds, i + 1)
             done_rounds += 1
-        save_profile(self.profile.to_dict(), profile_path(self.run_dir))
+        save_json(self.profile.to_dict(), profile_path(self.run_dir))
+        save_json(self.coverage(), RunDir(self.run_dir).coverage)
         return self.summary(time.monotonic() - t0)
+
+    def coverage(self) -> dict:
+        """The coverage report over every stored task (questioning/coverage.py)."""
+        sampler = self.explorer.sampler
+        stored = [t for tasks in self.by_seed.values() for t in tasks]
+        return coverage(self.profile.env.tools(), sampler.tool_ok, sampler.drafter.tried, stored)
+
+    def _probe_policy(self) -> None:
+        """Ask the policy for ``explore.probe_calls`` actions on the first seed before any
+        exploration. A policy that cannot write valid calls (an untrained one) cannot write
+        JSON tasks either: both proposers are skipped, which saves nearly all of the time it
+        would spend having every reply refused."""
+        llm = self.explorer.llm
+        first = self.profile.env.reset(self.seeds[0]) if self.seeds else ""
+        for _ in range(self.cfg.explore.probe_calls):
+            if not llm.enabled:
+                break
+            llm.propose("breadth", self.cfg.explore.breadth_temperature, [first])
+        if llm.enabled:
+            return
+        self.llm_synth, self.chat, self.explorer.llm = None, None, None
+        self.counts["proposer_skipped"] = 1
+        log.warning("explore: the policy wrote %d of %d valid calls in the probe; exploring "
+                    "with schema sampling and hindsight tasks only (set llm.url or "
+                    "--proposer-url for an LLM proposer)", llm.valid, llm.valid + llm.invalid)
 
     def _finished(self, rounds: int, done_rounds: int, stop) -> bool:
         full = self.cfg.explore.max_tasks and self.store.count() >= self.cfg.explore.max_tasks
@@ -193,6 +224,7 @@ class TaskFactory:
         self.counts["explorations"] += 1
         self.counts["candidates"] += len(candidates)
         self.counts["tasks"] += len(kept)
+        self.explorer.sampler.gaps = set(self.coverage()["gaps"]["tools"])
         return kept
 
     def _llm_useful(self) -> bool:
@@ -229,7 +261,8 @@ class TaskFactory:
         stats = {**self.counts, **self.explorer.counts}
         for source in (self.hindsight.stats, getattr(self.llm_synth, "stats", {})):
             stats.update({f"synth_{k}": v for k, v in source.items()})
-        return {"seconds": seconds, "tasks_stored": self.store.count(), **stats}
+        return {"seconds": seconds, "tasks_stored": self.store.count(), **stats,
+                "coverage": self.coverage()}
 
     def _progress(self, t0: float, done_rounds: int, seeds_done: int) -> None:
         elapsed = time.monotonic() - t0
@@ -271,6 +304,7 @@ def run_explore(cfg: RunConfig, run_dir: Path, rounds: int | None = None,
             chat.backend.close()
     say(f"explore: {summary['tasks_stored']} tasks stored (+{summary.get('tasks', 0)} in "
         f"{summary['seconds']:.1f}s); profile in {profile_path(run_dir)}")
+    say(render_coverage(summary["coverage"]) + f"\n  (in {RunDir(run_dir).coverage})")
     return summary
 
 
@@ -286,5 +320,5 @@ def profile_only(cfg: RunConfig, run_dir: Path) -> dict:
                 explorations.append(exp)
                 append_exploration(run_dir, exp)
     profile = build_profile(env, explorations)
-    save_profile(profile, profile_path(run_dir))
+    save_json(profile, profile_path(run_dir))
     return profile

@@ -134,7 +134,8 @@ def render_toc(profile: dict, max_errors: int = 3) -> str:
     return "\n".join(lines)
 
 
-def save_profile(profile: dict, path: Path) -> None:
+def save_json(report: dict, path: Path) -> None:
+    """Write ``report`` (the profile, the coverage) as JSON, atomically."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=1, sort_keys=False))
+    tmp.write_text(json.dumps(report, indent=1, sort_keys=False))
     tmp.replace(path)

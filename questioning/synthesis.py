@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 MAX_QUERY_CHARS = 300
 MAX_REFERENCE = 20
+MAX_PAIR_SEARCH = 12  # longest sequence whose action pairs pruning tries to drop
 LLM_REJECTS = ("llm_error", "not_json", "no_tasks", "bad_task", "unparseable_action",
                "invalid_step", "no_checkable_goal", "llm_unsolved")
 
@@ -107,11 +108,24 @@ class Replayer:
         return outcome, self.env.state(), list(self.env.responses)
 
     def prune(self, task: Task, actions: Sequence[str]) -> tuple[list[str], int] | None:
-        """The actions with every removable one removed, and how many of the rest others
-        depend on (removing them makes a later call fail); None if they do not reach the goal."""
+        """A minimal sub-sequence of the actions that still reaches the goal: no single action
+        and no pair of actions can be dropped (a pair that undoes itself, "reserve x; cancel
+        x", survives every single removal). Also how many of the rest others depend on
+        (removing one makes a later call fail). None if the actions do not reach the goal."""
         seq = list(actions)
         if self.run(task, seq) != "reached":
             return None
+        while True:  # dropping a pair can free a single step that only the pair needed
+            seq = self._drop_singles(task, seq)
+            pair = self._droppable_pair(task, seq)
+            if pair is None:
+                break
+            seq = pair
+        dependent = sum(self.run(task, seq[:i] + seq[i + 1:]) == "invalid"
+                        for i in range(len(seq)))
+        return seq, dependent
+
+    def _drop_singles(self, task: Task, seq: list[str]) -> list[str]:
         shorter = True
         while shorter:  # removing a step can free an earlier one that only it needed
             shorter, i = False, 0
@@ -121,9 +135,17 @@ class Replayer:
                     seq, shorter = trial, True
                 else:
                     i += 1
-        dependent = sum(self.run(task, seq[:i] + seq[i + 1:]) == "invalid"
-                        for i in range(len(seq)))
-        return seq, dependent
+        return seq
+
+    def _droppable_pair(self, task: Task, seq: list[str]) -> list[str] | None:
+        """``seq`` without the first pair of actions whose removal still reaches the goal."""
+        if len(seq) > MAX_PAIR_SEARCH:  # quadratic in replays: references stay short anyway
+            return None
+        for i, j in itertools.combinations(range(len(seq)), 2):
+            trial = [a for k, a in enumerate(seq) if k not in (i, j)]
+            if trial and self.run(task, trial) == "reached":
+                return trial
+        return None
 
 
 # --- hindsight --------------------------------------------------------------------------------

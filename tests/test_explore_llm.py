@@ -379,6 +379,23 @@ def test_task_factory_with_an_llm_that_writes_garbage(tmp_path, control):
     assert not factory.explorer.llm.enabled
 
 
+def test_a_policy_that_fails_the_probe_is_not_asked_for_tasks(tmp_path, caplog):
+    """The policy as proposer (no llm.url): its probe replies are prose, so neither the explorer
+    nor the task proposer asks it again; one log line says so, and hindsight tasks still come."""
+    cfg = factory_cfg("explore.proposer=policy")
+    with ScriptedChatServer([], default=GARBAGE) as srv, TaskStore(tmp_path) as store:
+        factory = TaskFactory(cfg, tmp_path, store, chat=chat(srv.url, max_retries=0),
+                              say=lambda _: None)
+        summary = factory.run(rounds=1)
+        stored = store.all()
+    assert kinds(srv) == ["explore"] * 3  # the probe, then nothing
+    assert summary["proposer_skipped"] == 1 and summary.get("synth_rejected_not_json", 0) == 0
+    assert stored and all(t.meta["method"] == "hindsight" for t in stored)
+    assert [r.message for r in caplog.records if "in the probe" in r.message] == [
+        "explore: the policy wrote 0 of 3 valid calls in the probe; exploring with schema "
+        "sampling and hindsight tasks only (set llm.url or --proposer-url for an LLM proposer)"]
+
+
 def test_task_factory_keeps_verified_llm_tasks(tmp_path):
     # "archive" is no name in the worlds of seeds 0-4: the task is valid in each of them.
     reply = tasks_reply({"query": "create folder archive in root",

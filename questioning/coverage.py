@@ -1,0 +1,54 @@
+"""Coverage of an environment by self-questioning, as numbers.
+
+Per tool: how many calls succeeded during exploration and what share of the stored tasks use
+it in their reference. Per argument: how many distinct values were tried, and per argument
+type the same summed. A tool no stored task uses, or an argument never given a value, is a
+*gap*; the explorer's depth phase favours gap tools (``SchemaSampler.gaps``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from environments.base import ToolSpec
+from protocol.messages import Task
+
+_TOOL_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")  # "mv a b" and "mod.f(x=1)" alike
+
+
+def tools_used(task: Task) -> set[str]:
+    """The tools a task's reference calls."""
+    found = (_TOOL_WORD.match(action.strip()) for action in task.reference)
+    return {m.group().rsplit(".", 1)[-1] for m in found if m}
+
+
+def coverage(tools: Sequence[ToolSpec], ok_calls: Mapping[str, int],
+             tried: Mapping[tuple[str, str], set], tasks: Sequence[Task]) -> dict:
+    """The coverage report (JSON-able); see the module docstring."""
+    uses = Counter(name for task in tasks for name in tools_used(task))
+    n = max(len(tasks), 1)
+    per_tool = {t.name: {"ok_calls": int(ok_calls.get(t.name, 0)),
+                         "task_share": round(uses[t.name] / n, 4)} for t in tools}
+    per_arg = {f"{t.name}.{a.name}": len(tried.get((t.name, a.name), ()))
+               for t in tools for a in t.args}
+    per_type: Counter = Counter()
+    for t in tools:
+        for a in t.args:
+            per_type[a.type] += per_arg[f"{t.name}.{a.name}"]
+    return {"tasks": len(tasks), "tools": per_tool, "args": per_arg,
+            "values_by_type": dict(per_type),
+            "gaps": {"tools": [name for name in per_tool if not uses[name]],
+                     "args": [name for name, n_values in per_arg.items() if not n_values]}}
+
+
+def render(report: dict) -> str:
+    """Two lines for a terminal: tools with tasks, then the gaps."""
+    tools = report["tools"]
+    covered = sum(1 for v in tools.values() if v["task_share"] > 0)
+    gaps = report["gaps"]
+    return (f"coverage: {covered}/{len(tools)} tools used by the {report['tasks']} stored "
+            f"tasks; values tried by type {report['values_by_type']}\n"
+            f"  gaps: tools {gaps['tools'] or 'none'}; arguments never given a value "
+            f"{gaps['args'] or 'none'}")
