@@ -1,4 +1,5 @@
-"""Environments: the tool-use sandbox interface, its registry, and the built-in ``files`` env.
+"""Environments: the tool-use sandbox interface, its registry, and the built-in ``files`` and
+``shop`` envs.
 
 Importing this package registers every built-in environment, so ``make_env("files")`` works
 after ``import environments``. A plugin environment registers itself with ``@register_env`` when
@@ -26,6 +27,7 @@ from environments.base import (
     verify_task,
 )
 from environments.files import FilesEnv  # noqa: F401  (registers "files")
+from environments.shop import ShopEnv  # noqa: F401  (registers "shop")
 
 __all__ = [
     "MAX_ACTION_CHARS",
@@ -34,6 +36,7 @@ __all__ = [
     "ArgSpec",
     "Environment",
     "FilesEnv",
+    "ShopEnv",
     "GoalPart",
     "ToolCall",
     "ToolError",

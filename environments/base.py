@@ -341,6 +341,14 @@ class Environment(ABC):
         """A part asking for what a read-only call answered (``before``: state at the call)."""
         return None
 
+    def describe_event(self, action: str, observation: str, before: dict,
+                       after: dict) -> GoalPart | None:
+        """A part asking that this successful call *happened* ("reserve 2 pipe for order o3"),
+        whatever the end state: hindsight over events makes tasks whose end state equals the
+        start ("reserve, then cancel") expressible. None (the default): the env's goals are
+        over states only. An env that returns parts checks their conditions in ``evaluate``."""
+        return None
+
     def goal_of(self, conditions: Sequence) -> dict:
         """The goal (``Task.goal``) that holds when every condition does."""
         return {"all": list(conditions)}

@@ -99,7 +99,8 @@ class ArgumentDrafter:
       style of those this slot accepted or the env showed (``ord-0042`` -> ``ord-0917``): a
       task that creates something needs a name nobody has used yet. In an env with a closed
       vocabulary (``Environment.vocabulary()`` not empty) a fresh name is an unused word of
-      it of the same shape (``budget.md`` -> ``plan.txt``), never a made-up one;
+      it with the same pattern (``o2`` -> ``o7``), else the same shape (``budget.md`` ->
+      ``plan.txt``), never a made-up one;
     * other str arguments are names seen in observations (chosen by the sampler's weights).
     """
 
@@ -143,9 +144,10 @@ class ArgumentDrafter:
         with_digits = [n for n in names if _DIGITS.search(n)]
         template = self.rng.choice(accepted or with_digits or list(names) or ["item"])
         if self.vocabulary:
-            unused = [w for w in self.vocabulary if _shape(w) == _shape(template)
-                      and w not in taken]
-            return self.rng.choice(unused) if unused else None
+            unused = [w for w in self.vocabulary if w not in taken]
+            alike = [w for w in unused if _DIGITS.sub("#", w) == _DIGITS.sub("#", template)]
+            alike = alike or [w for w in unused if _shape(w) == _shape(template)]
+            return self.rng.choice(alike) if alike else None
         for _ in range(20):
             value = _restyle(template, self.rng)
             if value not in taken and _NAME.fullmatch(value):

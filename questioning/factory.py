@@ -254,6 +254,9 @@ class TaskFactory:
                 self.counts["rejected_duplicate"] += 1
                 continue
             self.by_seed.setdefault(task.seed, []).append(task)
+            # What env.name said: "pkg.module:name" lets any command import a plugin's module
+            # from the task alone (Task.env holds the registered "name").
+            task.meta["env_spec"] = self.cfg.env.name
             kept.append(task)
         return kept
 

@@ -190,9 +190,32 @@ class HindsightSynthesizer:
             for combo in combos:
                 key = goal_key(self.env.goal_of([c for p in combo for c in p.conditions]))
                 found.setdefault(key, (t, combo))
+        for t, combo in self._event_goals(exp):
+            key = goal_key(self.env.goal_of([c for p in combo for c in p.conditions]))
+            found.setdefault(key, (t, combo))
         goals = list(found.values())
         self.rng.shuffle(goals)
         return goals[:self.max_candidates]
+
+    def _event_goals(self, exp: Exploration) -> list[tuple[int, tuple[GoalPart, ...]]]:
+        """Goals over what the exploration *did*: consecutive runs of up to ``max_parts``
+        described events that leave the state as they found it (a reservation made and then
+        cancelled). End-state hindsight cannot ask for these; other event runs it already can."""
+        states = [exp.initial_state] + [s.state for s in exp.steps]
+        events = []
+        for t, step in enumerate(exp.steps):
+            if step.valid and step.error is None:
+                part = self.env.describe_event(step.action, step.observation, states[t],
+                                               states[t + 1])
+                if part is not None:
+                    events.append((t, part))
+        goals = []
+        for i, (first, _) in enumerate(events):
+            for j in range(i + 1, min(i + self.prefs.max_parts, len(events))):
+                last = events[j][0]
+                if states[last + 1] == states[first]:
+                    goals.append((last, tuple(part for _, part in events[i:j + 1])))
+        return goals
 
     def _worded(self, parts: list[GoalPart]) -> list[GoalPart]:
         """An env that names its changes names every change a task may ask for: a wordless

@@ -155,3 +155,9 @@ def test_in_a_closed_vocabulary_fresh_names_are_unused_words_of_the_same_shape()
     assert fresh == {"plan.txt", "list.md"}
     assert drafter.fresh_id("touch", 0, ["budget.md"], {"budget.md", "plan.txt",
                                                         "list.md"}) is None
+
+
+def test_in_a_closed_vocabulary_an_id_pattern_beats_a_shape():
+    drafter = ArgumentDrafter(random.Random(6), vocabulary=["o1", "o2", "o3", "12", "x7"])
+    fresh = {drafter.fresh_id("reserve", 0, ["o1"], {"o1"}) for _ in range(20)}
+    assert fresh == {"o2", "o3"}
