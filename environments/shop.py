@@ -221,7 +221,7 @@ class ShopEnv(Environment):
             else:
                 text = f"ship order {order}"
             parts.append(GoalPart(({"order": [order, *entry]},), text, (order, item)))
-        for order, (item, qty, status) in before["orders"].items():
+        for order, (item, qty, _status) in before["orders"].items():
             if order not in after["orders"]:
                 moved[item] += qty
                 parts.append(GoalPart(({"no_order": order},), f"cancel order {order}",

@@ -6,7 +6,6 @@ Run it with ``PYTHONPATH=examples`` and ``--set env.name=my_envs.counter:counter
 from environments import ArgSpec, Environment, GoalPart, ToolError, ToolSpec, register_env
 from protocol.messages import Task
 
-
 NAMES = tuple(f"{c}{i}" for c in "ab" for i in range(1, 10))
 
 
