@@ -393,5 +393,5 @@ def build_tasks(num_worlds: int = NUM_WORLDS) -> list[Task]:
                 task_id=f"shop/{seed:04d}/{name}", env="shop", query=query, seed=seed,
                 goal={"all": conditions}, reference=reference, source="original",
                 split="test" if seed % TEST_EVERY == TEST_EVERY - 1 else "train",
-                difficulty=float(len(reference)), meta={"template": name}))
+                difficulty=float(len(reference)), meta={"template": name, "category": name}))
     return tasks

@@ -3,7 +3,8 @@
 Per tool: how many calls succeeded during exploration and what share of the stored tasks use
 it in their reference. Per argument: how many distinct values were tried, and per argument
 type the same summed. A tool no stored task uses, or an argument never given a value, is a
-*gap*; the explorer's depth phase favours gap tools (``SchemaSampler.gaps``).
+*gap*; the explorer favours tools by how few stored tasks use them, gaps most
+(``SchemaSampler.task_share``).
 """
 
 from __future__ import annotations

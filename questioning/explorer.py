@@ -101,7 +101,9 @@ class ArgumentDrafter:
       vocabulary (``Environment.vocabulary()`` not empty) a fresh name is an unused word of
       it with the same pattern (``o2`` -> ``o7``), else the same shape (``budget.md`` ->
       ``plan.txt``), never a made-up one;
-    * other str arguments are names seen in observations (chosen by the sampler's weights).
+    * other str arguments are, half the time, a value an argument of the same name took in a
+      call that worked and the world still shows (the order ``reserve`` created, for
+      ``cancel``), else names seen in observations (chosen by the sampler's weights).
     """
 
     def __init__(self, rng: random.Random, vocabulary: Sequence[str] = ()):
@@ -109,6 +111,7 @@ class ArgumentDrafter:
         self.vocabulary = sorted({w for w in vocabulary if _NAME.fullmatch(w)})
         self.numbers: Counter = Counter()  # numbers seen in any observation
         self.accepted: dict[tuple, Counter] = {}  # (tool, slot) -> values of calls that worked
+        self.accepted_as: dict[str, Counter] = {}  # arg name -> values of calls that worked
         self.tried: dict[tuple, set] = {}  # (tool, arg name) -> values tried (for coverage)
 
     def observe_numbers(self, text: str) -> None:
@@ -136,12 +139,17 @@ class ArgumentDrafter:
             return f"{self.rng.uniform(*map(float, arg.bounds)):.2f}"
         return self.rng.choice(SMALL_FLOATS)
 
-    def fresh_id(self, tool: str, slot: int, names: Sequence[str], taken) -> str | None:
+    def fresh_id(self, tool: str, slot: int, names: Sequence[str], taken,
+                 declared_id: bool = False) -> str | None:
         """A value for ``tool``'s ``slot`` that is not in ``taken``, shaped like the ids it
-        accepted before (else like a seen name with digits, else any seen name); None when a
+        accepted before (else like a seen name with digits — for a ``kind="id"`` argument
+        also a vocabulary word with letters and digits — else any seen name); None when a
         closed vocabulary has no unused word of that shape."""
         accepted = list(self.accepted.get((tool, slot), ()))
-        with_digits = [n for n in names if _DIGITS.search(n)]
+        with_digits = [n for n in names if _DIGITS.search(n) and not n.isdigit()]
+        if declared_id:  # in a closed vocabulary, words mixing letters and digits are ids
+            with_digits = with_digits or [w for w in self.vocabulary
+                                          if _DIGITS.search(w) and not w.isdigit()]
         template = self.rng.choice(accepted or with_digits or list(names) or ["item"])
         if self.vocabulary:
             unused = [w for w in self.vocabulary if w not in taken]
@@ -160,6 +168,12 @@ class ArgumentDrafter:
             self.tried.setdefault((tool, name), set()).add(value)
             if ok:
                 self.accepted.setdefault((tool, slot), Counter())[value] += 1
+                self.accepted_as.setdefault(name, Counter())[value] += 1
+
+    def known_as(self, name: str, here) -> list[str]:
+        """Values an argument called ``name`` took in calls that worked (any tool), that the
+        current world still shows: the order id ``reserve`` created is what ``cancel`` needs."""
+        return [v for v in self.accepted_as.get(name, ()) if v in here]
 
 
 def _restyle(template: str, rng: random.Random) -> str:
@@ -209,8 +223,9 @@ class SchemaSampler:
         self.effects: dict[str, list[int]] = {}  # tool -> [calls that changed state, calls]
         self.drafter = ArgumentDrafter(rng, vocabulary)
         self.by_name = {t.name: t for t in self.tools}
-        # Tools no stored task uses yet (set by the task factory): depth chains favour them.
-        self.gaps: set[str] = set()
+        # Share of stored tasks using each tool (set by the task factory from the coverage
+        # report): tools few tasks use, gaps above all, are favoured.
+        self.task_share: dict[str, float] = {}
 
     def start(self, first_observation: str) -> None:
         """A new exploration: forget which names belong to the current state."""
@@ -283,12 +298,19 @@ class SchemaSampler:
         if arg.type == "bool":
             return self.rng.choice(("true", "false"))
         if arg.choices:
-            return self.rng.choice(arg.choices)
-        if arg.kind == "id" and self.rng.random() < 0.7 or pool and \
-                self.rng.random() < FRESH_SHARE:
-            fresh = d.fresh_id(tool, slot, pool or list(self.names), self.names)
+            # The declared domain, but what this world shows first: a world holds a few items
+            # of the many an enumeration lists.
+            shown = [c for c in arg.choices if str(c) in self.here]
+            return self.rng.choice(shown if shown and self.rng.random() < 0.8 else arg.choices)
+        if arg.kind == "id" or pool and self.rng.random() < FRESH_SHARE:
+            # New in this world: a name used in another world is free here.
+            fresh = d.fresh_id(tool, slot, pool or list(self.names), self.here,
+                               declared_id=arg.kind == "id")
             if fresh is not None:
                 return fresh
+        known = d.known_as(arg.name, self.here)
+        if known and self.rng.random() < 0.5:
+            return self.rng.choice(known)
         if not pool:
             return None
         return self.rng.choices(pool, self._weights(tool, slot, pool, latest))[0]
@@ -309,12 +331,12 @@ class SchemaSampler:
         novelty = 1.0 / (1 + self.coverage[(words[0], words[1] if len(words) > 1 else "")])
         novelty += 1.0 / (1 + self.tool_ok[words[0]]) ** 0.5
         repeat = 2.0 if call in self.last_calls else 0.0
+        rare = 1.0 - self.task_share.get(words[0], 1.0) if self.task_share else 0.0
         if phase == "breadth":
-            return 2.0 * novelty - repeat
+            return 2.0 * novelty + rare - repeat
         # Depth chains on what it found: calls that change the state are worth more there.
         changed, calls = self.effects.get(words[0], [0, 0])
-        gap = 1.0 if words[0] in self.gaps else 0.0
-        return 0.5 * novelty + 2.0 * (changed + 1) / (calls + 2) + gap - repeat
+        return 0.5 * novelty + 2.0 * (changed + 1) / (calls + 2) + 2.0 * rare - repeat
 
 
 class LLMProposer:
@@ -331,6 +353,7 @@ class LLMProposer:
         self.probe, self.min_valid, self.toc = probe, min_valid, toc
         self.valid = self.invalid = 0
         self.enabled = True
+        self.quiet = False  # a caller that probes it says the verdict itself
 
     def propose(self, phase: str, temperature: float, recent: Sequence[str]) -> str | None:
         from inference.llm import LLMError
@@ -347,9 +370,9 @@ class LLMProposer:
         tried = self.valid + self.invalid
         if tried == self.probe and self.valid < self.min_valid * tried:
             self.enabled = False
-            log.warning("explorer: %s produced %d/%d valid calls; sampling valid calls from the "
-                        "tool schemas with names seen in observations instead",
-                        self.name, self.valid, tried)
+            if not self.quiet:
+                log.warning("explorer: %s produced %d/%d valid calls; sampling valid calls "
+                            "from the tool schemas instead", self.name, self.valid, tried)
         return action if ok else None
 
     def _messages(self, phase: str, recent: Sequence[str]) -> list[dict]:

@@ -114,7 +114,7 @@ class TaskFactory:
             candidates = hindsight(exploration) + llm(exploration, tasks of this seed)
             keep, best first: verified in a fresh env, within the preferences, not a duplicate
             store.put_many(keep); redis synthetic pool += keep
-            explorer's depth phase favours tools no stored task uses yet (coverage gaps)
+            explorer favours tools few stored tasks use, gaps above all (coverage)
         save profile.json and coverage.json; log explore/... metrics
     """
 
@@ -190,11 +190,13 @@ class TaskFactory:
         JSON tasks either: both proposers are skipped, which saves nearly all of the time it
         would spend having every reply refused."""
         llm = self.explorer.llm
+        llm.quiet = True
         first = self.profile.env.reset(self.seeds[0]) if self.seeds else ""
         for _ in range(self.cfg.explore.probe_calls):
             if not llm.enabled:
                 break
             llm.propose("breadth", self.cfg.explore.breadth_temperature, [first])
+        llm.quiet = False
         if llm.enabled:
             return
         self.llm_synth, self.chat, self.explorer.llm = None, None, None
@@ -224,7 +226,8 @@ class TaskFactory:
         self.counts["explorations"] += 1
         self.counts["candidates"] += len(candidates)
         self.counts["tasks"] += len(kept)
-        self.explorer.sampler.gaps = set(self.coverage()["gaps"]["tools"])
+        self.explorer.sampler.task_share = {
+            name: v["task_share"] for name, v in self.coverage()["tools"].items()}
         return kept
 
     def _llm_useful(self) -> bool:

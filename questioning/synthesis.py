@@ -198,9 +198,10 @@ class HindsightSynthesizer:
         return goals[:self.max_candidates]
 
     def _event_goals(self, exp: Exploration) -> list[tuple[int, tuple[GoalPart, ...]]]:
-        """Goals over what the exploration *did*: consecutive runs of up to ``max_parts``
-        described events that leave the state as they found it (a reservation made and then
-        cancelled). End-state hindsight cannot ask for these; other event runs it already can."""
+        """Goals over what the exploration *did*: pairs of described events where the second
+        undoes the first (played alone from the seed, the two leave the state as they found
+        it: a reservation made and later cancelled, whatever happened between). End-state
+        hindsight cannot ask for these; other event pairs it already can."""
         states = [exp.initial_state] + [s.state for s in exp.steps]
         events = []
         for t, step in enumerate(exp.steps):
@@ -208,13 +209,17 @@ class HindsightSynthesizer:
                 part = self.env.describe_event(step.action, step.observation, states[t],
                                                states[t + 1])
                 if part is not None:
-                    events.append((t, part))
+                    events.append((t, step.action, part))
+        if self.prefs.max_parts < 2:
+            return []
+        seed = Task("probe", exp.env, "", exp.seed)
         goals = []
-        for i, (first, _) in enumerate(events):
-            for j in range(i + 1, min(i + self.prefs.max_parts, len(events))):
-                last = events[j][0]
-                if states[last + 1] == states[first]:
-                    goals.append((last, tuple(part for _, part in events[i:j + 1])))
+        for (t1, a1, p1), (t2, a2, p2) in itertools.combinations(events, 2):
+            if states[t2 + 1] == states[t1 + 1]:
+                continue  # the second event changed nothing the first did: no undo
+            ran, end, _ = self.replayer.end_state(seed, [a1, a2])
+            if ran == "ran" and end == exp.initial_state:
+                goals.append((t2, (p1, p2)))
         return goals
 
     def _worded(self, parts: list[GoalPart]) -> list[GoalPart]:

@@ -391,7 +391,7 @@ def test_a_policy_that_fails_the_probe_is_not_asked_for_tasks(tmp_path, caplog):
     assert kinds(srv) == ["explore"] * 3  # the probe, then nothing
     assert summary["proposer_skipped"] == 1 and summary.get("synth_rejected_not_json", 0) == 0
     assert stored and all(t.meta["method"] == "hindsight" for t in stored)
-    assert [r.message for r in caplog.records if "in the probe" in r.message] == [
+    assert [r.message for r in caplog.records if "valid calls" in r.message] == [
         "explore: the policy wrote 0 of 3 valid calls in the probe; exploring with schema "
         "sampling and hindsight tasks only (set llm.url or --proposer-url for an LLM proposer)"]
 

@@ -161,3 +161,20 @@ def test_in_a_closed_vocabulary_an_id_pattern_beats_a_shape():
     drafter = ArgumentDrafter(random.Random(6), vocabulary=["o1", "o2", "o3", "12", "x7"])
     fresh = {drafter.fresh_id("reserve", 0, ["o1"], {"o1"}) for _ in range(20)}
     assert fresh == {"o2", "o3"}
+
+
+def test_an_id_one_call_created_is_what_the_next_call_names():
+    """``cancel order`` takes the id ``reserve order`` created more often than any word on
+    screen would be taken."""
+    def share_of_created_id(created: bool) -> float:
+        sampler = SchemaSampler(Orders().tools(), random.Random(7))
+        sampler.start("items: pipe 40 valve 12 ; orders look like ord-0001")
+        if created:
+            sampler.record("reserve ord-0042 pipe 2", ok=True, changed=True)
+        sampler.observe("reserved 2 pipe for ord-0042")
+        calls = [c for c in (sampler.propose("depth", 1.0, ["items: pipe 38"])
+                             for _ in range(400)) if c.startswith(("cancel ", "ship "))]
+        return sum(c.split()[1] == "ord-0042" for c in calls) / len(calls)
+
+    created, seen_only = share_of_created_id(True), share_of_created_id(False)
+    assert created > 0.3 and created > 1.5 * seen_only, (created, seen_only)
