@@ -137,8 +137,10 @@ def _verifier():
 
 
 def _verify_one(task: Task, cfg, env_class, verify_task) -> str:
-    try:  # a synthesized task says which module registers its env (meta.env_spec)
-        cls = env_class(task.meta.get("env_spec") or task.env)
+    from environments.base import task_env_name
+
+    try:
+        cls = env_class(task_env_name(task))
     except (KeyError, ImportError):
         return "unknown_env"
     # The config's options are for the env it names (a plugin's ``pkg.module:name`` registers

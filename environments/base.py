@@ -483,6 +483,14 @@ def env_class(name: str) -> type[Environment]:
         raise KeyError(f"unknown environment {name!r}; known: {known}") from None
 
 
+def task_env_name(task: Task) -> str:
+    """The name to look a task's env up by: the ``pkg.module:name`` a synthesized task keeps in
+    ``meta.env_spec`` (so a plugin's module is imported from the task alone), else
+    ``Task.env`` (the registered name)."""
+    spec = task.meta.get("env_spec") if isinstance(task.meta, dict) else None
+    return spec if isinstance(spec, str) and spec else task.env
+
+
 def env_maker(env_cfg) -> Callable[[], Environment]:
     """A zero-argument factory for the environment an ``EnvConfig`` names."""
     cls, options = env_class(env_cfg.name), dict(env_cfg.options)

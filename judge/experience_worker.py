@@ -22,6 +22,7 @@ import signal
 import time
 from pathlib import Path
 
+from environments.base import env_class
 from metrics.jsonl import MetricsWriter
 from navigating.extraction import ExperienceExtractor, LLMExtractor
 from protocol.config import RunConfig
@@ -63,6 +64,9 @@ class ExperienceWorker:
                  replay: ReplayClient | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        # Rule extraction replays tasks in their env: a plugin's module must be imported (and
+        # its env registered) before a task of the env's own can name it.
+        env_class(cfg.env.name)
         self.control = control
         self.pool = pool
         self.extractor = extractor or make_extractor(cfg, run_dir)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from environments import Environment, make_env
+from environments.base import task_env_name
 from inference.llm import ChatModel, LLMError, ReplyFormat, extract_json
 from navigating.pool import experience_id
 from protocol.messages import Experience, Group, Step, Task, Trajectory
@@ -224,7 +225,7 @@ class _Replay(NamedTuple):
 def _run(task: Task, actions: Sequence[str]) -> _Replay | None:
     """``actions`` replayed in a fresh env from the task's seed; None when the env cannot."""
     try:
-        env = make_env(task.env)
+        env = make_env(task_env_name(task))
         env.reset(task)
         observations, ok, states = [], [], [env.state()]
         for action in actions:

@@ -95,3 +95,23 @@ def test_the_documented_checks_pass_on_the_worked_plugin(tmp_path):
     checked = cli("tasks", "verify", "--run-dir", run_dir, cwd=tmp_path)  # no -c, no config
     assert checked.returncode == 0 and f"verified {stored}/{stored} tasks" in checked.stdout, \
         checked.stdout + checked.stderr
+
+
+def test_a_synthesized_task_names_its_plugin_for_every_command_that_replays_it(tmp_path):
+    """Rule extraction replays a task in its env; in a fresh process that has never imported
+    the plugin, ``meta.env_spec`` is what finds it."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "user_envs.py").write_text(PLUGIN)
+    code = (
+        "from environments.files import build_tasks\n"
+        "from navigating.extraction import _run\n"
+        "import dataclasses\n"
+        "t = next(t for t in build_tasks(num_worlds=1) if t.reference)\n"
+        "named = dataclasses.replace(t, env='myfiles', meta={'env_spec': 'user_envs:myfiles'})\n"
+        "bare = dataclasses.replace(t, env='myfiles', meta={})\n"
+        "print(_run(bare, t.reference) is None, _run(named, t.reference).reward)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins), str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=REPO)
+    assert out.stdout.split() == ["True", "1.0"], out.stdout + out.stderr
