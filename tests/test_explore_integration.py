@@ -43,8 +43,9 @@ def test_explore_makes_200_distinct_verified_tasks_covering_every_tool(explored)
     used = Counter(a.split()[0] for t in tasks for a in t.reference)
     assert {tool.name for tool in FilesEnv().tools()} <= set(used)
     assert all(t.source == "synthetic" and t.meta["method"] == "hindsight" for t in tasks)
-    # The untrained tiny policy cannot write calls: the log must say it fell back.
-    assert "sampling valid calls from the tool schemas" in proc.stderr
+    # The untrained tiny policy cannot write calls: one log line must say it fell back.
+    assert proc.stderr.count("valid calls in the probe; exploring with schema sampling") == 1
+    assert "valid calls; sampling" not in proc.stderr  # the explorer's own line stays quiet
 
 
 def test_stored_tasks_reverify_in_fresh_environments(explored):
