@@ -136,16 +136,17 @@ def _verifier():
     return base.env_class, base.verify_task
 
 
-def _verify_one(task: Task, cfg, env_class, verify_task) -> str:
+def _verify_one(task: Task, cfg, run_env, env_class, verify_task) -> str:
     from environments.base import task_env_name
 
     try:
         cls = env_class(task_env_name(task))
     except (KeyError, ImportError):
         return "unknown_env"
-    # The config's options are for the env it names (a plugin's ``pkg.module:name`` registers
-    # as ``name``, which Task.env holds); another env gets its defaults.
-    options = dict(cfg.env.options) if cls is env_class(cfg.env.name) else {}
+    # The config's options are for the env it names (``run_env``; a plugin's
+    # ``pkg.module:name`` registers as ``name``, which Task.env holds); another env gets its
+    # defaults.
+    options = dict(cfg.env.options) if cls is run_env else {}
     try:
         ok, reason = verify_task(cls, task, **options)
     except Exception as exc:  # one broken task must not hide the verdict on the others
@@ -169,12 +170,12 @@ def verify(config, sets, run_dir):
     stored = _read_all(run_dir)
     env_class, verify_task = _verifier()
     try:
-        env_class(cfg.env.name)  # imports a plugin module, which registers its env
+        run_env = env_class(cfg.env.name)  # imports a plugin module, which registers its env
     except (KeyError, ImportError) as exc:
         raise click.ClickException(f"env.name={cfg.env.name}: {exc}") from None
     failed: dict[str, list[str]] = {}
     for task in stored:
-        reason = _verify_one(task, cfg, env_class, verify_task)
+        reason = _verify_one(task, cfg, run_env, env_class, verify_task)
         if reason != "ok":
             failed.setdefault(reason, []).append(task.task_id)
     bad = sum(map(len, failed.values()))

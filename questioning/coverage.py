@@ -25,22 +25,28 @@ def tools_used(task: Task) -> set[str]:
     return {m.group().rsplit(".", 1)[-1] for m in found if m}
 
 
+def count_tool_uses(tasks: Sequence[Task]) -> Counter:
+    """How many of ``tasks`` use each tool (what :func:`coverage` takes as ``uses``)."""
+    return Counter(name for task in tasks for name in tools_used(task))
+
+
 def coverage(tools: Sequence[ToolSpec], ok_calls: Mapping[str, int],
-             tried: Mapping[tuple[str, str], set], tasks: Sequence[Task]) -> dict:
-    """The coverage report (JSON-able); see the module docstring."""
-    uses = Counter(name for task in tasks for name in tools_used(task))
-    n = max(len(tasks), 1)
+             tried: Mapping[tuple[str, str], set], uses: Mapping[str, int],
+             n_tasks: int) -> dict:
+    """The coverage report (JSON-able) of ``n_tasks`` stored tasks of which ``uses[tool]`` use
+    each tool; see the module docstring."""
+    n = max(n_tasks, 1)
     per_tool = {t.name: {"ok_calls": int(ok_calls.get(t.name, 0)),
-                         "task_share": round(uses[t.name] / n, 4)} for t in tools}
+                         "task_share": round(uses.get(t.name, 0) / n, 4)} for t in tools}
     per_arg = {f"{t.name}.{a.name}": len(tried.get((t.name, a.name), ()))
                for t in tools for a in t.args}
     per_type: Counter = Counter()
     for t in tools:
         for a in t.args:
             per_type[a.type] += per_arg[f"{t.name}.{a.name}"]
-    return {"tasks": len(tasks), "tools": per_tool, "args": per_arg,
+    return {"tasks": n_tasks, "tools": per_tool, "args": per_arg,
             "values_by_type": dict(per_type),
-            "gaps": {"tools": [name for name in per_tool if not uses[name]],
+            "gaps": {"tools": [name for name in per_tool if not uses.get(name)],
                      "args": [name for name, n_values in per_arg.items() if not n_values]}}
 
 

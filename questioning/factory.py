@@ -20,7 +20,7 @@ from environments.base import env_class, env_maker, verify_task
 from protocol.config import RunConfig
 from protocol.messages import Task
 from protocol.run_dir import RunDir
-from questioning.coverage import coverage
+from questioning.coverage import coverage, tools_used
 from questioning.coverage import render as render_coverage
 from questioning.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
 from questioning.profile import ProfileBuilder, build_profile, render_toc, save_json
@@ -129,8 +129,10 @@ class TaskFactory:
         self.counts: Counter = Counter()
         self.dedup = TaskDeduper(cfg.explore.dedup_jaccard)
         self.by_seed: dict[int, list[Task]] = {}
+        self.tool_uses: Counter = Counter()  # stored tasks using each tool (coverage)
         for task in store.all():
-            self._remember(task)
+            self.dedup.add(task)
+            self._index(task)
         past = read_explorations(self.run_dir)
         self.profile = ProfileBuilder(self.make_env())
         self.next_index: Counter = Counter()
@@ -153,9 +155,10 @@ class TaskFactory:
     def toc(self) -> str:
         return render_toc(self.profile.to_dict())
 
-    def _remember(self, task: Task) -> None:
-        self.dedup.add(task)
+    def _index(self, task: Task) -> None:
+        """Count a stored task in (the deduper already holds it)."""
         self.by_seed.setdefault(task.seed, []).append(task)
+        self.tool_uses.update(tools_used(task))
 
     def run(self, rounds: int, stop: Callable[[], bool] = lambda: False) -> dict:
         """Explore ``rounds`` times over the seeds (0 = until ``stop`` or ``max_tasks``)."""
@@ -181,8 +184,9 @@ class TaskFactory:
     def coverage(self) -> dict:
         """The coverage report over every stored task (questioning/coverage.py)."""
         sampler = self.explorer.sampler
-        stored = [t for tasks in self.by_seed.values() for t in tasks]
-        return coverage(self.profile.env.tools(), sampler.tool_ok, sampler.drafter.tried, stored)
+        stored = sum(map(len, self.by_seed.values()))
+        return coverage(self.profile.env.tools(), sampler.tool_ok, sampler.drafter.tried,
+                        self.tool_uses, stored)
 
     def _probe_policy(self) -> None:
         """Ask the policy for ``explore.probe_calls`` actions on the first seed before any
@@ -256,7 +260,7 @@ class TaskFactory:
             if not self.dedup.add(task):
                 self.counts["rejected_duplicate"] += 1
                 continue
-            self.by_seed.setdefault(task.seed, []).append(task)
+            self._index(task)
             # What env.name said: "pkg.module:name" lets any command import a plugin's module
             # from the task alone (Task.env holds the registered "name").
             task.meta["env_spec"] = self.cfg.env.name

@@ -202,6 +202,8 @@ class HindsightSynthesizer:
         undoes the first (played alone from the seed, the two leave the state as they found
         it: a reservation made and later cancelled, whatever happened between). End-state
         hindsight cannot ask for these; other event pairs it already can."""
+        if self.prefs.max_parts < 2:
+            return []
         states = [exp.initial_state] + [s.state for s in exp.steps]
         events = []
         for t, step in enumerate(exp.steps):
@@ -210,8 +212,6 @@ class HindsightSynthesizer:
                                                states[t + 1])
                 if part is not None:
                     events.append((t, step.action, part))
-        if self.prefs.max_parts < 2:
-            return []
         seed = Task("probe", exp.env, "", exp.seed)
         goals = []
         for (t1, a1, p1), (t2, a2, p2) in itertools.combinations(events, 2):

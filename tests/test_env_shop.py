@@ -10,7 +10,7 @@ import pytest
 from environments import make_env, verify_task
 from environments.shop import ShopEnv, build_tasks, make_world
 from protocol.messages import Task
-from questioning.coverage import coverage
+from questioning.coverage import count_tool_uses, coverage
 from questioning.explorer import Exploration, Explorer, ExploreSettings, ExploreStep, seed_tasks
 from questioning.synthesis import HindsightSynthesizer, Preferences
 
@@ -100,7 +100,7 @@ def test_self_made_tasks_invent_order_ids_use_big_quantities_and_cover_every_too
         int(a.split()[2]) > 3 for t in tasks for a in t.reference if a.startswith("restock"))
     assert any(any("event" in c for c in t.goal["all"]) for t in tasks)
     report = coverage(explorer.env.tools(), explorer.sampler.tool_ok,
-                      explorer.sampler.drafter.tried, tasks)
+                      explorer.sampler.drafter.tried, count_tool_uses(tasks), len(tasks))
     assert report["gaps"] == {"tools": [], "args": []}
 
 
