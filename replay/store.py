@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -79,6 +80,24 @@ def seq_key(seq: int) -> bytes:
     return _SEQ.pack(seq)
 
 
+_RESIZE_RETRIES = 5
+
+
+def _open_env(path: Path, map_size: int, readonly: bool) -> lmdb.Environment:
+    # A reader opening beside a live writer can read a meta page whose map size the writer has
+    # already outgrown; opening again reads the newer meta. Bounded, because each retry only
+    # races a writer that grew in the instant between two opens.
+    for attempt in range(_RESIZE_RETRIES):
+        try:
+            return lmdb.open(str(path), map_size=map_size, max_dbs=MAX_DBS, subdir=True,
+                             readonly=readonly, create=not readonly)
+        except lmdb.MapResizedError:
+            if not readonly or attempt == _RESIZE_RETRIES - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 class Store:
     """Thin typed access to the sub-dbs; transactions are the caller's (``store.env.begin``)."""
 
@@ -89,8 +108,7 @@ class Store:
         check_lmdb_store(path)
         # Defaults keep sync and metasync on: a commit is on disk when it returns, which is what
         # lets the server ack a group right after committing it.
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=MAX_DBS, subdir=True,
-                             readonly=readonly, create=not readonly)
+        self.env = _open_env(path, map_size, readonly)
         try:
             self.db = self._open_dbs(readonly)
         except lmdb.Error:
@@ -109,6 +127,15 @@ class Store:
             # with: size 0 adopts the writer's current size (LMDB's documented answer).
             self.env.set_mapsize(0)
             return open_all()
+
+    def begin_read(self) -> lmdb.Transaction:
+        """A read transaction that survives the writer having grown the map since this env
+        (or its last transaction) was opened."""
+        try:
+            return self.env.begin()
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)
+            return self.env.begin()
 
     def close(self) -> None:
         self.env.close()
@@ -196,7 +223,7 @@ def read_stats(run_dir) -> dict:
     except lmdb.NotFoundError:  # created a moment ago; its sub-dbs are not committed yet
         return out
     try:
-        with store.env.begin() as txn:
+        with store.begin_read() as txn:
             versions = []
             for _, raw in txn.cursor(db=store.db["index"]):
                 rec = GroupRecord.unpack(raw)
@@ -223,7 +250,7 @@ def check_store(run_dir) -> dict:
     out = {"groups": 0, "verified": 0, "unchecked": 0, "damaged": {}}
     store = Store(run_dir, readonly=True)
     try:
-        with store.env.begin() as txn:
+        with store.begin_read() as txn:
             index = {key.decode(): GroupRecord.unpack(raw)
                      for key, raw in txn.cursor(db=store.db["index"])}
             ordered = {key.decode() for _, key in txn.cursor(db=store.db["order"])}

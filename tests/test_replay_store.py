@@ -99,6 +99,30 @@ def test_a_reader_adopts_the_map_a_live_writer_grew(tmp_path):
         reader.close()
 
 
+def test_a_reader_opening_mid_growth_retries_instead_of_failing(tmp_path, monkeypatch):
+    """The race CI hit: the env open itself reads a meta page the writer has just outgrown.
+    The read-only open tries again; a writer's open still fails at once."""
+    import lmdb
+
+    from replay import store as store_mod
+
+    Store(tmp_path, map_size=1 << 20).close()
+    real_open, failures = lmdb.open, []
+
+    def open_resized_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(store_mod.lmdb, "open", open_resized_once)
+    assert read_stats(tmp_path)["groups"] == 0
+    assert failures == [1]
+    failures.clear()
+    with pytest.raises(lmdb.MapResizedError):
+        Store(tmp_path, map_size=1 << 20)
+
+
 @pytest.fixture
 def server(tmp_path):
     srv = ReplayServer(tmp_path, ReplayConfig(), "tcp://127.0.0.1:*")
