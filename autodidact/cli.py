@@ -28,6 +28,7 @@ from autodidact.cli_common import (
 )
 from autodidact.engine_env import ensure_engine
 from autodidact.eval_cli import eval_command
+from autodidact.export_cli import export
 from autodidact.keys_cli import keys
 from autodidact.llm_check import llm_check
 from autodidact.model_cli import model
@@ -289,7 +290,8 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
     return prepare_model(cfg, run_dir)
 
 
-for command in (tasks, eval_command, keys, model, node, status, report, ablation, llm_check):
+for command in (tasks, eval_command, keys, model, node, status, report, ablation, llm_check,
+                export):
     main.add_command(command)
 
 

@@ -246,16 +246,36 @@ def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, label: str, up
 
 def final_policy(run_dir: Path, init: str) -> str | None:
     """Save the newest published weights over the model ``init`` as a loadable model folder,
-    ``policy_final/``; returns its path, None when nothing was published."""
+    ``policy_final/`` (a LoRA version merged into its base); returns its path, None when
+    nothing was published."""
     files = RunDir(run_dir).published_weights()
     if not files:
         return None
     from safetensors.torch import load_file
+
+    from protocol.weights import AdapterMeta, file_metadata
+
+    data = files[-1].read_bytes()
+    adapter = AdapterMeta.from_metadata(file_metadata(data))
+    return str(save_policy(init, load_file(files[-1]), adapter, RunDir(run_dir).policy_final))
+
+
+def save_policy(init: str, state: dict, adapter, out: Path) -> Path:
+    """Write the model ``init`` with ``state`` loaded (the whole model's tensors, or with
+    ``adapter`` an ``AdapterMeta``, a LoRA adapter merged into it) as a plain Hugging Face
+    folder at ``out``, tokenizer included: it loads in ``transformers`` with nothing of ours."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from inference import lora
+
     model = AutoModelForCausalLM.from_pretrained(init)
-    model.load_state_dict(load_file(files[-1]))
-    out = RunDir(run_dir).policy_final
+    if adapter is None:
+        model.load_state_dict(state)
+    else:
+        if adapter.base_sha256 != lora.base_digest(init):
+            raise ValueError(f"the adapter was trained on base {adapter.base_id} (sha256 "
+                             f"{adapter.base_sha256[:12]}), not on {init}")
+        lora.merge_into(model, state, adapter)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(init).save_pretrained(out)
-    return str(out)
+    return out

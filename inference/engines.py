@@ -26,7 +26,7 @@ def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBack
                            dtype=cfg.actor.vllm_dtype, **kwargs)
     from inference.backends.hf import TransformersBackend
 
-    return TransformersBackend(path, device=cfg.actor.device)
+    return TransformersBackend(path, device=cfg.actor.device, adapter_mode=cfg.actor.lora_apply)
 
 
 def cpu_engine_env(kv_cache_gib: int, threads: int) -> dict[str, str]:

@@ -150,15 +150,22 @@ class Ranks:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def model_state(self, model: torch.nn.Module) -> dict | None:
-        """The full state dict on rank 0 (None elsewhere), keyed as the unwrapped model's.
-        Under FSDP every rank must call it: the shards are gathered."""
+    def model_state(self, model: torch.nn.Module, trainable_only: bool = False) -> dict | None:
+        """The full state dict on rank 0 (None elsewhere), keyed as the unwrapped model's;
+        with ``trainable_only`` only the parameters that train (a LoRA adapter: the frozen
+        base is then never gathered). Under FSDP every rank must call it."""
         if _is_fsdp(model):
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            state = get_model_state_dict(model, options=_full_options(cpu_offload=True))
+            options = _full_options(cpu_offload=True, ignore_frozen_params=trainable_only)
+            state = get_model_state_dict(model, options=options)
             return state if self.is_main else None
-        return self.unwrap(model).state_dict() if self.is_main else None
+        if not self.is_main:
+            return None
+        module = self.unwrap(model)
+        if not trainable_only:
+            return module.state_dict()
+        return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
     def optimizer_state(self, model: torch.nn.Module, optimizer) -> dict | None:
         """The optimizer's full state on rank 0 (None elsewhere), in the single-process
@@ -173,14 +180,24 @@ class Ranks:
         index = {name: i for i, name in enumerate(_param_names(model))}
         return _rekey(state, index.__getitem__)
 
-    def load_model_state(self, model: torch.nn.Module, state: dict) -> None:
-        """Load a full state dict, present on every rank (each read the checkpoint)."""
+    def load_model_state(self, model: torch.nn.Module, state: dict,
+                         partial: bool = False) -> None:
+        """Load a full state dict, present on every rank (each read the checkpoint). With
+        ``partial`` only the trainable parameters must be in it (a LoRA adapter's): the
+        frozen rest stays as loaded from the base."""
         if _is_fsdp(model):
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-            set_model_state_dict(model, state, options=_full_options())
+            result = set_model_state_dict(model, state, options=_full_options(strict=not partial))
         else:
-            self.unwrap(model).load_state_dict(state)
+            result = self.unwrap(model).load_state_dict(state, strict=not partial)
+        if partial:
+            trainable = {n for n, p in self.unwrap(model).named_parameters() if p.requires_grad}
+            missing = sorted(trainable & set(result.missing_keys))
+            if missing or result.unexpected_keys:
+                raise ValueError(f"the saved state does not fit the trainable parameters: "
+                                 f"missing {missing[:3]}, unexpected "
+                                 f"{sorted(result.unexpected_keys)[:3]}")
 
     def load_optimizer_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
         if not _is_fsdp(model):
@@ -300,16 +317,18 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _full_options(cpu_offload: bool = False):
+def _full_options(cpu_offload: bool = False, strict: bool = True,
+                  ignore_frozen_params: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, strict=strict,
+                            ignore_frozen_params=ignore_frozen_params)
 
 
 def _param_names(model: torch.nn.Module) -> list[str]:
-    """Parameter names in ``parameters()`` order, the order of the optimizer's indexes
-    (``fully_shard`` keeps both names and order)."""
-    return [name for name, _ in model.named_parameters()]
+    """Names of the parameters the optimizer holds (the trainable ones), in ``parameters()``
+    order, the order of its indexes (``fully_shard`` keeps both names and order)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
 def _rekey(state: dict, key) -> dict:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from inference import lora
 from learner.batching import build_batch, token_budget_parts
 from learner.checkpoint import (  # noqa: F401  (CheckpointError, load_checkpoint: the API)
     CheckpointError,
@@ -50,7 +51,7 @@ from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout, exit_unrecoverable
 from protocol.replay_client import ReplayClient
 from protocol.run_dir import RunDir, single_writer_lock
-from protocol.weights import WeightPublisher
+from protocol.weights import AdapterMeta, WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +80,24 @@ class Learner:
         self.autocast = autocast_dtype(self.cfg.autocast, self.device)
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
+        # With LoRA only the adapter trains and travels; the frozen base is also the KL
+        # reference (adapters off), so no second copy of the model is kept.
+        self.adapter = adapter_for(cfg)
+        if self.adapter is not None:
+            lora.attach(model, self.adapter, dropout=self.cfg.lora_dropout, init_seed=cfg.seed)
         prepare_for_training(model, self.cfg.logit_chunk_tokens, self.cfg.gradient_checkpointing)
         self.model = ranks.wrap(model.train(), self.cfg.parallel)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.path).pad_token_id or 0
         # After wrapping: under FSDP the optimizer must hold the sharded parameters.
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=self.cfg.lr,
                                            betas=(0.9, 0.99), weight_decay=0.0)
         warmup = max(self.cfg.warmup_updates, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
         # A frozen copy of the initial policy, only when a KL penalty to it is asked for.
         self.reference = None
-        if self.cfg.kl_coef > 0:
+        if self.cfg.kl_coef > 0 and self.adapter is None:
             reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
             self.reference = ranks.wrap_frozen(reference.eval().requires_grad_(False),
                                                self.cfg.parallel)
@@ -121,7 +128,8 @@ class Learner:
         if found is None:
             return False
         state, path = found
-        self.ranks.load_model_state(self.model, state["model"])
+        check_checkpoint_adapter(state, self.adapter, path)
+        self.ranks.load_model_state(self.model, state["model"], partial=self.adapter is not None)
         self.ranks.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.updates, self.version = state["updates"], state["version"]
@@ -135,15 +143,16 @@ class Learner:
     def checkpoint(self) -> None:
         """Write model, optimizer, RNG, version and ledger (learner/checkpoint.py), then tell
         replay. Every rank calls it (FSDP gathers the shards); rank 0 writes and commits."""
-        model = self.ranks.model_state(self.model)
+        model = self._trained_state()
         optimizer = self.ranks.optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_main:
             return
+        adapter = {"adapter": self.adapter.to_metadata()} if self.adapter is not None else {}
         try:
             save_checkpoint(self.run_dir, {
                 "model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "updates": self.updates, "version": self.version, "consumed": self.consumed,
-                **rng_states()})
+                **adapter, **rng_states()})
         except OSError as exc:  # a full disk: train on, the next checkpoint tries again
             log.error("checkpoint at update %d not written (%s); the previous one stands",
                       self.updates, exc)
@@ -358,10 +367,15 @@ class Learner:
         if self.ranks.is_main:  # the one that commits
             self._uncommitted += ids
 
+    def _trained_state(self) -> dict | None:
+        """What this learner trains, on rank 0 (None elsewhere): the whole model's state, or
+        with LoRA only the adapter's. Under FSDP every rank must call it (shards gather)."""
+        return self.ranks.model_state(self.model, trainable_only=self.adapter is not None)
+
     def _publish(self, wait: bool = False) -> None:
-        state = self.ranks.model_state(self.model)  # under FSDP every rank gathers
+        state = self._trained_state()
         if self.publisher is not None:
-            self.publisher.publish(state, self.version, wait=wait)
+            self.publisher.publish(state, self.version, wait=wait, adapter=self.adapter)
 
     @torch.no_grad()
     def _fixed_logprobs(self, batch):
@@ -376,6 +390,11 @@ class Learner:
                 reference = token_logprobs(self.reference, batch.input_ids,
                                            batch.attention_mask, self.cfg.logit_chunk_tokens,
                                            batch.action_mask)
+            elif self.adapter is not None and self.cfg.kl_coef > 0:
+                with lora.disabled(self.model):  # the base is the reference
+                    reference = token_logprobs(self.model, batch.input_ids,
+                                               batch.attention_mask, self.cfg.logit_chunk_tokens,
+                                               batch.action_mask)
         return proximal, reference
 
     def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
@@ -424,6 +443,35 @@ class Learner:
             "lr": self.scheduler.get_last_lr()[0], "publish_s": self.publisher.last_publish_s,
         }, step=self.updates)
         self.control.set_state(learner_updates=self.updates, version=self.version)
+
+
+def adapter_for(cfg: RunConfig) -> AdapterMeta | None:
+    """The LoRA adapter ``learner.lora_*`` asks for, tied to the base it trains on; None for
+    full fine-tuning."""
+    if not cfg.learner.lora_rank:
+        return None
+    return AdapterMeta(rank=cfg.learner.lora_rank, alpha=cfg.learner.lora_alpha,
+                       targets=",".join(cfg.learner.lora_targets), base_id=cfg.model.path,
+                       base_sha256=lora.base_digest(cfg.model.path))
+
+
+def check_checkpoint_adapter(state: dict, adapter: AdapterMeta | None, path: Path) -> None:
+    """Refuse to resume a checkpoint trained otherwise than this learner trains: full weights
+    into a LoRA learner or back, another rank or targets, or an adapter of another base."""
+    saved = AdapterMeta.from_metadata(state.get("adapter"))
+    if saved is None and adapter is None:
+        return
+    if saved is None or adapter is None:
+        what = "full fine-tuning" if saved is None else f"a LoRA adapter (rank {saved.rank})"
+        now = "full fine-tuning" if adapter is None else f"LoRA rank {adapter.rank}"
+        raise CheckpointError(f"{path} holds {what}, but this run trains {now}: resume with "
+                              f"the learner.lora_rank it was trained with")
+    for field_name in ("rank", "targets", "base_sha256"):
+        if getattr(saved, field_name) != getattr(adapter, field_name):
+            raise CheckpointError(
+                f"{path} holds an adapter with {field_name}={getattr(saved, field_name)!r}, "
+                f"this run asks for {getattr(adapter, field_name)!r}: resume with the "
+                f"learner.lora_* settings and model.path it was trained with")
 
 
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:

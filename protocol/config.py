@@ -212,6 +212,12 @@ class ActorConfig:
     """vLLM backend only: further ``vllm.LLM`` keyword arguments, passed as they are (they
     override the settings above)."""
 
+    lora_apply: str = "merge"
+    """Transformers backend, LoRA runs (``learner.lora_rank > 0``) only: how a published
+    adapter reaches the weights: ``merge`` (into the targeted weights, from a pristine copy:
+    generation costs what the base costs) or ``layers`` (adapter layers beside the frozen
+    base: a cheaper load, slower tokens). bench/lora_sync.py measures both."""
+
     def check(self):
         if self.num_actors < 0:
             raise ConfigError(f"num_actors must be >= 0, got {self.num_actors}")
@@ -235,6 +241,8 @@ class ActorConfig:
         _positive(self, "top_p")  # nucleus of no tokens: nothing to sample
         if self.backend not in ("transformers", "vllm"):
             raise ConfigError(f"backend must be transformers or vllm, got {self.backend!r}")
+        if self.lora_apply not in ("merge", "layers"):
+            raise ConfigError(f"lora_apply must be merge or layers, got {self.lora_apply!r}")
 
 
 @dataclass
@@ -359,6 +367,22 @@ class LearnerConfig:
     alpha_cutoff_updates: int = 0
     """From this update on, outcome only (labels are no longer waited for); 0 = never."""
 
+    lora_rank: int = 0
+    """LoRA rank ``r``: train only a low-rank adapter on the targeted linear layers and publish
+    only the adapter (the base stays frozen, in the learner and in every engine); 0 = full
+    fine-tuning. See docs/lora.md."""
+
+    lora_alpha: float = 16.0
+    """The adapter adds ``(lora_alpha / lora_rank) · B A x``."""
+
+    lora_targets: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Linear layers that get an adapter: a module's last name (``q_proj``) or a glob over its
+    full name (``model.layers.1*.mlp.*``). The output head never does."""
+
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input while training, in ``[0, 1)``."""
+
     def check(self):
         for name in ("lr", "batch_groups", "minibatches", "publish_every", "checkpoint_every",
                      "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip",
@@ -402,6 +426,17 @@ class LearnerConfig:
         for name in ("alpha", "alpha_min", "alpha_decay_updates", "alpha_cutoff_updates"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0 (0 = full fine-tuning), "
+                              f"got {self.lora_rank}")
+        if self.lora_rank:
+            _positive(self, "lora_alpha")
+            if not self.lora_targets or not all(isinstance(t, str) and t and "," not in t
+                                                for t in self.lora_targets):
+                raise ConfigError(f"lora_targets must be a non-empty list of module names or "
+                                  f"globs (no commas), got {self.lora_targets!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
 
     def alpha_at(self, update: int) -> float:
         """``α`` at learner update ``update``: cosine decay, then 0 past the cut-off."""

@@ -26,13 +26,17 @@ See docs/weights.md.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import stat
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import zmq
 from safetensors.torch import load as load_safetensors
@@ -58,6 +62,60 @@ from protocol.transport import Incoming, RouterServer, ZmqChannel
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = WEIGHTS_CHUNK_BYTES  # 4 MiB: the unit of digests, fetches and replies
+
+
+@dataclass(frozen=True)
+class AdapterMeta:
+    """What a LoRA version's file says about itself, in its safetensors metadata (strings, so
+    covered by the file's digests): a published version holds either the whole model's
+    tensors (no such metadata) or only an adapter's, which an engine applies to its own base
+    model and refuses when that base is not the one the learner trained on."""
+
+    rank: int  # r: the inner dimension of every A [r, in] and B [out, r]
+    alpha: float  # the adapter adds (alpha / rank) · B A x
+    targets: str  # the learner's lora_targets, comma-separated (module names or globs)
+    base_id: str  # the base model as the learner named it (a folder path or a model name)
+    base_sha256: str  # SHA-256 of the base's weight files (inference.lora.base_digest)
+
+    KIND = "lora"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def target_tuple(self) -> tuple[str, ...]:
+        return tuple(t for t in self.targets.split(",") if t)
+
+    def to_metadata(self) -> dict[str, str]:
+        return {"kind": self.KIND, "lora_rank": str(self.rank), "lora_alpha": repr(self.alpha),
+                "lora_targets": self.targets, "base_id": self.base_id,
+                "base_sha256": self.base_sha256}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str] | None) -> AdapterMeta | None:
+        """None for a whole-model file; SchemaError for an adapter file missing a field."""
+        if not meta or meta.get("kind") != cls.KIND:
+            return None
+        try:
+            return cls(rank=int(meta["lora_rank"]), alpha=float(meta["lora_alpha"]),
+                       targets=meta["lora_targets"], base_id=meta["base_id"],
+                       base_sha256=meta["base_sha256"])
+        except (KeyError, ValueError) as exc:
+            raise SchemaError("invalid", f"adapter metadata incomplete or malformed "
+                                         f"({exc!r})") from None
+
+
+def file_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes (its JSON header), without loading tensors."""
+    if len(data) < 8:
+        raise ValueError("too short for a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise ValueError("safetensors header runs past the end of the file")
+    header = json.loads(data[8:8 + size])
+    meta = header.get("__metadata__") or {} if isinstance(header, dict) else {}
+    return {str(k): str(v) for k, v in meta.items()}
 
 
 def weights_path(run_dir: Path, version: int) -> Path:
@@ -360,6 +418,7 @@ class WeightPublisher:
             orphan.unlink(missing_ok=True)
         self._thread: threading.Thread | None = None
         self.last_publish_s = 0.0
+        self.last_publish_bytes = 0
         if server is not None:
             self._serve_announced()
 
@@ -395,10 +454,15 @@ class WeightPublisher:
         if self.server is not None:
             self.server.close()
 
-    def publish(self, state_dict, version: int, wait: bool = False) -> None:
+    def publish(self, state_dict, version: int, wait: bool = False,
+                adapter: AdapterMeta | None = None) -> None:
+        """Publish ``state_dict`` as ``version``: the whole model's tensors, or with
+        ``adapter`` only a LoRA adapter's (its metadata goes into the file)."""
         snapshot = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
         self.wait()  # one write in flight at a time keeps versions in order
-        self._thread = threading.Thread(target=self._write, args=(snapshot, version), daemon=True)
+        metadata = {"version": str(version), **(adapter.to_metadata() if adapter else {})}
+        self._thread = threading.Thread(target=self._write, args=(snapshot, version, metadata),
+                                        daemon=True)
         self._thread.start()
         if wait:
             self.wait()
@@ -408,9 +472,9 @@ class WeightPublisher:
             self._thread.join()
             self._thread = None
 
-    def _write(self, snapshot, version: int) -> None:
+    def _write(self, snapshot, version: int, metadata: dict[str, str]) -> None:
         t0 = time.perf_counter()
-        data = save_safetensors(snapshot, metadata={"version": str(version)})
+        data = save_safetensors(snapshot, metadata=metadata)
         path = weights_path(self.run_dir, version)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
@@ -425,6 +489,7 @@ class WeightPublisher:
                 self.server.add(announce(self.control, path, data, version))
         self._prune(version)
         self.last_publish_s = time.perf_counter() - t0
+        self.last_publish_bytes = len(data)
 
     def _prune(self, version: int) -> None:
         """Drop versions older than the newest ``keep``, and any newer than ``version``: one
@@ -456,8 +521,18 @@ def read_announced(ann: WeightsAnnouncement) -> bytes:
         os.close(fd)
 
 
+class WeightUpdate(NamedTuple):
+    """A verified version, as :meth:`WeightSubscriber.poll` returns it."""
+
+    version: int
+    state: dict  # tensor name -> tensor: the whole model's, or only the adapter's
+    adapter: AdapterMeta | None  # set when ``state`` is a LoRA adapter over a base model
+
+
 class WeightSubscriber:
-    """Actor side: ``poll`` returns a verified state dict when another version is announced."""
+    """Actor side: ``poll`` returns a verified :class:`WeightUpdate` when another version is
+    announced; ``follow`` loads it into an engine (an adapter through ``load_adapter``, once
+    its base digest matches the engine's own)."""
 
     def __init__(self, control: ControlPlane, member: str, retry_s: float = 5.0,
                  source: WeightClient | None = None):
@@ -490,8 +565,10 @@ class WeightSubscriber:
         body = self.control.r.get(self.control.keys.weights)
         return None if body is None else codec.decode_body(WeightsAnnouncement.TYPE, body)
 
-    def poll(self):
-        """(version, state_dict) of a complete version other than the one loaded, or None."""
+    def poll(self, base_sha256: Callable[[], str] | None = None) -> WeightUpdate | None:
+        """A complete version other than the one loaded, or None. With ``base_sha256`` (gives
+        the digest of the caller's base weights; asked only when an adapter arrives, since
+        hashing a base is not free) an adapter for any other base is refused."""
         if self.control.get_version() == self.version:
             return None
         body = self.control.r.get(self.control.keys.weights)
@@ -513,12 +590,20 @@ class WeightSubscriber:
         if why is not None:
             return self._refuse(body, f"v{ann.version} {why}")
         try:
+            adapter = AdapterMeta.from_metadata(file_metadata(data))
             state = load_safetensors(data)
         except Exception as exc:  # digests matched: the publisher wrote something odd
             return self._refuse(body, f"v{ann.version} does not load ({exc})")
+        if adapter is not None and base_sha256 is not None:
+            ours = base_sha256()
+            if adapter.base_sha256 != ours:
+                return self._refuse(body, f"v{ann.version} is a LoRA adapter for base "
+                                          f"{adapter.base_id} (sha256 {adapter.base_sha256[:12]}"
+                                          f"), but this engine's base has sha256 {ours[:12]}: "
+                                          "start it on the learner's model.path")
         self._refused = None
         self._polled_sha256 = ann.sha256
-        return ann.version, state
+        return WeightUpdate(ann.version, state, adapter)
 
     def _refuse(self, body: bytes, why: str):
         self.rejected += 1
@@ -527,15 +612,18 @@ class WeightSubscriber:
         return None
 
     def follow(self, backend) -> int | None:
-        """Load a newer version into ``backend`` (anything with ``load_weights(state,
-        version)``) if one is announced; returns the version loaded, else None."""
-        got = self.poll()
+        """Load a newer version into ``backend`` (an ``InferenceBackend``: ``load_weights``
+        for a whole model, ``load_adapter`` and ``base_sha256`` for LoRA) if one is
+        announced; returns the version loaded, else None."""
+        got = self.poll(base_sha256=lambda: backend.base_sha256)
         if got is None:
             return None
-        version, state = got
-        backend.load_weights(state, version)
-        self.loaded(version, self._polled_sha256)
-        return version
+        if got.adapter is None:
+            backend.load_weights(got.state, got.version)
+        else:
+            backend.load_adapter(got.state, got.adapter, got.version)
+        self.loaded(got.version, self._polled_sha256)
+        return got.version
 
     def loaded(self, version: int, sha256: str = "") -> None:
         """Record (locally and in Redis) that ``version`` is now the one generating."""

@@ -51,6 +51,11 @@ SCENARIOS = {
     "ddp-token-mbt": {"loss_aggregation": "token-mean", "micro_batch_tokens": 70},
     "fsdp-token-acc2-kl": {"parallel": "fsdp", "loss_aggregation": "token-mean",
                            "accumulation": 2, "kl_coef": 0.1},
+    # LoRA: only the adapter trains (and the KL reference is the base, adapters off).
+    "ddp-lora-kl": {"loss_aggregation": "seq-mean-token-mean", "lora_rank": 4,
+                    "lora_alpha": 8.0, "kl_coef": 0.1},
+    "fsdp-lora-acc2": {"parallel": "fsdp", "loss_aggregation": "token-mean", "accumulation": 2,
+                       "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": ["q_proj", "v_proj"]},
 }
 
 
@@ -275,7 +280,7 @@ def assert_states_close(got: dict, want: dict, atol: float = 1e-5) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("scenario", ["ddp-token", "ddp-seq", "ddp-seq-acc3"])
+@pytest.mark.parametrize("scenario", ["ddp-token", "ddp-seq", "ddp-seq-acc3", "ddp-lora-kl"])
 def test_ddp_ranks_hold_identical_parameters(two_ranks, scenario):
     r0, r1 = rank_result(two_ranks, scenario, 0), rank_result(two_ranks, scenario, 1)
     assert r0["state"].keys() == r1["state"].keys()

@@ -343,7 +343,7 @@ def _poll_checked(control, published):
     state, data, _, _ = published
     got = WeightSubscriber(control, "fuzz-actor").poll()
     if got is not None:
-        version, loaded = got
+        version, loaded, _ = got
         assert sorted(loaded) == sorted(state)
         for k in state:
             assert np.array_equal(loaded[k].numpy(), state[k].numpy())

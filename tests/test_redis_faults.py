@@ -142,7 +142,7 @@ def test_lost_data_is_restored_from_the_durable_copies(server, tmp_path):
     fresh = ExperiencePool.connect(server.url, cfg.redis.prefix, OneHotEmbedder())
     assert sorted(e.content for e in fresh.all()) == sorted(e.content for e in _experiences(6))
     assert control.get_version() == 3
-    version, state = WeightSubscriber(control, "actor-0").poll()
+    version, state, _ = WeightSubscriber(control, "actor-0").poll()
     assert version == 3 and torch.equal(state["w"], torch.arange(10.0))
     assert control.state()["run_dir"] == str(tmp_path)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # imported only for annotations; constraint.py does not import us back
     from inference.backends.constraint import TokenConstraint
+    from protocol.weights import AdapterMeta
 
 FinishReason = Literal["stop", "length"]
 
@@ -135,7 +136,8 @@ class InferenceBackend(abc.ABC):
     * ``load_weights(state_dict_or_path, version)`` replaces the weights in place, without
       restarting the engine or changing the architecture; every generation that starts after
       it returns carries ``version``. It never runs concurrently with ``generate``: callers
-      update weights between turns.
+      update weights between turns. ``load_adapter(tensors, adapter, version)`` does the same
+      for a LoRA version: the base stays loaded and only the adapter changes.
     * ``version`` is the policy version of the current weights; ``tokenizer`` is the Hugging
       Face tokenizer matching the model (used to build prompts and decode actions).
     * ``close()`` releases the engine's memory; the backend is unusable afterwards. Backends are
@@ -154,6 +156,26 @@ class InferenceBackend(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, state_dict_or_path: Any, version: int) -> None:
         """Copy new weights (a state dict of tensors or a safetensors path) in place."""
+
+    @abc.abstractmethod
+    def load_adapter(self, tensors: dict[str, Any], adapter: AdapterMeta, version: int) -> None:
+        """Apply a LoRA adapter (``inference.lora`` keys: ``<module>.lora_A``/``lora_B``) to
+        the base weights this engine started from and set ``version``; the adapter replaces
+        the previous one (it is never stacked on it). Keys and shapes are checked first, so a
+        bad adapter raises and the previous version keeps generating."""
+
+    @property
+    def base_sha256(self) -> str:
+        """SHA-256 of the weight files this engine started from: what an adapter is checked
+        against (``AdapterMeta.base_sha256``)."""
+        from inference.lora import base_digest
+
+        return base_digest(self.model_path)
+
+    @property
+    @abc.abstractmethod
+    def model_path(self) -> str:
+        """The local model folder this engine started from."""
 
     @property
     @abc.abstractmethod

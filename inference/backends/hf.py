@@ -24,9 +24,12 @@ from inference.backends.base import (
     check_prompts,
     safetensors_files,
 )
+from inference import lora
 from inference.backends.constraint import TokenConstraint
+from protocol.weights import AdapterMeta
 
 StateDictOrPath = dict[str, torch.Tensor] | str | os.PathLike
+ADAPTER_MODES = ("merge", "layers")  # how a LoRA version is applied (TransformersBackend)
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -81,7 +84,14 @@ class TransformersBackend(InferenceBackend):
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
         version: int = 0,
+        adapter_mode: str = "merge",
     ) -> None:
+        if adapter_mode not in ADAPTER_MODES:
+            raise ValueError(f"adapter_mode must be one of {ADAPTER_MODES}, got {adapter_mode!r}")
+        self._adapter_mode = adapter_mode
+        self._pristine: dict[str, torch.Tensor] | None = None  # base weights an adapter merges into
+        self._attached: AdapterMeta | None = None  # the adapter layers' shape (mode "layers")
+        self._model_path = str(model_path)
         self._device = torch.device(device)
         self._dtype = _resolve_dtype(dtype, self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -103,6 +113,10 @@ class TransformersBackend(InferenceBackend):
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    @property
+    def model_path(self) -> str:
+        return self._model_path
 
     @property
     def model(self) -> torch.nn.Module:
@@ -320,7 +334,52 @@ class TransformersBackend(InferenceBackend):
                 if id(targets[name]) not in copied:
                     targets[name].copy_(value)
                     copied.add(id(targets[name]))
+        self._pristine = None  # whole weights replace the base an adapter would merge into
         self._version = int(version)
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], adapter: AdapterMeta,
+                     version: int) -> None:
+        """Apply a LoRA adapter in place of the previous one and set ``version``.
+
+        ``merge`` (default) keeps a pristine copy of the targeted weights and writes
+        ``W0 + scale · B A`` into the live ones: generation costs what the base costs.
+        ``layers`` attaches adapter layers once and copies A and B into them: a load copies
+        only the adapter, every generated token pays the extra low-rank matmuls.
+        ``bench/lora_sync.py`` measures both."""
+        model = self._live_model()
+        expected = {}
+        for name, linear in lora.targeted(model, adapter.target_tuple):
+            expected[f"{name}.lora_A"] = (adapter.rank, linear.in_features)
+            expected[f"{name}.lora_B"] = (linear.out_features, adapter.rank)
+        lora.check_adapter(tensors, adapter, expected)
+        if self._adapter_mode == "layers":
+            self._load_adapter_layers(model, tensors, adapter)
+        else:
+            self._merge_adapter(model, tensors, adapter)
+        self._version = int(version)
+
+    def _merge_adapter(self, model, tensors, adapter: AdapterMeta) -> None:
+        params = dict(model.named_parameters())
+        if self._pristine is None:
+            self._pristine = {f"{m}.weight": params[f"{m}.weight"].detach().clone()
+                              for m, _ in lora.targeted(model, adapter.target_tuple)}
+        merged = lora.merged_weights(self._pristine, tensors, adapter)
+        with torch.no_grad():
+            for name, value in merged.items():
+                params[name].copy_(value)
+
+    def _load_adapter_layers(self, model, tensors, adapter: AdapterMeta) -> None:
+        if self._attached is None:
+            lora.attach(model, adapter)
+            self._attached = adapter
+        elif (self._attached.rank, self._attached.targets) != (adapter.rank, adapter.targets):
+            raise ValueError(f"adapter rank {adapter.rank} targets {adapter.targets} differ from "
+                             f"the attached layers' (rank {self._attached.rank}, targets "
+                             f"{self._attached.targets}): restart the engine")
+        for module in model.modules():  # alpha may differ per version; rank and targets not
+            if getattr(module, "lora_enabled", False):
+                module.lora_scale = adapter.scale
+        lora.load_adapter(model, {k: v.to(self._device, self._dtype) for k, v in tensors.items()})
 
     def close(self) -> None:
         """Drop the model; on GPU also return cached memory to the driver."""
