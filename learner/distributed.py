@@ -159,6 +159,9 @@ class Ranks:
 
             options = _full_options(cpu_offload=True, ignore_frozen_params=trainable_only)
             state = get_model_state_dict(model, options=options)
+            if trainable_only:  # a tied frozen weight (lm_head) slips through the option
+                names = set(_param_names(model))
+                state = {k: v for k, v in state.items() if k in names}
             return state if self.is_main else None
         if not self.is_main:
             return None

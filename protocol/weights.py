@@ -529,6 +529,28 @@ class WeightUpdate(NamedTuple):
     adapter: AdapterMeta | None  # set when ``state`` is a LoRA adapter over a base model
 
 
+def apply_update(backend, update: WeightUpdate) -> None:
+    """Load ``update`` into an engine: whole weights, or an adapter over its base."""
+    if update.adapter is None:
+        backend.load_weights(update.state, update.version)
+    else:
+        backend.load_adapter(update.state, update.adapter, update.version)
+
+
+def newest_published(run_dir: Path) -> WeightUpdate | None:
+    """The newest version on the run's disk, for a process that starts the policy outside the
+    training loop (the explore proposer): None when nothing was published. Its own run's
+    file, read without an announcement to check it against; the file format is checked."""
+    for path in reversed(RunDir(run_dir).published_weights()):
+        try:
+            data = path.read_bytes()
+            adapter = AdapterMeta.from_metadata(file_metadata(data))
+            return WeightUpdate(int(path.stem[1:]), load_safetensors(data), adapter)
+        except Exception as exc:  # pruned meanwhile, or torn: the one before it then
+            log.warning("published weights %s not usable (%s)", path, exc)
+    return None
+
+
 class WeightSubscriber:
     """Actor side: ``poll`` returns a verified :class:`WeightUpdate` when another version is
     announced; ``follow`` loads it into an engine (an adapter through ``load_adapter``, once
@@ -618,10 +640,7 @@ class WeightSubscriber:
         got = self.poll(base_sha256=lambda: backend.base_sha256)
         if got is None:
             return None
-        if got.adapter is None:
-            backend.load_weights(got.state, got.version)
-        else:
-            backend.load_adapter(got.state, got.adapter, got.version)
+        apply_update(backend, got)
         self.loaded(got.version, self._polled_sha256)
         return got.version
 

@@ -99,8 +99,28 @@ def make_chat(cfg: RunConfig, policy_path: str | None, run_dir: Path | None = No
         from inference.policy_chat import PolicyChat
 
         backend = make_backend(cfg, policy_path)  # the engine actor.backend names
+        if run_dir is not None:
+            _load_trained_policy(backend, run_dir)
         return PolicyChat(backend, max_context=cfg.model.max_positions, seed=cfg.seed)
     return None
+
+
+def _load_trained_policy(backend, run_dir: Path) -> None:
+    """The policy as trained so far: the run's newest published version (a whole model, or
+    an adapter over this base) when there is one, so a proposer started mid-run asks with the
+    current policy, not the initial one."""
+    from protocol.weights import apply_update, newest_published
+
+    update = newest_published(run_dir)
+    if update is None:
+        return
+    if update.adapter is not None and update.adapter.base_sha256 != backend.base_sha256:
+        log.warning("proposer: v%d is an adapter for another base (%s); asking with the base",
+                    update.version, update.adapter.base_id)
+        return
+    apply_update(backend, update)
+    log.info("proposer: the policy at version %d%s", update.version,
+             " (LoRA adapter)" if update.adapter else "")
 
 
 class TaskFactory:

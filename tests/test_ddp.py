@@ -316,19 +316,26 @@ def test_two_ranks_step_as_one_rank_on_the_whole_batch(two_ranks, scenario, mode
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("scenario", ["fsdp-token-acc2-kl", "fsdp-lora-acc2"])
 def test_fsdp_checkpoint_is_single_process_format_and_resumes(two_ranks, model, tmp_path,
-                                                              control):
+                                                              control, scenario):
     from learner.learner import Learner, load_checkpoint
 
-    run_dir = two_ranks / "fsdp-token-acc2-kl"
+    run_dir = two_ranks / scenario
     ckpt = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
     assert ckpt["updates"] == UPDATES
     assert all(isinstance(k, int) for k in ckpt["optimizer"]["state"])
     # A one-process learner takes the sharded run's checkpoint as its own.
-    single = Learner(learner_config(model, kl_coef=0.1), run_dir, control, None)
+    sets = {k: v for k, v in SCENARIOS[scenario].items() if k not in ("parallel", "accumulation")}
+    single = Learner(learner_config(model, **sets), run_dir, control, None)
     assert single.resume()
     single.metrics.close()
-    assert_states_close(single.model.state_dict(), ckpt["model"], atol=0)
+    lora = single.adapter is not None
+    assert lora == (scenario == "fsdp-lora-acc2")
+    # With LoRA the checkpoint holds the adapter alone, and the optimizer only its state.
+    assert_states_close(single.ranks.model_state(single.model, trainable_only=lora),
+                        ckpt["model"], atol=0)
+    assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) if lora else True
     # The resumed sharded learner continued exactly as the one that wrote the checkpoint.
     resumed = torch.load(run_dir / "resume.pt", weights_only=True)
     assert_states_close(resumed["resumed"], resumed["after"], atol=1e-6)

