@@ -4,7 +4,11 @@ generated tokens the loss reads) and activation checkpointing
 (``learner.gradient_checkpointing``), measured in one run on the same batch.
 
     .venv/bin/python -m bench.learner_memory [--model smollm2-135m] [--batch 8] [--length 512]
-                                             [--steps 3] [--chunk 1024] [--out FILE.json]
+                                             [--steps 3] [--chunk 1024] [--lora-rank 16]
+                                             [--variants A,B] [--out FILE.json]
+
+The last variant trains only a LoRA adapter (``learner.lora_rank``) on the learner's default
+targets: its AdamW state is the adapter's, not the model's.
 
 Each variant runs in a fresh process (peak resident memory is per process): it loads the model,
 takes ``--steps`` optimizer steps (AdamW, the warm-start's masked mean log-likelihood of the
@@ -28,12 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {  # name -> (logit_chunk_tokens is used, gradient_checkpointing, head at actions only)
-    "whole logits": (False, False, False),
-    "chunked head": (True, False, False),
-    "chunked head at actions": (True, False, True),
-    "chunked head + checkpointing": (True, True, False),
-    "chunked head at actions + checkpointing": (True, True, True),
+# name -> (logit_chunk_tokens is used, gradient_checkpointing, head at actions only, LoRA)
+VARIANTS = {
+    "whole logits": (False, False, False, False),
+    "chunked head": (True, False, False, False),
+    "chunked head at actions": (True, False, True, False),
+    "chunked head + checkpointing": (True, True, False, False),
+    "chunked head at actions + checkpointing": (True, True, True, False),
+    # learner.lora_rank > 0: the same step training only an adapter (--lora-rank)
+    "chunked head at actions + checkpointing + LoRA": (True, True, True, True),
 }
 
 
@@ -41,13 +48,19 @@ def one_variant(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from inference import lora
     from inference.models import model_folder
     from learner.logprobs import prepare_for_training, token_logprobs
+    from protocol.config import LearnerConfig
+    from protocol.weights import AdapterMeta
 
     torch.set_num_threads(args.threads)
-    chunked, checkpointing, at_actions = VARIANTS[args.variant]
+    chunked, checkpointing, at_actions, adapter = VARIANTS[args.variant]
     chunk = args.chunk if chunked else 0
     model = AutoModelForCausalLM.from_pretrained(model_folder(args.model)).train()
+    if adapter:
+        targets = ",".join(LearnerConfig().lora_targets)
+        lora.attach(model, AdapterMeta(args.lora_rank, 2.0 * args.lora_rank, targets, "", ""))
     prepare_for_training(model, chunk, checkpointing)
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
@@ -58,7 +71,8 @@ def one_variant(args) -> dict:
     span = max(1, int(args.length * args.action_fraction / 3))
     for start in (args.length // 2, 2 * args.length // 3, args.length - span):
         actions[:, start:start + span] = 1
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     seconds, losses = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -71,6 +85,8 @@ def one_variant(args) -> dict:
         losses.append(float(loss))
     return {"variant": args.variant, "chunk_tokens": chunk, "checkpointing": checkpointing,
             "head_at_actions_only": at_actions, "action_fraction": args.action_fraction,
+            "lora_rank": args.lora_rank if adapter else 0,
+            "trainable_params": sum(p.numel() for p in trainable),
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "step_s": statistics.median(seconds[1:] or seconds), "first_step_s": seconds[0],
             "first_loss": losses[0], "vocab": vocab}
@@ -84,6 +100,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the LoRA variant")
     p.add_argument("--action-fraction", type=float, default=0.1,
                    help="share of positions that are generated tokens (the loss's)")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -98,6 +115,7 @@ def main(argv=None) -> list[dict]:
         child = [sys.executable, "-m", "bench.learner_memory", "--variant", name,
                  *[f"--{k}={getattr(args, k)}" for k in ("model", "batch", "length", "steps",
                                                           "chunk", "threads")],
+                 f"--lora-rank={args.lora_rank}",
                  f"--action-fraction={args.action_fraction}"]
         out = subprocess.run(child, cwd=ROOT, capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

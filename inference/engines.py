@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from inference.backends.base import InferenceBackend
 from inference.models import model_folder
 from protocol.config import ActorConfig, RunConfig
+
+log = logging.getLogger(__name__)
 
 
 def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBackend:
@@ -18,7 +21,8 @@ def make_backend(cfg: RunConfig, model_path: str | None = None) -> InferenceBack
 
         from inference.backends.vllm import VLLMBackend
 
-        kwargs, env = vllm_settings(cfg.actor, on_gpu=torch.cuda.is_available())
+        kwargs, env = vllm_settings(cfg.actor, on_gpu=torch.cuda.is_available(),
+                                    lora_rank=cfg.learner.lora_rank)
         for name, value in env.items():  # read by vLLM when its engine starts
             os.environ.setdefault(name, value)
         return VLLMBackend(path, gpu_memory_utilization=cfg.actor.gpu_memory_utilization,
@@ -38,9 +42,15 @@ def cpu_engine_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
-def vllm_settings(actor: ActorConfig, on_gpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
+def vllm_settings(actor: ActorConfig, on_gpu: bool,
+                  lora_rank: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
     """``vllm.LLM`` keyword arguments beyond the backend's own, and the environment variables
     an engine on this machine needs (set only where the user has not set them).
+
+    With ``lora_rank`` (the learner's; 0: full fine-tuning) the engine serves LoRA adapters
+    itself, on GPU and on CPU alike (vLLM's CPU build runs them too), in the smallest
+    ``max_lora_rank`` vLLM accepts; ``actor.vllm_engine_kwargs={enable_lora: false}`` merges
+    them into the weights instead.
 
     On CPU (the ``vllm-cpu`` build): eager execution, an in-process engine on every core
     (``uni`` executor, no engine subprocess, no core reserved), a bounded KV cache, and no
@@ -50,6 +60,13 @@ def vllm_settings(actor: ActorConfig, on_gpu: bool) -> tuple[dict[str, Any], dic
     eager = actor.vllm_execution == "eager" or (actor.vllm_execution == "auto" and not on_gpu)
     kwargs: dict[str, Any] = {"enforce_eager": eager,
                               "tensor_parallel_size": actor.vllm_tensor_parallel_size}
+    if lora_rank > 0:
+        from inference.backends.vllm import VLLM_LORA_RANKS, lora_engine_kwargs
+
+        kwargs.update(lora_engine_kwargs(lora_rank))
+        if "enable_lora" not in kwargs:
+            log.warning("learner.lora_rank %d exceeds the largest rank vLLM serves (%d): "
+                        "adapters are merged into the weights", lora_rank, VLLM_LORA_RANKS[-1])
     if actor.vllm_max_model_len:
         kwargs["max_model_len"] = actor.vllm_max_model_len
     env: dict[str, str] = {}

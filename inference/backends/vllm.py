@@ -75,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -143,9 +144,12 @@ def import_vllm() -> VLLMApi:
     ImportError."""
     try:
         import vllm
-        from vllm.lora.request import LoRARequest
     except ImportError as exc:
         raise ImportError(MISSING_VLLM) from exc
+    try:
+        from vllm.lora.request import LoRARequest
+    except ImportError:  # a build without LoRA: adapters are merged into the weights
+        LoRARequest = None
     installed = getattr(vllm, "__version__", "unknown")
     if installed != VLLM_VERSION:
         log.warning("vLLM %s is installed; this backend is written against vLLM %s",
@@ -450,6 +454,15 @@ class _Row:
     finish: FinishReason = "length"
 
 
+@dataclass(frozen=True)
+class _Adapter:
+    """The adapter an engine with ``enable_lora`` is generating with: its request and the
+    private PEFT folder vLLM read it from."""
+
+    request: Any  # vllm.lora.request.LoRARequest
+    folder: str
+
+
 class VLLMBackend(InferenceBackend):
     """An :class:`InferenceBackend` over a ``vllm.LLM`` engine (see the module docstring).
 
@@ -459,6 +472,8 @@ class VLLMBackend(InferenceBackend):
     as they are (e.g. ``max_model_len``, ``tensor_parallel_size``, ``enforce_eager``).
     ``dtype`` defaults to float32 for the same reason as the transformers backend: the actors'
     raw log-probs then match the learner's fp32 recompute; pass ``"bfloat16"`` for big models.
+    ``enable_lora=True`` with ``max_lora_rank`` (see :func:`lora_engine_kwargs`) serves LoRA
+    versions as vLLM adapters; without it they are merged into the weights.
     """
 
     def __init__(
@@ -493,11 +508,30 @@ class VLLMBackend(InferenceBackend):
             tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self._tokenizer = tokenizer
         self._vocab = self._layout.vocab_size if self._layout else None
+        self._model_path = str(model_path)
         self._version = int(version)
         self._warned_mode = False
         self._failed: str | None = None
-        self._engine = engine if engine is not None else self._api.LLM(**self._engine_args)
+        self._adapter: _Adapter | None = None
+        self._adapter_ids = itertools.count(1)  # vLLM wants a new int id per adapter
+        # Why adapters are merged into the weights rather than served by vLLM (None: served).
+        self._merging: str | None = (None if self._engine_args.get("enable_lora") else
+                                     "the engine was started without enable_lora")
+        self._noted_merging = False
+        self._base_index: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._pristine: dict[str, torch.Tensor] = {}  # base tensors of merged-into blocks
+        self._engine = engine if engine is not None else self._start()
         self._engine.update_weight_version(str(self._version))
+
+    def _start(self) -> Any:
+        try:
+            return self._api.LLM(**self._engine_args)
+        except Exception as exc:
+            if not self._engine_args.get("enable_lora"):
+                raise
+            raise RuntimeError(
+                f"vLLM did not start with LoRA enabled ({exc}); with actor.vllm_engine_kwargs="
+                "{enable_lora: false} adapters are merged into the weights instead") from exc
 
     @staticmethod
     def _read_layout(model_path: str | os.PathLike) -> ModelLayout | None:
@@ -517,6 +551,10 @@ class VLLMBackend(InferenceBackend):
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    @property
+    def model_path(self) -> str:
+        return self._model_path
 
     @property
     def engine(self) -> Any:
@@ -597,7 +635,8 @@ class VLLMBackend(InferenceBackend):
         """One ``LLM.generate`` call for every request, results checked and in order."""
         prompts = [self._api.TokensPrompt(prompt_token_ids=ids) for _, ids, _ in requests]
         params = [self._api.SamplingParams(**kwargs) for _, _, kwargs in requests]
-        outputs = list(engine.generate(prompts, params, use_tqdm=False))
+        adapter = {"lora_request": self._adapter.request} if self._adapter else {}
+        outputs = list(engine.generate(prompts, params, use_tqdm=False, **adapter))
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} prompts")
         expected = str(self._version)
@@ -626,8 +665,14 @@ class VLLMBackend(InferenceBackend):
         safetensors file or a folder of ``*.safetensors`` shards. Names and shapes are checked
         against the architecture first (with ``strict``, every parameter must be present), so
         a bad update raises before the engine is touched and the old weights stay loaded.
+        A LoRA adapter being served stops with it: a whole-model version has none.
         """
         engine = self._live()
+        self._load(engine, state_dict_or_path, strict)
+        self._drop_adapter(engine)
+        self._label(engine, version, new_weights=True)
+
+    def _load(self, engine: Any, state_dict_or_path: StateDictOrPath, strict: bool) -> None:
         if isinstance(state_dict_or_path, Mapping):
             state = state_dict_or_path
             self._check_update({n: tuple(t.shape) for n, t in state.items()}, strict)
@@ -638,7 +683,12 @@ class VLLMBackend(InferenceBackend):
             shapes = _file_shapes(files)
             self._check_update(shapes, strict)
             self._reload(engine, [str(f.resolve()) for f in files], len(shapes))
-        if not engine.reset_prefix_cache():
+
+    def _label(self, engine: Any, version: int, new_weights: bool) -> None:
+        """Make ``version`` the one generating. New weights also empty the prefix cache (its
+        KV came from the old ones); a new adapter need not: vLLM keys cached blocks by the
+        adapter's name and path, and each version gets its own."""
+        if new_weights and not engine.reset_prefix_cache():
             self._failed = "the prefix cache could not be reset after a weight update"
             raise RuntimeError(f"{self._failed}; cached KV from the old weights could be reused")
         engine.update_weight_version(str(int(version)))
@@ -675,6 +725,144 @@ class VLLMBackend(InferenceBackend):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    # -- LoRA -----------------------------------------------------------------------------
+
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], adapter: AdapterMeta,
+                     version: int) -> None:
+        """Generate with a LoRA adapter over the base this engine started from, in place of
+        the previous adapter, and set ``version``.
+
+        Keys and shapes are checked first (a bad adapter raises, the previous version keeps
+        generating). With ``enable_lora`` vLLM serves the adapter itself (a load writes and
+        reads only the adapter); otherwise, or when the engine refuses it, the adapter is
+        merged into the adapted layers' pristine weights and those layers are reloaded.
+        """
+        engine = self._live()
+        self._check_adapter(tensors, adapter)
+        limit = int(self._engine_args.get("max_lora_rank", 16))  # vLLM's default
+        if self._merging is None and self._api.LoRARequest is None:
+            self._merging = "this vLLM has no vllm.lora.request.LoRARequest"
+        if self._merging is None and adapter.rank > limit:
+            self._merging = f"adapter rank {adapter.rank} > the engine's max_lora_rank {limit}"
+        if self._merging is None and self._serve_adapter(engine, tensors, adapter, version):
+            return
+        self._note_merging()
+        self._merge_adapter(engine, tensors, adapter, version)
+
+    def _check_adapter(self, tensors: Mapping[str, torch.Tensor], adapter: AdapterMeta) -> None:
+        from inference.lora import adapted_modules, check_adapter
+
+        if self._layout is not None:
+            expected = self._layout.adapter_shapes(adapter)
+        else:  # no architecture: at least every named module must exist with its shape
+            expected = {}
+            index = self._base()
+            for module in adapted_modules(dict(tensors)):
+                _, shape = index.get(f"{module}.weight", ("", ()))
+                if len(shape) == 2:
+                    expected[f"{module}.lora_A"] = (adapter.rank, shape[1])
+                    expected[f"{module}.lora_B"] = (shape[0], adapter.rank)
+        check_adapter(dict(tensors), adapter, expected)
+
+    def _serve_adapter(self, engine: Any, tensors: Mapping[str, torch.Tensor],
+                       adapter: AdapterMeta, version: int) -> bool:
+        """Register the adapter with vLLM under a new name and id, generate with it from now
+        on and release the previous one; False (and merging from now on) if vLLM refuses it."""
+        from inference.lora import to_peft_folder
+
+        seq = next(self._adapter_ids)
+        folder = tempfile.mkdtemp(prefix="autodidact-lora-", dir=_spill_dir(self._spill_dir))
+        try:
+            to_peft_folder(_cpu_tensors(tensors), adapter, folder)
+            request = self._api.LoRARequest(lora_name=f"autodidact-v{int(version)}-{seq}",
+                                            lora_int_id=seq, lora_path=folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        try:  # vLLM reads the whole adapter here, before it evicts the previous one
+            accepted, why = engine.llm_engine.add_lora(request), "add_lora returned False"
+        except Exception as exc:  # e.g. a target module this model's vLLM class cannot adapt
+            accepted, why = False, f"{type(exc).__name__}: {exc}"
+        if not accepted:
+            shutil.rmtree(folder, ignore_errors=True)
+            self._merging = f"vLLM refused an adapter: {why}"
+            return False
+        self._drop_adapter(engine)
+        self._adapter = _Adapter(request, folder)
+        self._label(engine, version, new_weights=False)
+        return True
+
+    def _drop_adapter(self, engine: Any) -> None:
+        """Stop serving the current adapter (if any) and delete its folder. vLLM may have
+        evicted it already (one slot), so a refusal to remove it is not an error."""
+        adapter, self._adapter = self._adapter, None
+        if adapter is None:
+            return
+        try:
+            engine.llm_engine.remove_lora(adapter.request.lora_int_id)
+        except Exception as exc:  # the new version is in place; only memory is at stake
+            log.warning("vLLM did not release LoRA adapter %s: %s", adapter.request.lora_name,
+                        exc)
+        shutil.rmtree(adapter.folder, ignore_errors=True)
+
+    def _note_merging(self) -> None:
+        if not self._noted_merging:
+            self._noted_merging = True
+            log.warning("vLLM LoRA unavailable on this engine (%s): adapters are merged into "
+                        "the base weights (a reload of the adapted layers per version)",
+                        self._merging)
+
+    def _merge_adapter(self, engine: Any, tensors: Mapping[str, torch.Tensor],
+                       adapter: AdapterMeta, version: int) -> None:
+        from inference.lora import adapted_modules, merged_weights
+
+        base = self._pristine_blocks(adapted_modules(dict(tensors)))
+        state = {**base, **merged_weights(base, dict(tensors), adapter)}
+        self._load(engine, state, strict=False)
+        self._drop_adapter(engine)  # merged weights are the whole policy: no adapter on top
+        self._label(engine, version, new_weights=True)
+
+    def _pristine_blocks(self, modules: list[str]) -> dict[str, torch.Tensor]:
+        """The base model's tensors of every block holding an adapted module (all of
+        ``model.layers.3.self_attn.*`` for its ``q_proj``), from the model folder, in the
+        engine's dtype; read once and kept.
+
+        Whole blocks because vLLM fuses sibling projections (q/k/v, gate/up) into one layer
+        and its in-place reload rebuilds a layer from the tensors it is sent: a sibling left
+        out would come back uninitialised."""
+        import torch
+        from safetensors import safe_open
+
+        prefixes = tuple(sorted({m.rsplit(".", 1)[0] + "." for m in modules}))
+        index = self._base()
+        wanted = [name for name in index if name.startswith(prefixes)]
+        dtype = getattr(torch, str(self._engine_args.get("dtype")), None)
+        by_file: dict[str, list[str]] = {}
+        for name in wanted:
+            if name not in self._pristine:
+                by_file.setdefault(index[name][0], []).append(name)
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in names:
+                    tensor = handle.get_tensor(name)
+                    if isinstance(dtype, torch.dtype) and tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    self._pristine[name] = tensor
+        return {name: self._pristine[name] for name in wanted}
+
+    def _base(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every tensor of the model folder's weight files: name -> (file, shape)."""
+        if self._base_index is None:
+            from safetensors import safe_open
+
+            self._base_index = {}
+            for file in safetensors_files(self._model_path):
+                with safe_open(str(file), framework="pt", device="cpu") as handle:
+                    for name in handle.keys():
+                        shape = tuple(handle.get_slice(name).get_shape())
+                        self._base_index[name] = (str(file), shape)
+        return self._base_index
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -682,6 +870,9 @@ class VLLMBackend(InferenceBackend):
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter.folder, ignore_errors=True)
+            self._adapter = None
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
