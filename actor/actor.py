@@ -66,6 +66,7 @@ class Actor:
         self._resend_at: dict[str, float] = {}  # group id -> when to push it again (disk_full)
         self._stop = False
         self._idle_s = 0.0
+        self._load_s = 0.0  # seconds the last weight version took to load
 
     def request_stop(self, *_):
         self._stop = True
@@ -73,9 +74,11 @@ class Actor:
     # --- weights ---
 
     def maybe_load_weights(self) -> None:
+        t0 = time.perf_counter()
         version = self.weights.follow(self.backend)
         if version is not None:
-            log.info("%s loaded weights v%d", self.actor_id, version)
+            self._load_s = time.perf_counter() - t0  # fetch, verify and apply: what a turn waits
+            log.info("%s loaded weights v%d in %.2fs", self.actor_id, version, self._load_s)
 
     # --- the loop ---
 
@@ -202,7 +205,7 @@ class Actor:
             "tokens_per_s": self.tokens.rate(), "groups": self.groups_done,
             "rollout_s": rollout_s, "idle_s": self._idle_s,
             "idle_fraction": self._idle_s / max(self._idle_s + rollout_s, 1e-9),
-            "version": self.backend.version,
+            "version": self.backend.version, "weights_load_s": self._load_s,
             "mixed_version_groups": sum(lo != hi for lo, hi in versions),
             "unacked": len(self.replay.unacked()), **self._navigation,
         }, step=self.groups_done)

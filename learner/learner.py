@@ -59,8 +59,10 @@ log = logging.getLogger(__name__)
 # answers as soon as a group is there, so this only bounds how late a stop is noticed.
 BATCH_WAIT_S = 1.0
 class Learner:
-    # A class attribute, so subclasses that skip __init__ (bench/scale_actors.py) get one process.
+    # Class attributes, so subclasses that skip __init__ (bench/scale_actors.py) get one
+    # process training the whole model.
     ranks: Ranks = SINGLE
+    adapter: AdapterMeta | None = None
 
     def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane,
                  replay: ReplayClient, learner_id: str = "learner", ranks: Ranks = SINGLE):
@@ -441,6 +443,7 @@ class Learner:
             "updates_per_s": 1.0 / max(step_s + waited_s, 1e-9), "step_s": step_s,
             "idle_s": waited_s, "idle_fraction": waited_s / max(waited_s + step_s, 1e-9),
             "lr": self.scheduler.get_last_lr()[0], "publish_s": self.publisher.last_publish_s,
+            "publish_bytes": self.publisher.last_publish_bytes,
         }, step=self.updates)
         self.control.set_state(learner_updates=self.updates, version=self.version)
 

@@ -311,3 +311,26 @@ def test_the_policy_judge_and_proposer_use_the_current_adapter(model, tmp_path, 
         assert chat.backend.version == 2
         assert [g.token_ids for g in generations(chat.backend)] == want
     learner.close()
+
+
+def test_a_merging_engine_undoes_an_adapter_whose_targets_the_next_one_drops(model):
+    """v1 adapts q and v, v2 only v: q must be the base's again, not v1's merge."""
+    def adapter(targets: str, seed: int):
+        net = AutoModelForCausalLM.from_pretrained(model)
+        meta = AdapterMeta(rank=2, alpha=4.0, targets=targets, base_id=model,
+                           base_sha256=lora.base_digest(model))
+        lora.attach(net, meta, init_seed=seed)
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(generator=torch.Generator().manual_seed(seed))
+        return net, lora.adapter_state(net.state_dict()), meta
+
+    actor = TransformersBackend(model)
+    _, first, first_meta = adapter("q_proj,v_proj", 1)
+    actor.load_adapter(first, first_meta, version=1)
+    want, second, second_meta = adapter("v_proj", 2)
+    actor.load_adapter(second, second_meta, version=2)
+    for ids in PROMPTS:
+        torch.testing.assert_close(logits(actor.model, ids), logits(want, ids), rtol=0,
+                                   atol=1e-5)

