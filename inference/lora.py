@@ -71,7 +71,9 @@ def _hook(module: torch.nn.Linear, args, output: torch.Tensor) -> torch.Tensor:
         x = F.dropout(x, module.lora_dropout)
     # In the input's dtype: under autocast the adapter runs in bf16 like the base matmul.
     a, b = module.lora_A.to(x.dtype), module.lora_B.to(x.dtype)
-    return output + F.linear(F.linear(x, a), b) * module.lora_scale
+    # In place: the base output is not saved for backward, and an out-of-place sum would
+    # allocate two more activations of the output's size per adapted layer and token.
+    return output.add_(F.linear(F.linear(x, a), b), alpha=module.lora_scale)
 
 
 def attach(model: torch.nn.Module, meta: AdapterMeta, dropout: float = 0.0,
