@@ -429,8 +429,8 @@ class LearnerConfig:
         if self.lora_rank < 0:
             raise ConfigError(f"lora_rank must be >= 0 (0 = full fine-tuning), "
                               f"got {self.lora_rank}")
+        _positive(self, "lora_alpha")
         if self.lora_rank:
-            _positive(self, "lora_alpha")
             if not self.lora_targets or not all(isinstance(t, str) and t and "," not in t
                                                 for t in self.lora_targets):
                 raise ConfigError(f"lora_targets must be a non-empty list of module names or "

@@ -91,6 +91,7 @@ ZERO_OK = {
     "judge.workers", "judge.temperature", "actor.num_actors",  # 0: a head node (multinode)
     "learner.logit_chunk_tokens", "learner.micro_batch_tokens",  # 0: off
     "actor.vllm_max_model_len",  # 0: the model's own
+    "learner.lora_rank", "learner.lora_dropout",  # 0: full fine-tuning; no dropout
 }
 
 

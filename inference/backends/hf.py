@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from inference import lora
 from inference.backends.base import (
     FinishReason,
     Generation,
@@ -24,7 +25,6 @@ from inference.backends.base import (
     check_prompts,
     safetensors_files,
 )
-from inference import lora
 from inference.backends.constraint import TokenConstraint
 from protocol.weights import AdapterMeta
 
