@@ -106,6 +106,7 @@ def _fixed_backend_class():
         def __init__(self, model_path: str):
             from transformers import AutoTokenizer
 
+            self._model_path = model_path
             self._tokenizer = AutoTokenizer.from_pretrained(model_path)
             self._version = 0
 
@@ -114,6 +115,13 @@ def _fixed_backend_class():
 
         def load_weights(self, state_dict_or_path, version: int) -> None:
             self._version = version
+
+        def load_adapter(self, tensors, adapter, version: int) -> None:
+            self._version = version
+
+        @property
+        def model_path(self) -> str:
+            return self._model_path
 
         @property
         def version(self) -> int:
