@@ -251,13 +251,13 @@ def final_policy(run_dir: Path, init: str) -> str | None:
     files = RunDir(run_dir).published_weights()
     if not files:
         return None
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     from protocol.weights import AdapterMeta, file_metadata
 
-    data = files[-1].read_bytes()
+    data = files[-1].read_bytes()  # read once: the metadata and the tensors
     adapter = AdapterMeta.from_metadata(file_metadata(data))
-    return str(save_policy(init, load_file(files[-1]), adapter, RunDir(run_dir).policy_final))
+    return str(save_policy(init, load(data), adapter, RunDir(run_dir).policy_final))
 
 
 def save_policy(init: str, state: dict, adapter, out: Path) -> Path:

@@ -49,18 +49,46 @@ def matches(module_name: str, targets: tuple[str, ...]) -> bool:
     return any(last == t or fnmatch.fnmatchcase(module_name, t) for t in targets)
 
 
+def adaptable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The linear layers an adapter may target, in model order (the output head never: tied
+    to the embeddings in small models, and an adapter there buys little)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name and not name.endswith("lm_head")]
+
+
+def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """``(out, in)`` of every adaptable linear layer, by module name."""
+    return {name: (m.out_features, m.in_features) for name, m in adaptable(model)}
+
+
+def _no_match(targets: tuple[str, ...], names) -> ValueError:
+    last = sorted({n.rsplit(".", 1)[-1] for n in names})
+    return ValueError(f"learner.lora_targets {list(targets)} match no linear layer of the "
+                      f"model; its linear layers are named {last}")
+
+
 def targeted(model: torch.nn.Module, targets: tuple[str, ...]) -> list[tuple[str, torch.nn.Linear]]:
-    """The ``nn.Linear`` modules ``targets`` names, in model order (the output head never:
-    tied to the embeddings in small models, and an adapter there buys little)."""
-    out = [(name, m) for name, m in model.named_modules()
-           if isinstance(m, torch.nn.Linear) and name and matches(name, targets)
-           and not name.endswith("lm_head")]
+    """The adaptable linear layers ``targets`` names, in model order."""
+    layers = adaptable(model)
+    out = [(name, m) for name, m in layers if matches(name, targets)]
     if not out:
-        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                          if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"learner.lora_targets {list(targets)} match no linear layer of the "
-                         f"model; its linear layers are named {linears}")
+        raise _no_match(targets, [name for name, _ in layers])
     return out
+
+
+def adapter_shapes(linears: dict[str, tuple[int, int]],
+                   meta: AdapterMeta) -> dict[str, tuple[int, int]]:
+    """The tensors (key -> shape) an adapter of ``meta``'s rank and targets must hold, for a
+    model whose adaptable linear layers are ``linears`` (:func:`linear_shapes`)."""
+    names = [n for n in linears if matches(n, meta.target_tuple)]
+    if not names:
+        raise _no_match(meta.target_tuple, linears)
+    shapes = {}
+    for name in names:
+        out, inp = linears[name]
+        shapes[f"{name}.lora_A"] = (meta.rank, inp)
+        shapes[f"{name}.lora_B"] = (out, meta.rank)
+    return shapes
 
 
 def _hook(module: torch.nn.Linear, args, output: torch.Tensor) -> torch.Tensor:
@@ -105,11 +133,6 @@ def attach(model: torch.nn.Module, meta: AdapterMeta, dropout: float = 0.0,
 def adapter_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter's tensors of a (full) state dict."""
     return {k: v for k, v in state_dict.items() if is_adapter_key(k)}
-
-
-def base_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's tensors of a state dict of a model with adapters attached."""
-    return {k: v for k, v in state_dict.items() if not is_adapter_key(k)}
 
 
 def check_adapter(tensors: dict[str, torch.Tensor], meta: AdapterMeta,

@@ -347,11 +347,8 @@ class TransformersBackend(InferenceBackend):
         only the adapter, every generated token pays the extra low-rank matmuls.
         ``bench/lora_sync.py`` measures both."""
         model = self._live_model()
-        expected = {}
-        for name, linear in lora.targeted(model, adapter.target_tuple):
-            expected[f"{name}.lora_A"] = (adapter.rank, linear.in_features)
-            expected[f"{name}.lora_B"] = (linear.out_features, adapter.rank)
-        lora.check_adapter(tensors, adapter, expected)
+        lora.check_adapter(tensors, adapter,
+                           lora.adapter_shapes(lora.linear_shapes(model), adapter))
         if self._adapter_mode == "layers":
             self._load_adapter_layers(model, tensors, adapter)
         else:

@@ -388,24 +388,16 @@ class ModelLayout:
             groups.setdefault(id(tensor), set()).add(name)
         shapes = {n: tuple(t.shape) for n, t in {**buffers, **params}.items()}
         vocab = model.get_input_embeddings().num_embeddings
-        linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and n and not n.endswith("lm_head")}
+        from inference.lora import linear_shapes
+
+        linears = linear_shapes(model)
         return cls(shapes, list(groups.values()), set(buffers) - set(params), vocab, linears)
 
     def adapter_shapes(self, adapter: AdapterMeta) -> dict[str, tuple[int, ...]]:
         """The tensors (key -> shape) an adapter of ``adapter``'s rank and targets must hold."""
-        from inference.lora import matches
+        from inference.lora import adapter_shapes
 
-        names = [n for n in self.linears if matches(n, adapter.target_tuple)]
-        if not names:
-            raise ValueError(f"adapter targets {list(adapter.target_tuple)} match no linear "
-                             f"layer of the model")
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name in names:
-            out, inp = self.linears[name]
-            shapes[f"{name}.lora_A"] = (adapter.rank, inp)
-            shapes[f"{name}.lora_B"] = (out, adapter.rank)
-        return shapes
+        return adapter_shapes(self.linears, adapter)
 
     def check(self, incoming: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:
         """KeyError for unknown (or, with ``strict``, missing) names, ValueError for shapes."""
