@@ -14,7 +14,10 @@ Every arm trains only on synthetic (self-questioned) tasks and is scored on the 
 For each arm and seed the command runs ``autodidact run`` as a user would (its own processes and
 run directory under ``--out``), one after another, so runs never compete for the cores. Finished
 runs are reused when asked again with the same settings, so an interrupted ablation goes on
-where it stopped. Then it prints the table (mean ± std over seeds of avg@k and best@k, and each
+where it stopped. Arms whose warm-start would be the same (the same seed, and experiences either
+off or absent from the warm-start examples) share one: the first such run's ``policy_init/`` is
+kept in ``OUT/warmstart/`` and linked into the others', which then skip that stage (on a real
+model it is most of a run's set-up). Then it prints the table (mean ± std over seeds of avg@k and best@k, and each
 arm's change against +questioning paired by seed), writes it with a plot into the doc
 (``docs/ablation.md`` by default) between markers, keeping any text outside them, and overlays
 the seed-0 runs in ``OUT/report`` with ``autodidact report``.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import shutil
 import subprocess
@@ -39,9 +43,14 @@ from protocol.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
-K = 8  # episodes per held-out task: the table's avg@K and best@K, as in AgentEvolver's
-# What every arm shares: training on self-questioned tasks only, held-out scored with K.
-COMMON = ("tasks.synthetic_share=1.0", f"eval.k={K}")
+K = 8  # episodes per held-out task by default: avg@K and best@K, as in AgentEvolver's
+
+
+def common(k: int) -> tuple[str, ...]:
+    """What every arm shares: training on self-questioned tasks only, held-out scored with k
+    episodes per task."""
+    return ("tasks.synthetic_share=1.0", f"eval.k={k}")
+
 
 ARMS: dict[str, tuple[str, ...] | None] = {
     "zero-shot": None,  # not a run: the base model each trained run evaluates first
@@ -134,22 +143,70 @@ def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None)
 
 
 def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
-            sets: list[str], fresh: bool) -> Result:
+            sets: list[str], fresh: bool, k: int = K) -> Result:
     """One trained arm at one seed: reused when finished before with the same argv."""
     run_dir = (out / run_name(arm, seed)).resolve()
     group = f"{out.name}/{arm}"
+    shared = [*common(k), *budget.sets, *sets]
     argv = run_argv(config, run_dir, budget.updates,
-                    [*COMMON, *budget.sets, *sets, *ARMS[arm], f"seed={seed}",
+                    [*shared, *ARMS[arm], f"seed={seed}",
                      f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
-    return run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh)
+    warm = SharedWarmStart.of(arm, seed, out, config, shared)
+    return run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh,
+                        warm=warm)
+
+
+@dataclass(frozen=True)
+class SharedWarmStart:
+    """A warm-started policy several arms of one seed start RL from, kept in ``folder``.
+
+    It is valid for runs made with exactly ``stamp`` (the config, the shared settings, the seed
+    and whether the warm-start shows experiences); a run of another stamp warm-starts itself
+    and replaces it."""
+
+    folder: Path
+    stamp: list[str]
+
+    @classmethod
+    def of(cls, arm: str, seed: int, out: Path, config: Path | None,
+           shared: list[str]) -> SharedWarmStart:
+        from autodidact.resolve import resolve_config
+
+        cfg = resolve_config(config, [*shared, *ARMS[arm], f"seed={seed}"])
+        guided = cfg.experience.enabled and cfg.experience.warmstart_share > 0
+        kind = "with-experience" if guided else "plain"
+        stamp = [str(config), *shared, f"seed={seed}", kind]
+        return cls((out / "warmstart" / f"s{seed}-{kind}").resolve(), stamp)
+
+    def link_into(self, run_dir: Path) -> bool:
+        """Hard-link the kept policy into ``run_dir/policy_init``; whether there was one."""
+        stamp = self.folder / "stamp.json"
+        policy = self.folder / "policy_init"
+        if not (stamp.exists() and json.loads(stamp.read_text()) == self.stamp
+                and (policy / "config.json").exists()):
+            return False
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(policy, RunDir(run_dir).policy_init, copy_function=os.link)
+        return True
+
+    def keep_from(self, run_dir: Path) -> None:
+        """Keep ``run_dir``'s warm-started policy for the next arms of this seed."""
+        policy = RunDir(run_dir).policy_init
+        if not (policy / "config.json").exists():
+            return
+        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.copytree(policy, self.folder / "policy_init", copy_function=os.link)
+        (self.folder / "stamp.json").write_text(json.dumps(self.stamp))
 
 
 def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path: Path,
-                 fresh: bool = False, may_run: bool = True) -> Result:
+                 fresh: bool = False, may_run: bool = True,
+                 warm: SharedWarmStart | None = None) -> Result:
     """The run ``argv`` makes in ``run_dir``: read back when it finished before with the same
     ``argv`` (unless ``fresh``), else run from an empty directory (a half-finished run is not
-    resumed: every run has the same start) and stamped; with ``may_run`` false, an unfinished
-    result instead of running."""
+    resumed: every run has the same start; ``warm``'s policy, when kept, stands in for the
+    warm-start) and stamped; with ``may_run`` false, an unfinished result instead of
+    running."""
     if not fresh and finished(run_dir, argv):
         result = read_result(label, seed, run_dir)
         result.reused = True
@@ -157,6 +214,7 @@ def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path
     if not may_run:
         return Result(label, seed, run_dir, error="not run yet")
     shutil.rmtree(run_dir, ignore_errors=True)
+    shared_warm = warm is not None and not fresh and warm.link_into(run_dir)
     t0 = time.monotonic()
     code = run_once(argv, log_path)
     seconds = time.monotonic() - t0
@@ -166,8 +224,11 @@ def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path
                       error=f"exit code {code}; see {log_path}")
     data = json.loads(summary.read_text())
     data["ablation_seconds"] = seconds
+    data["ablation_shared_warmstart"] = shared_warm
     summary.write_text(json.dumps(data, indent=2, default=str))
     RunDir(run_dir).ablation_argv.write_text(json.dumps(argv[1:]))
+    if warm is not None and not shared_warm:
+        warm.keep_from(run_dir)
     return read_result(label, seed, run_dir, data)
 
 
@@ -338,6 +399,7 @@ END = "<!-- ablation:end -->"
 
 def section(results: list[Result], rows: list[dict], k: int, command: str, plot_name: str,
             budget: Budget, sets: list[str]) -> str:
+    shared = [*common(k), *budget.sets, *sets]
     seeds = sorted({r.seed for r in results})
     failed = [r for r in results if r.error]
     minutes = sum(r.seconds for r in results) / 60
@@ -350,7 +412,7 @@ def section(results: list[Result], rows: list[dict], k: int, command: str, plot_
         "Every arm trains only on tasks the agent wrote itself (`tasks.synthetic_share=1.0`) "
         "and is scored on the built-in env's held-out original tasks: success in percent, "
         f"avg@{k} and best@{k} over {k} sampled episodes per task, greedy with temperature 0. "
-        f"Settings shared by every run: `{' '.join([*COMMON, *budget.sets, *sets])}`.",
+        f"Settings shared by every run: `{' '.join(shared)}`.",
         "", table(rows, k), "",
         f"The change against {REFERENCE} is paired by seed (the same seed builds the same base "
         "model, explores the same way and evaluates the same tasks); the reading claims a "
@@ -396,7 +458,7 @@ def parse_seeds(text: str) -> list[int]:
 def controlled_keys() -> set[str]:
     """Config keys the ablation sets itself: what defines an arm, the score and the seed."""
     keys = {s.split("=", 1)[0] for arm_sets in ARMS.values() if arm_sets for s in arm_sets}
-    return keys | {s.split("=", 1)[0] for s in COMMON} | {"seed", "name", "tracking.group"}
+    return keys | {s.split("=", 1)[0] for s in common(K)} | {"seed", "name", "tracking.group"}
 
 
 def check_sets(sets: list[str]) -> None:
@@ -426,6 +488,8 @@ def parse_arms(text: str | None) -> list[str]:
               help="Seeds, one run per arm each (default 0,1,2; --quick: 0).")
 @click.option("--arms", default=None, metavar="A,B",
               help=f"Arms to run (default all: {', '.join(ARMS)}).")
+@click.option("--k", "k", type=click.IntRange(min=1), default=K, show_default=True,
+              help="Episodes per held-out task: the table's avg@k and best@k.")
 @click.option("--updates", type=int, default=None,
               help=f"RL updates per run (default {DEFAULT_BUDGET.updates}; --quick "
                    f"{QUICK_BUDGET.updates}).")
@@ -437,7 +501,7 @@ def parse_arms(text: str | None) -> list[str]:
               help="Markdown file the table goes into, with the plot beside it (default "
                    "docs/ablation.md; --quick: OUT/ablation.md).")
 @click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
-def ablation(config, sets, seeds, arms, updates, quick, out, doc, fresh):
+def ablation(config, sets, seeds, arms, k, updates, quick, out, doc, fresh):
     """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
     held-out original tasks, and write it with a plot into docs/ablation.md.
 
@@ -456,17 +520,17 @@ def ablation(config, sets, seeds, arms, updates, quick, out, doc, fresh):
     check_sets(list(sets))
     out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
     doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
-    results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh)
-    rows = summarize(results, K)
-    click.echo("\n" + table(rows, K))
+    results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh, k)
+    rows = summarize(results, k)
+    click.echo("\n" + table(rows, k))
     doc.parent.mkdir(parents=True, exist_ok=True)
-    plot_path = plot(results, rows, K, doc.with_suffix(".png"))
+    plot_path = plot(results, rows, k, doc.with_suffix(".png"))
     command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
         else "autodidact ablation"
-    write_doc(doc, section(results, rows, K, command.strip(), plot_path.name, budget,
+    write_doc(doc, section(results, rows, k, command.strip(), plot_path.name, budget,
                            list(sets)))
     doc.with_suffix(".json").write_text(json.dumps(
-        {"budget": {"updates": budget.updates, "sets": [*COMMON, *budget.sets, *sets]},
+        {"budget": {"updates": budget.updates, "sets": [*common(k), *budget.sets, *sets]},
          "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
          "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results]},
         indent=1, default=str))
@@ -496,7 +560,7 @@ def _shown_path(path: Path | None) -> str | None:
 
 
 def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, budget: Budget,
-            sets: list[str], fresh: bool) -> list[Result]:
+            sets: list[str], fresh: bool, k: int = K) -> list[Result]:
     trained = [(arm, seed) for seed in seeds for arm in arms if ARMS[arm] is not None]
     if not trained:
         trained = [(REFERENCE, seed) for seed in seeds]  # zero-shot alone still needs a base
@@ -509,7 +573,7 @@ def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, b
     for i, (arm, seed) in enumerate(trained, 1):
         click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: running "
                    f"(log {out / (run_name(arm, seed) + '.log')})")
-        result = run_arm(arm, seed, out, config, budget, sets, fresh)
+        result = run_arm(arm, seed, out, config, budget, sets, fresh, k)
         results.append(result)
         elapsed = time.monotonic() - t0
         eta = elapsed / i * (len(trained) - i)
@@ -517,10 +581,10 @@ def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, b
             click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: FAILED, {result.error}")
         else:
             reused = " (reused)" if result.reused else ""
-            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: held-out avg@{K} "
+            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: held-out avg@{k} "
                        f"{result.base.get('avg', math.nan):.1%} -> warm-start "
                        f"{result.warm.get('avg', math.nan):.1%} -> RL "
-                       f"{result.final['avg']:.1%} (best@{K} {result.final['best']:.1%}), "
+                       f"{result.final['avg']:.1%} (best@{k} {result.final['best']:.1%}), "
                        f"{result.updates} updates, {result.seconds / 60:.1f} min{reused}; "
                        f"about {eta / 60:.0f} min left")
     shown = [r for r in results if r.arm in arms]

@@ -401,13 +401,13 @@ class Learner:
 
     def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
         behaviour, clip_high, nav = navigation_terms(batch, proximal, self.cfg.clip_high,
-                                                     self.experience.clip_high)
+                                                     self.experience.clip_high, self.cfg.iw_cap)
         loss, m = policy_loss(
             logprobs, proximal, behaviour, batch.advantages, batch.action_mask,
             clip_low=self.cfg.clip_low, clip_high=clip_high,
             dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
             aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
-            ref_logprobs=reference, reduction=reduction)
+            ref_logprobs=reference, reduction=reduction, guided=batch.guided)
         return loss, {**m, **nav}
 
     @torch.no_grad()
@@ -485,10 +485,13 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
 
 
 def _merge_metrics(ms: list[dict[str, float]]) -> dict[str, float]:
-    """One step's metrics from its micro-batches': the mean, but the largest ``iw_max``."""
+    """One step's metrics from its micro-batches': the mean, but the largest ``iw_max``; a
+    metric some micro-batches lack (one of guided rows, say) is the mean over those that have
+    it."""
     if len(ms) == 1:
         return dict(ms[0])
-    return {k: (max if k == "iw_max" else _mean)([m[k] for m in ms]) for k in ms[0]}
+    keys = dict.fromkeys(k for m in ms for k in m)
+    return {k: (max if k == "iw_max" else _mean)([m[k] for m in ms if k in m]) for k in keys}
 
 
 def _mean(values: list[float]) -> float:

@@ -26,6 +26,7 @@ def policy_loss(
     num_tokens: float | None = None,
     aggregation: str = "token-mean",
     reduction: str = "mean",
+    guided: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled clipped surrogate, token-mean over the trained tokens.
 
@@ -73,7 +74,10 @@ def policy_loss(
     dual clip); ``iw_mean``, ``iw_max``, ``iw_masked_fraction`` (over ``mask``, before the cap);
     ``kl_behaviour`` (k3 estimate of KL(π_b‖π_θ), mean over ``mask``: ``ρ - 1 - log ρ`` with
     ``ρ = π_θ/π_b``, unbiased under samples from π_b and ≥ 0); ``kl_ref`` (when
-    ``ref_logprobs`` is given); ``tokens`` (kept tokens).
+    ``ref_logprobs`` is given); ``tokens`` (kept tokens). With ``guided`` (``[B]``, 1 on rows
+    whose prompt had experience injected) also ``clip_fraction`` and ``iw_masked_fraction`` of
+    those rows' tokens and of the others', as ``*_guided`` / ``*_unguided``, each only when the
+    micro-batch has such rows: does the correction treat the two kinds alike?
     """
     behaviour = behaviour_logprobs.detach().float()
     proximal = behaviour if proximal_logprobs is None else proximal_logprobs.detach().float()
@@ -130,11 +134,14 @@ def policy_loss(
         clipped=clipped > unclipped, dual=dual, iw=iw, kl_behaviour=_k3(logp - behaviour),
         kl_ref=kl_ref, denominator=count if reduction == "sum" else None,
     )
+    if guided is not None:
+        metrics.update(_by_row_kind(guided, valid, keep, clipped > unclipped))
     return loss, metrics
 
 
 def navigation_terms(
-    batch: TrainBatch, proximal: torch.Tensor, clip_high: float, experience_clip_high: float
+    batch: TrainBatch, proximal: torch.Tensor, clip_high: float, experience_clip_high: float,
+    iw_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """What self-navigating changes in :func:`policy_loss`: its behaviour log-probs and clip.
 
@@ -150,7 +157,13 @@ def navigation_terms(
       (``batch.guided``), ``clip_high`` everywhere else (selective boosting; it binds only where
       the advantage is positive, see :func:`policy_loss`);
     * metrics — ``boosted_token_fraction`` (generated tokens of guided rows / all generated
-      tokens), ``guided_fraction`` and ``stripped_fraction`` (of the rows).
+      tokens), ``guided_fraction`` and ``stripped_fraction`` (of the rows); and, when some row
+      was stripped, what the plain correction would have done to its tokens (the weight
+      ``w = π_prox(a | stripped) / π_b(a | with experience)`` that is *not* applied):
+      ``stripped_log_w_mean`` (mean ``log w``: how much less likely the advice-free context
+      makes the sampled tokens), ``stripped_w_over_cap_fraction`` (tokens ``iw_cap`` would
+      drop) and ``stripped_w_under_fraction`` (tokens it would weigh below ``1/iw_cap``, i.e.
+      nearly ignore).
     """
     act = batch.action_mask > 0
     stripped = (batch.stripped > 0)[:, None] & act
@@ -166,7 +179,43 @@ def navigation_terms(
         batch.stripped.float().mean(),
     ]).tolist()  # one device→host transfer
     metrics = dict(zip(("boosted_token_fraction", "guided_fraction", "stripped_fraction"), values))
+    if stripped.any():
+        metrics.update(_context_weight(proximal, batch.behaviour_logprobs, stripped, iw_cap))
     return behaviour, clip, metrics
+
+
+@torch.no_grad()
+def _context_weight(proximal: torch.Tensor, behaviour: torch.Tensor, stripped: torch.Tensor,
+                    iw_cap: float | None) -> dict[str, float]:
+    """The importance weight stripped rows would get, were the behaviour log-probs (taken
+    with the experience in context) used as they are; over the stripped rows' generated tokens."""
+    log_w = (proximal.detach().float() - behaviour.float()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    cap = float("inf") if iw_cap is None else float(iw_cap)
+    n = stripped.sum().clamp(min=1)
+    values = torch.stack([
+        (log_w * stripped).sum() / n,
+        ((log_w.exp() > cap) & stripped).sum() / n,
+        ((log_w.exp() < 1.0 / cap) & stripped).sum() / n,
+    ]).tolist()
+    return dict(zip(("stripped_log_w_mean", "stripped_w_over_cap_fraction",
+                     "stripped_w_under_fraction"), values))
+
+
+@torch.no_grad()
+def _by_row_kind(guided: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,
+                 clipped: torch.Tensor) -> dict[str, float]:
+    """``clip_fraction`` and ``iw_masked_fraction`` on guided and on unguided rows, for the
+    kinds present (a fraction of no tokens is left out rather than written as 0)."""
+    rows = (guided > 0)[:, None].expand_as(valid)
+    out = {}
+    for kind, where in (("guided", rows), ("unguided", ~rows)):
+        mask, kept = valid & where, keep & where
+        if not mask.any():
+            continue
+        values = torch.stack([(clipped & kept).sum() / kept.sum().clamp(min=1),
+                              (mask & ~keep).sum() / mask.sum()]).tolist()
+        out[f"clip_fraction_{kind}"], out[f"iw_masked_fraction_{kind}"] = values
+    return out
 
 
 def _clip_ratio(ratio: torch.Tensor, clip_low: float, clip_high: float | torch.Tensor

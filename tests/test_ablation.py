@@ -124,8 +124,9 @@ def test_bad_options_are_refused():
 
 # --- a real tiny ablation ---------------------------------------------------------------------
 
-# Two trained arms (outcome-only and full) at one seed, each a whole `autodidact run` with a
-# short exploration, a 10-step warm-start, 3 RL updates and 4 held-out tasks.
+# Three trained arms (outcome-only, +attributing and full) at one seed, each a whole
+# `autodidact run` with a short exploration, a 10-step warm-start, 3 RL updates and 4 held-out
+# tasks, each episode scored k=2 times.
 TINY = ["explore.seeds=4", "warmstart.steps=10", "eval.num_tasks=4", "eval.greedy=false",
         "learner.batch_groups=2", "actor.group_size=4", "actor.num_actors=1",
         "tracking.wandb=offline"]
@@ -136,8 +137,9 @@ TINY = ["explore.seeds=4", "warmstart.steps=10", "eval.num_tasks=4", "eval.greed
 def test_a_tiny_ablation_end_to_end(tmp_path):
     out = tmp_path / "abl"
     doc = tmp_path / "docs" / "ablation.md"
-    args = ["--arms", f"zero-shot,{REFERENCE},full", "--seeds", "3", "--updates", "3",
-            "--out", str(out), "--doc", str(doc), *[a for s in TINY for a in ("--set", s)]]
+    args = ["--arms", f"zero-shot,{REFERENCE},+questioning+attributing,full", "--seeds", "3",
+            "--updates", "3", "--k", "2", "--out", str(out), "--doc", str(doc),
+            *[a for s in TINY for a in ("--set", s)]]
     result = CliRunner().invoke(ablation, args)
     assert result.exit_code == 0, (result.output, result.exception)
 
@@ -145,7 +147,7 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     configs = {d: yaml.safe_load((d / "config.yaml").read_text()) for d in (ref, full)}
     for cfg in configs.values():
         assert cfg["seed"] == 3 and cfg["tasks"]["synthetic_share"] == 1.0
-        assert cfg["eval"]["k"] == 8
+        assert cfg["eval"]["k"] == 2
     assert configs[ref]["tracking"]["group"] == f"abl/{REFERENCE}"
     assert configs[full]["tracking"]["group"] == "abl/full"
     # The arms differ in exactly what they claim to.
@@ -155,10 +157,24 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
             configs[full]["experience"]["enabled"]) == ("composite", 1, True)
     assert not read_metrics(ref, "judge") and read_metrics(full, "judge")
 
+    # +attributing warm-starts exactly as the reference does, so it starts from the reference's
+    # policy (the same files) instead of warm-starting again; full shows experiences in its
+    # warm-start (experience.warmstart_share=0.5 by default), so it makes its own.
+    attr = out / "questioning-attributing-s3"
+    summaries = {d: json.loads((d / "summary.json").read_text()) for d in (ref, attr, full)}
+    assert [summaries[d]["ablation_shared_warmstart"] for d in (ref, attr, full)] == \
+        [False, True, False]
+    weights = next((ref / "policy_init").glob("*.safetensors")).name
+    assert (attr / "policy_init" / weights).samefile(ref / "policy_init" / weights)
+    assert not (full / "policy_init" / weights).samefile(ref / "policy_init" / weights)
+    assert "warm-start step" in (out / "questioning-s3.log").read_text()
+    assert "warm-start step" not in (out / "questioning-attributing-s3.log").read_text()
+    assert summaries[attr]["success_warm"] == summaries[ref]["success_warm"]
+
     data = json.loads(doc.with_suffix(".json").read_text(),
                       parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     runs = {r["arm"]: r for r in data["runs"]}
-    assert set(runs) == {"zero-shot", REFERENCE, "full"}
+    assert set(runs) == {"zero-shot", REFERENCE, "+questioning+attributing", "full"}
     for arm in (REFERENCE, "full"):
         summary = json.loads((Path(runs[arm]["run_dir"]) / "summary.json").read_text())
         # Trained: the learner reached its budget, and the table's number is the run's own.
@@ -180,6 +196,6 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     stamp = (ref / "summary.json").stat().st_mtime_ns
     again = CliRunner().invoke(ablation, args)
     assert again.exit_code == 0, (again.output, again.exception)
-    assert again.output.count("(reused)") == 2
+    assert again.output.count("(reused)") == 3
     assert (ref / "summary.json").stat().st_mtime_ns == stamp
     assert doc.read_text().count(BEGIN) == 1

@@ -288,6 +288,39 @@ def test_stripped_rows_are_not_importance_weighted():
     assert m_plain["iw_masked_fraction"] == pytest.approx(2 / 4)
 
 
+def test_stripped_rows_report_the_weight_the_correction_leaves_out():
+    # Row 0 stripped: w = 10, 0.1, 1 (advice made token 1 ten times likelier); row 1 plain.
+    batch, logp, prox = hand_batch(
+        logp_minus_prox=[[0.0] * 3] * 2,
+        prox_minus_behav=[[LN(10.0), LN(0.1), 0.0], [LN(10.0), 0.0, 0.0]],
+        adv=[[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], mask=[[1.0, 1, 1], [1, 1, 0]],
+        guided=[1.0, 0.0], stripped=[1.0, 0.0])
+    behav, _, nav = navigation_terms(batch, prox, clip_high=0.28, experience_clip_high=0.6,
+                                     iw_cap=5.0)
+    assert nav["stripped_log_w_mean"] == pytest.approx((LN(10.0) + LN(0.1)) / 3, abs=1e-6)
+    assert nav["stripped_w_over_cap_fraction"] == pytest.approx(1 / 3)
+    assert nav["stripped_w_under_fraction"] == pytest.approx(1 / 3)
+    _, m = policy_loss(logp, prox, behav, batch.advantages, batch.action_mask, iw_cap=5.0,
+                       guided=batch.guided)
+    # the stripped row keeps every token (w = 1); the plain row loses its w = 10 token
+    assert m["iw_masked_fraction_guided"] == 0.0
+    assert m["iw_masked_fraction_unguided"] == pytest.approx(1 / 2)
+
+
+def test_clip_fractions_are_split_by_row_kind():
+    batch, logp, prox = boost_batch()
+    behav, clip, nav = navigation_terms(batch, prox, clip_high=0.28, experience_clip_high=0.6)
+    assert "stripped_log_w_mean" not in nav  # nothing stripped, nothing to report
+    _, m = policy_loss(logp, prox, behav, batch.advantages, batch.action_mask,
+                       clip_high=clip, guided=batch.guided)
+    # binding clips (see the test above): guided row tokens 2, 3 of 4; plain row tokens 0, 2 of 3
+    assert m["clip_fraction_guided"] == pytest.approx(2 / 4)
+    assert m["clip_fraction_unguided"] == pytest.approx(2 / 3)
+    _, only_plain = policy_loss(logp[1:], prox[1:], behav[1:], batch.advantages[1:],
+                                batch.action_mask[1:], guided=batch.guided[1:])
+    assert "clip_fraction_guided" not in only_plain and "clip_fraction_unguided" in only_plain
+
+
 def test_no_experience_leaves_the_loss_unchanged():
     plain = group("g", [rollout(None, "a"), rollout(None, "b", 0.0)])
     batch, _ = build_batch([plain], pad_id=0)
