@@ -17,8 +17,10 @@ runs are reused when asked again with the same settings, so an interrupted ablat
 where it stopped. Arms whose warm-start would be the same (the same seed, and experiences either
 off or absent from the warm-start examples) share one: the first such run's ``policy_init/`` is
 kept in ``OUT/warmstart/`` and linked into the others', which then skip that stage (on a real
-model it is most of a run's set-up). Then it prints the table (mean ± std over seeds of avg@k and best@k, and each
-arm's change against +questioning paired by seed), writes it with a plot into the doc
+model it is most of a run's set-up).
+
+Then it prints the table (mean ± std over seeds of avg@k and best@k, and each arm's change
+against +questioning paired by seed), writes it with a plot into the doc
 (``docs/ablation.md`` by default) between markers, keeping any text outside them, and overlays
 the seed-0 runs in ``OUT/report`` with ``autodidact report``.
 """
