@@ -1,0 +1,19 @@
+"""bench/heldout_curve.py: reading the updates to a held-out level off a learning curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.heldout_curve import updates_to_reach
+
+
+def test_the_level_is_interpolated_between_evaluated_versions():
+    points = {0: 0.40, 5: 0.50, 10: 0.60, 15: 0.55}
+    assert updates_to_reach(points, 0.55) == pytest.approx(7.5)
+    assert updates_to_reach(points, 0.40) == 0.0  # reached before any update
+    assert updates_to_reach(points, 0.61) is None  # never reached
+
+
+def test_a_curve_that_dips_is_credited_with_its_first_crossing():
+    assert updates_to_reach({0: 0.5, 4: 0.3, 8: 0.7}, 0.6) == pytest.approx(7.0)
+    assert updates_to_reach({0: 0.5, 4: 0.6, 8: 0.4}, 0.6) == pytest.approx(4.0)
