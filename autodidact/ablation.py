@@ -17,7 +17,8 @@ runs are reused when asked again with the same settings, so an interrupted ablat
 where it stopped. Arms whose warm-start would be the same (the same seed, and experiences either
 off or absent from the warm-start examples) share one: the first such run's ``policy_init/`` is
 kept in ``OUT/warmstart/`` and linked into the others', which then skip that stage (on a real
-model it is most of a run's set-up).
+model it is most of a run's set-up), and take its held-out evaluations before RL instead of
+repeating them (``eval.before_rl=false``).
 
 Then it prints the table (mean ± std over seeds of avg@k and best@k, and each arm's change
 against +questioning paired by seed), writes it with a plot into the doc
@@ -150,17 +151,20 @@ def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
     run_dir = (out / run_name(arm, seed)).resolve()
     group = f"{out.name}/{arm}"
     shared = [*common(k), *budget.sets, *sets]
-    argv = run_argv(config, run_dir, budget.updates,
-                    [*shared, *ARMS[arm], f"seed={seed}",
-                     f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
     warm = SharedWarmStart.of(arm, seed, out, config, shared)
+    # A run starting from a kept warm-start has nothing new to evaluate before RL.
+    reused = ["eval.before_rl=false"] if warm.serves(run_dir) and not fresh else []
+    argv = run_argv(config, run_dir, budget.updates,
+                    [*shared, *ARMS[arm], f"seed={seed}", *reused,
+                     f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
     return run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh,
                         warm=warm)
 
 
 @dataclass(frozen=True)
 class SharedWarmStart:
-    """A warm-started policy several arms of one seed start RL from, kept in ``folder``.
+    """A warm-started policy several arms of one seed start RL from, kept in ``folder`` with
+    the held-out evaluations of the run that made it (before and after its warm-start).
 
     It is valid for runs made with exactly ``stamp`` (the config, the shared settings, the seed
     and whether the warm-start shows experiences); a run of another stamp warm-starts itself
@@ -180,25 +184,42 @@ class SharedWarmStart:
         stamp = [str(config), *shared, f"seed={seed}", kind]
         return cls((out / "warmstart" / f"s{seed}-{kind}").resolve(), stamp)
 
-    def link_into(self, run_dir: Path) -> bool:
-        """Hard-link the kept policy into ``run_dir/policy_init``; whether there was one."""
-        stamp = self.folder / "stamp.json"
-        policy = self.folder / "policy_init"
-        if not (stamp.exists() and json.loads(stamp.read_text()) == self.stamp
-                and (policy / "config.json").exists()):
-            return False
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(policy, RunDir(run_dir).policy_init, copy_function=os.link)
-        return True
+    def record(self) -> dict | None:
+        """What was kept: ``{"stamp", "source", "success_base", "success_warm"}``, or None
+        when nothing valid for this stamp is."""
+        path = self.folder / "record.json"
+        if not (path.exists() and (self.folder / "policy_init" / "config.json").exists()):
+            return None
+        record = json.loads(path.read_text())
+        return record if record.get("stamp") == self.stamp else None
 
-    def keep_from(self, run_dir: Path) -> None:
-        """Keep ``run_dir``'s warm-started policy for the next arms of this seed."""
+    def serves(self, run_dir: Path) -> bool:
+        """Whether ``run_dir`` would start from the kept policy (it exists and another run
+        made it)."""
+        record = self.record()
+        return record is not None and record["source"] != str(run_dir)
+
+    def link_into(self, run_dir: Path) -> dict | None:
+        """Hard-link the kept policy into ``run_dir/policy_init`` when it serves that run;
+        the record, or None."""
+        if not self.serves(run_dir):
+            return None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(self.folder / "policy_init", RunDir(run_dir).policy_init,
+                        copy_function=os.link)
+        return self.record()
+
+    def keep_from(self, run_dir: Path, summary: dict) -> None:
+        """Keep ``run_dir``'s warm-started policy and its evaluations for the next arms."""
         policy = RunDir(run_dir).policy_init
         if not (policy / "config.json").exists():
             return
         shutil.rmtree(self.folder, ignore_errors=True)
         shutil.copytree(policy, self.folder / "policy_init", copy_function=os.link)
-        (self.folder / "stamp.json").write_text(json.dumps(self.stamp))
+        (self.folder / "record.json").write_text(json.dumps({
+            "stamp": self.stamp, "source": str(run_dir),
+            "success_base": summary.get("success_base"),
+            "success_warm": summary.get("success_warm")}, indent=1))
 
 
 def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path: Path,
@@ -216,7 +237,7 @@ def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path
     if not may_run:
         return Result(label, seed, run_dir, error="not run yet")
     shutil.rmtree(run_dir, ignore_errors=True)
-    shared_warm = warm is not None and not fresh and warm.link_into(run_dir)
+    kept = warm.link_into(run_dir) if warm is not None and not fresh else None
     t0 = time.monotonic()
     code = run_once(argv, log_path)
     seconds = time.monotonic() - t0
@@ -226,11 +247,14 @@ def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path
                       error=f"exit code {code}; see {log_path}")
     data = json.loads(summary.read_text())
     data["ablation_seconds"] = seconds
-    data["ablation_shared_warmstart"] = shared_warm
+    data["ablation_shared_warmstart"] = kept is not None
+    if kept is not None:  # the same policy's evaluations, made by the run that warm-started
+        for key in ("success_base", "success_warm"):
+            data[key] = data.get(key) or kept[key]
     summary.write_text(json.dumps(data, indent=2, default=str))
     RunDir(run_dir).ablation_argv.write_text(json.dumps(argv[1:]))
-    if warm is not None and not shared_warm:
-        warm.keep_from(run_dir)
+    if warm is not None and kept is None:
+        warm.keep_from(run_dir, data)
     return read_result(label, seed, run_dir, data)
 
 

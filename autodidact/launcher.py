@@ -8,6 +8,7 @@
         stages.up_to_training: base model, split.json, then explore, seed the experience
             pool, evaluate held-out success, warm-start on verified references of the task
             mixture, evaluate again                                     (skipped on --resume)
+        with judge.serve: vllm serve on that model for the judges' endpoint (served_judge)
         start the learner, the actors, the judges, the experience extractor
             (and an explorer with explore.stage=alongside)               (roles.training_roles)
         until the learner finishes (supervise):
@@ -38,6 +39,7 @@ from autodidact.roles import replay_role, training_roles, wait_for_replay, write
 from autodidact.stages import NoSyntheticTasks, after_training, up_to_training
 from autodidact.supervisor import Supervisor, stop_signals_interrupt
 from autodidact.tracking import WandbMirror, read_summary
+from autodidact.vllm_serve import served_judge
 from protocol.config import RunConfig, redact_url, redacted_config
 from protocol.errors import TransportTimeout
 from protocol.run_dir import RunDir, single_writer_lock
@@ -111,7 +113,23 @@ def train(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, roles: Superv
     except NoSyntheticTasks as exc:
         console.print(f"[red]{exc}[/]")
         return 1
-    cfg = start.cfg  # the config the roles read from here on
+    with contextlib.ExitStack() as judge_llm:
+        try:  # the LLM judge's server, when judge.serve asks for one
+            cfg = judge_llm.enter_context(served_judge(start.cfg, run_dir))
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            console.print(f"[red]judge.serve: {exc}[/]")
+            return 1
+        if cfg.judge.serve and cfg.judge.workers:
+            console.print(f"  judge   vllm serve {cfg.judge.serve} at {cfg.judge.url}")
+        return _train_and_finish(cfg, run_dir, coordinator, roles, max_updates, resume,
+                                 start, summary)
+
+
+def _train_and_finish(cfg: RunConfig, run_dir: Path, coordinator: Coordinator,
+                      roles: Supervisor, max_updates: int | None, resume: bool, start,
+                      summary: dict) -> int:
+    """Start the RL roles on ``cfg`` (the config they read from here on), supervise them
+    until the learner finishes, then evaluate and summarise."""
     config_path = write_resolved_config(cfg, run_dir)
     for spec in training_roles(cfg, run_dir, config_path, max_updates, resume):
         roles.start(spec)

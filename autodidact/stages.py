@@ -147,7 +147,8 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
                     original: list[Task], share: float,
                     say: Say = show) -> tuple[str, dict]:
     """Everything between the base model and RL, in order: explore, seed the experience pool,
-    evaluate the base model, warm-start on references of the task mixture, evaluate again.
+    evaluate the base model, warm-start on references of the task mixture, evaluate again
+    (the evaluations unless ``eval.before_rl`` is false).
 
     Returns the policy RL starts from and the summary entries ``synthetic_share``,
     ``explore``, ``experience_init``, ``success_base``, ``success_warm``. Raises
@@ -160,10 +161,13 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
         raise NoSyntheticTasks("tasks.synthetic_share > 0 but there are no synthetic tasks: "
                                "run `autodidact explore` or set explore.stage")
     summary["experience_init"] = experience_stage(cfg, run_dir, say)
-    summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "before warm-start", 0, say)
+    before_rl = cfg.eval.before_rl
+    summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "before warm-start", 0,
+                                            say) if before_rl else None
     policy = warm_start_stage(cfg, run_dir, base_path,
                               warmstart_tasks(cfg, original, synthetic, share), say)
-    summary["success_warm"] = held_out_eval(cfg, run_dir, policy, "after warm-start", 0, say)
+    summary["success_warm"] = held_out_eval(cfg, run_dir, policy, "after warm-start", 0,
+                                            say) if before_rl else None
     return policy, summary
 
 

@@ -9,6 +9,7 @@ engine-core process).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -133,3 +134,34 @@ def _reap_group(pgid: int, timeout_s: float = 10.0) -> None:
         except (ProcessLookupError, PermissionError):
             return
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def served_judge(cfg, run_dir: Path):
+    """``cfg`` as the RL phase's roles should read it: with ``judge.serve`` set (and judges to
+    run), ``vllm serve`` on that model for as long as the block lasts, and ``judge.url``,
+    ``judge.model`` and ``judge.backend=endpoint`` pointing at it; else ``cfg`` unchanged.
+
+    The server's output goes to the run's ``logs/vllm-serve-judge.log``; it is stopped when
+    the block ends, and dies with this process however that ends."""
+    if not (cfg.judge.serve and cfg.judge.workers):
+        yield cfg
+        return
+    import torch
+
+    from autodidact.engine_env import vllm_python
+    from inference.models import model_folder
+    from protocol.config import with_values
+    from protocol.run_dir import RunDir
+
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError("judge.serve needs vLLM: run bash scripts/setup.sh (it makes "
+                           ".venv-vllm), or give judge.url instead")
+    server = VLLMServer(model_folder(cfg.judge.serve), python,
+                        RunDir(run_dir).log("vllm-serve-judge"),
+                        name=Path(cfg.judge.serve).name, cpu=not torch.cuda.is_available(),
+                        max_model_len=4096, threads=cfg.actor.torch_threads or 1)
+    with server:
+        yield with_values(cfg, {"judge.url": server.url, "judge.model": server.name,
+                                "judge.backend": "endpoint"})

@@ -183,7 +183,7 @@ def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: s
         from inference.llm import OpenAIChat
 
         replies = RunDir(run_dir).llm_replies(judge_id) if run_dir is not None else None
-        chat = OpenAIChat.from_config(cfg.llm, reply_log=replies)
+        chat = OpenAIChat.from_config(cfg.judge.endpoint(cfg.llm), reply_log=replies)
     else:
         from inference.engines import make_backend
         from inference.policy_chat import PolicyChat

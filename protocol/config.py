@@ -484,6 +484,10 @@ class EvalConfig:
     greedy: bool = True
     """Also report greedy (temperature 0) success on the same tasks."""
 
+    before_rl: bool = True
+    """Evaluate the base model and the warm-started policy before RL too; false skips both
+    (a run starting from a policy evaluated before: the ablation's shared warm-start)."""
+
     def check(self):
         if self.num_tasks < 0:
             raise ConfigError(f"num_tasks must be >= 0, got {self.num_tasks}")
@@ -755,9 +759,22 @@ class JudgeConfig:
 
     backend: str = "auto"
     """``reference`` (replay the trajectory: a step is GOOD when it moves the state toward the
-    goal or matches a reference step), ``endpoint`` (an LLM at ``llm.url``), ``policy`` (the
-    policy being trained, through its inference backend) or ``auto`` (endpoint when
-    ``llm.url`` is set, else reference)."""
+    goal or matches a reference step), ``endpoint`` (an LLM at ``judge.url``, else
+    ``llm.url``), ``policy`` (the policy being trained, through its inference backend) or
+    ``auto`` (endpoint when ``judge.url`` or ``llm.url`` is set, else reference)."""
+
+    url: str = ""
+    """The judge's own OpenAI-compatible endpoint; empty: ``llm.url``. Lets the judge use one
+    LLM while the proposer and extractor use another, or none."""
+
+    model: str = ""
+    """Model name at ``judge.url`` (empty: ``llm.model``)."""
+
+    serve: str = ""
+    """A local model folder or packaged model name: ``autodidact run`` starts ``vllm serve``
+    on it for the RL phase (in the engine's virtualenv, with the CPU settings actors use on a
+    machine without a GPU), sets ``judge.url``/``judge.model`` to it and the judge backend to
+    ``endpoint``. The LLM judge on the same machine, with nothing started by hand."""
 
     cross_check: bool = True
     """With an LLM backend, also run the reference judge and log ``judge/agreement``."""
@@ -802,7 +819,13 @@ class JudgeConfig:
     def resolved_backend(self, llm_url: str) -> str:
         if self.backend != "auto":
             return self.backend
-        return "endpoint" if llm_url else "reference"
+        return "endpoint" if self.url or llm_url else "reference"
+
+    def endpoint(self, llm: LLMConfig) -> LLMConfig:
+        """The ``llm`` settings the judge's client uses: its own endpoint when set."""
+        if not self.url:
+            return llm
+        return dataclasses.replace(llm, url=self.url, model=self.model or llm.model)
 
 
 @dataclass
@@ -896,9 +919,10 @@ class RunConfig:
         if self.actor.max_action_tokens >= self.env.max_context:
             raise ConfigError(f"actor.max_action_tokens ({self.actor.max_action_tokens}) must "
                               f"be < env.max_context ({self.env.max_context}): no action fits")
-        if self.judge.backend == "endpoint" and not self.llm.url:
-            raise ConfigError("judge.backend=endpoint needs llm.url (an OpenAI-compatible "
-                              "endpoint)")
+        if self.judge.backend == "endpoint" and not (self.llm.url or self.judge.url
+                                                     or self.judge.serve):
+            raise ConfigError("judge.backend=endpoint needs judge.url or llm.url (an "
+                              "OpenAI-compatible endpoint), or judge.serve (a model to serve)")
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -167,9 +167,14 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     weights = next((ref / "policy_init").glob("*.safetensors")).name
     assert (attr / "policy_init" / weights).samefile(ref / "policy_init" / weights)
     assert not (full / "policy_init" / weights).samefile(ref / "policy_init" / weights)
-    assert "warm-start step" in (out / "questioning-s3.log").read_text()
-    assert "warm-start step" not in (out / "questioning-attributing-s3.log").read_text()
-    assert summaries[attr]["success_warm"] == summaries[ref]["success_warm"]
+    ref_log, attr_log = ((out / f"{d.name}.log").read_text() for d in (ref, attr))
+    assert "warm-start step" in ref_log and "warm-start step" not in attr_log
+    # ... nor evaluates that policy again: it carries the reference run's evaluations
+    assert "held-out success before warm-start" in ref_log
+    assert "held-out success" not in attr_log.split("held-out success after RL")[0]
+    assert yaml.safe_load((attr / "config.yaml").read_text())["eval"]["before_rl"] is False
+    for key in ("success_base", "success_warm"):
+        assert summaries[attr][key] == summaries[ref][key] and summaries[ref][key]
 
     data = json.loads(doc.with_suffix(".json").read_text(),
                       parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))

@@ -149,6 +149,19 @@ def test_make_judges_follows_the_backend_setting():
     assert make_judges(cfg)[1] is None
 
 
+def test_the_judge_uses_its_own_endpoint_over_the_proposers():
+    cfg = RunConfig()
+    cfg.llm.url, cfg.llm.model = "http://127.0.0.1:9/v1", "proposer"
+    cfg.judge.url, cfg.judge.model = "http://127.0.0.1:10/v1", "judge-llm"
+    judge, _, _ = make_judges(cfg)
+    assert judge.name == "llm:judge-llm" and "127.0.0.1:10/" in judge.chat.endpoint
+    assert cfg.llm.url == "http://127.0.0.1:9/v1"  # the proposer's stays as it was
+    only_judge = RunConfig()
+    only_judge.judge.url = "http://127.0.0.1:10/v1"
+    assert only_judge.judge.resolved_backend(only_judge.llm.url) == "endpoint"
+    assert only_judge.judge.endpoint(only_judge.llm).model == ""  # no name given anywhere
+
+
 def test_the_policy_as_judge_falls_back_to_the_outcome_on_nonsense(files_codec, files_policy_path):
     cfg = RunConfig()
     cfg.judge.backend, cfg.model.path, cfg.judge.max_attempts = "policy", files_policy_path, 2

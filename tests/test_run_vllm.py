@@ -46,3 +46,32 @@ def test_a_run_with_vllm_actors_trains_on_policy(tmp_path):
         assert abs(record["learner/kl_behaviour"]) < 1e-3, record
     actor_log = (tmp_path / "logs" / "actor-0.log").read_text()
     assert "vllm" in actor_log.lower()
+
+
+def test_a_run_serves_its_llm_judge_and_trains_on_its_labels(tmp_path):
+    """``judge.serve``: the run starts ``vllm serve`` on SmolLM2 for the RL phase, the judge
+    labels every step through it (the format enforced by the server), the learner trains on
+    those labels, and the server is gone when the run ends (conftest fails a test whose
+    processes outlive it)."""
+    pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (scripts/test.sh)")
+    args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(tmp_path),
+            "-c", str(QUICK), "--set", "name=judge-serve-itest",
+            "--set", "judge.serve=smollm2-135m", "--set", "judge.workers=1",
+            "--set", "judge.deadline_s=120", "--set", "llm.structured_outputs=vllm",
+            "--set", "learner.advantage=composite", "--set", "actor.num_actors=1",
+            "--set", "warmstart.steps=10", "--set", "eval.num_tasks=0",
+            "--set", "learner.max_updates=2", "--set", "learner.batch_groups=2",
+            "--set", "learner.max_minutes=6"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=560,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "judge   vllm serve smollm2-135m at http://127.0.0.1:" in proc.stderr + proc.stdout
+    replies = [json.loads(line) for line in
+               (tmp_path / "llm" / "judge-0.jsonl").read_text().splitlines()]
+    assert replies and all("Step 1:" in json.dumps(r) for r in replies)
+    judged = [r for r in read_metrics(tmp_path, "judge") if r.get("judge/requests_total")]
+    assert judged, "the judge logged no LLM request"
+    learner = [r for r in read_metrics(tmp_path, "learner") if "learner/loss" in r]
+    assert len(learner) == 2
+    assert sum(r["learner/labelled_groups"] for r in learner) >= 1  # trained on its labels
+    assert "smollm2-135m" in (tmp_path / "logs" / "vllm-serve-judge.log").read_text()
