@@ -65,6 +65,19 @@ ARMS: dict[str, tuple[str, ...] | None] = {
     "full": ("experience.enabled=true", "learner.advantage=composite", "judge.workers=1"),
 }
 REFERENCE = "+questioning"  # the arm the others are compared with, seed by seed
+# With --llm-judge MODEL: +attributing with an LLM as the step judge (``vllm serve`` on MODEL,
+# its replies held to the label format by the server) instead of the reference judge.
+LLM_JUDGE_ARM = "+questioning+llm-attributing"
+
+
+def arm_settings(arm: str, llm_judge: str | None = None) -> tuple[str, ...] | None:
+    """The config overrides that make ``arm`` (None for zero-shot, which is not a run)."""
+    if arm == LLM_JUDGE_ARM:
+        if not llm_judge:
+            raise ValueError(f"the arm {LLM_JUDGE_ARM} needs --llm-judge MODEL")
+        return (*ARMS["+questioning+attributing"], f"judge.serve={llm_judge}",
+                "llm.structured_outputs=vllm")
+    return ARMS[arm]
 
 
 @dataclass(frozen=True)
@@ -146,16 +159,17 @@ def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None)
 
 
 def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
-            sets: list[str], fresh: bool, k: int = K) -> Result:
+            sets: list[str], fresh: bool, k: int = K, llm_judge: str | None = None) -> Result:
     """One trained arm at one seed: reused when finished before with the same argv."""
     run_dir = (out / run_name(arm, seed)).resolve()
     group = f"{out.name}/{arm}"
     shared = [*common(k), *budget.sets, *sets]
-    warm = SharedWarmStart.of(arm, seed, out, config, shared)
+    settings = arm_settings(arm, llm_judge)
+    warm = SharedWarmStart.of(settings, seed, out, config, shared)
     # A run starting from a kept warm-start has nothing new to evaluate before RL.
     reused = ["eval.before_rl=false"] if warm.serves(run_dir) and not fresh else []
     argv = run_argv(config, run_dir, budget.updates,
-                    [*shared, *ARMS[arm], f"seed={seed}", *reused,
+                    [*shared, *settings, f"seed={seed}", *reused,
                      f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
     return run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh,
                         warm=warm)
@@ -174,11 +188,11 @@ class SharedWarmStart:
     stamp: list[str]
 
     @classmethod
-    def of(cls, arm: str, seed: int, out: Path, config: Path | None,
+    def of(cls, arm_sets: tuple[str, ...], seed: int, out: Path, config: Path | None,
            shared: list[str]) -> SharedWarmStart:
         from autodidact.resolve import resolve_config
 
-        cfg = resolve_config(config, [*shared, *ARMS[arm], f"seed={seed}"])
+        cfg = resolve_config(config, [*shared, *arm_sets, f"seed={seed}"])
         guided = cfg.experience.enabled and cfg.experience.warmstart_share > 0
         kind = "with-experience" if guided else "plain"
         stamp = [str(config), *shared, f"seed={seed}", kind]
@@ -494,14 +508,16 @@ def check_sets(sets: list[str]) -> None:
                                  "the arms, the score or the seeds)", param_hint="--set")
 
 
-def parse_arms(text: str | None) -> list[str]:
+def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
+    known = [*ARMS, LLM_JUDGE_ARM] if llm_judge else list(ARMS)
     if not text:
-        return list(ARMS)
+        return known
     arms = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in ARMS]
+    unknown = [a for a in arms if a not in known]
     if unknown:
+        hint = f" ({LLM_JUDGE_ARM} needs --llm-judge MODEL)" if LLM_JUDGE_ARM in unknown else ""
         raise click.BadParameter(f"unknown arm(s) {', '.join(unknown)}; choose from "
-                                 f"{', '.join(ARMS)}")
+                                 f"{', '.join(known)}{hint}")
     return arms
 
 
@@ -514,6 +530,9 @@ def parse_arms(text: str | None) -> list[str]:
               help="Seeds, one run per arm each (default 0,1,2; --quick: 0).")
 @click.option("--arms", default=None, metavar="A,B",
               help=f"Arms to run (default all: {', '.join(ARMS)}).")
+@click.option("--llm-judge", default=None, metavar="MODEL",
+              help=f"Add the arm {LLM_JUDGE_ARM}: +attributing with MODEL (a local folder or "
+                   "packaged name) served by vllm serve as the step judge.")
 @click.option("--k", "k", type=click.IntRange(min=1), default=K, show_default=True,
               help="Episodes per held-out task: the table's avg@k and best@k.")
 @click.option("--updates", type=int, default=None,
@@ -527,7 +546,7 @@ def parse_arms(text: str | None) -> list[str]:
               help="Markdown file the table goes into, with the plot beside it (default "
                    "docs/ablation.md; --quick: OUT/ablation.md).")
 @click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
-def ablation(config, sets, seeds, arms, k, updates, quick, out, doc, fresh):
+def ablation(config, sets, seeds, arms, llm_judge, k, updates, quick, out, doc, fresh):
     """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
     held-out original tasks, and write it with a plot into docs/ablation.md.
 
@@ -542,11 +561,12 @@ def ablation(config, sets, seeds, arms, k, updates, quick, out, doc, fresh):
             raise click.BadParameter("must be at least 1", param_hint="--updates")
         budget = Budget(updates, budget.sets)
     seed_list = parse_seeds(seeds or ("0" if quick else "0,1,2"))
-    arm_list = parse_arms(arms)
+    arm_list = parse_arms(arms, llm_judge)
     check_sets(list(sets))
     out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
     doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
-    results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh, k)
+    results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh, k,
+                      llm_judge)
     rows = summarize(results, k)
     click.echo("\n" + table(rows, k))
     doc.parent.mkdir(parents=True, exist_ok=True)
@@ -586,8 +606,10 @@ def _shown_path(path: Path | None) -> str | None:
 
 
 def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, budget: Budget,
-            sets: list[str], fresh: bool, k: int = K) -> list[Result]:
-    trained = [(arm, seed) for seed in seeds for arm in arms if ARMS[arm] is not None]
+            sets: list[str], fresh: bool, k: int = K,
+            llm_judge: str | None = None) -> list[Result]:
+    trained = [(arm, seed) for seed in seeds for arm in arms
+               if arm_settings(arm, llm_judge) is not None]
     if not trained:
         trained = [(REFERENCE, seed) for seed in seeds]  # zero-shot alone still needs a base
     out.mkdir(parents=True, exist_ok=True)
@@ -599,7 +621,7 @@ def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, b
     for i, (arm, seed) in enumerate(trained, 1):
         click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: running "
                    f"(log {out / (run_name(arm, seed) + '.log')})")
-        result = run_arm(arm, seed, out, config, budget, sets, fresh, k)
+        result = run_arm(arm, seed, out, config, budget, sets, fresh, k, llm_judge)
         results.append(result)
         elapsed = time.monotonic() - t0
         eta = elapsed / i * (len(trained) - i)

@@ -16,14 +16,17 @@ from autodidact.ablation import (
     ARMS,
     BEGIN,
     END,
+    LLM_JUDGE_ARM,
     REFERENCE,
     Result,
     ablation,
+    arm_settings,
     check_sets,
     mean_std,
     paired_change,
     parse_arms,
     parse_seeds,
+    run_name,
     summarize,
     table,
     verdict,
@@ -204,3 +207,15 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     assert again.output.count("(reused)") == 3
     assert (ref / "summary.json").stat().st_mtime_ns == stamp
     assert doc.read_text().count(BEGIN) == 1
+
+
+def test_the_llm_judge_arm_is_attributing_with_a_served_judge_and_needs_a_model():
+    with pytest.raises(click.BadParameter, match="needs --llm-judge"):
+        parse_arms(f"{REFERENCE},{LLM_JUDGE_ARM}")
+    assert parse_arms(None, llm_judge="smollm2-135m")[-1] == LLM_JUDGE_ARM
+    assert LLM_JUDGE_ARM not in parse_arms(None)
+    sets = arm_settings(LLM_JUDGE_ARM, "smollm2-135m")
+    # the +attributing arm exactly, with the judge served instead of the reference one
+    assert sets[:len(ARMS["+questioning+attributing"])] == ARMS["+questioning+attributing"]
+    assert "judge.serve=smollm2-135m" in sets and "llm.structured_outputs=vllm" in sets
+    assert run_name(LLM_JUDGE_ARM, 2) == "questioning-llm-attributing-s2"
