@@ -44,7 +44,7 @@ from metrics.jsonl import read_metrics  # noqa: E402
 def run_mode(name: str, root: Path, seed_dir: Path, updates: int, staleness: int,
              extra: list[str], config: Path | None = None, eval_tasks: int = 0) -> dict:
     run_dir = root / name
-    sets = [f"eval.num_tasks={eval_tasks}", "tracking.wandb=disabled",
+    sets = [f"eval.num_tasks={eval_tasks}", "eval.before_rl=false", "tracking.wandb=disabled",
             f"learner.max_staleness={staleness}", f"learner.max_updates={updates}",
             "learner.max_minutes=60", *extra]
     cmd = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir)]
