@@ -12,8 +12,8 @@ window of policy versions:
   per-token entropy), invalid actions per step, episodes cut at the turn limit;
 * staleness: the learner's mean lag (versions behind) over the updates of the window.
 
-Then it splits the change in unguided success between the first and the last window into the
-part the task mix explains (the last window's per-difficulty success weighted by the first
+Then it splits the change in unguided success between the first and the last window (of those
+with at least half the typical number of episodes) into the part the task mix explains (the last window's per-difficulty success weighted by the first
 window's mix, against the last window's own mix) and the change within tasks rolled out in both
 windows (the same task ids early and late: the policy itself, not the mix).
 """
@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +125,10 @@ def decompose(eps: list[Episode], width: int) -> dict:
     """Unguided success, first window vs last: how much the task mix explains, and the change
     on task ids rolled out in both."""
     ws = windows([e for e in eps if not e.guided], width)
+    # A last window of a few groups rolled out after the final update says little: skip
+    # windows with under half the typical number of episodes.
+    typical = np.median([len(w) for w in ws.values()]) if ws else 0
+    ws = {v: w for v, w in ws.items() if len(w) >= typical / 2}
     if len(ws) < 2:
         return {}
     first, last = ws[min(ws)], ws[max(ws)]

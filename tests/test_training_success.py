@@ -46,3 +46,10 @@ def test_guided_rollouts_are_left_out_of_the_decomposition_and_split_in_windows(
     assert rows[1]["revisit_share"] == 0.5  # "a" was rolled out in window 0
     assert rows[1]["neg_logprob"] == pytest.approx(2.0) and rows[1]["lag_mean"] == 2.0
     assert decompose(eps, width=1)["first"] == 0.0  # the guided success in window 0 is not counted
+
+
+def test_a_thin_last_window_is_not_taken_for_the_end_of_the_run():
+    eps = [ep(v, f"t{v}-{i}", 1.0, True) for v in (0, 1) for i in range(4)]
+    eps += [ep(2, "late", 1.0, False)]  # one group rolled out after the last update
+    d = decompose(eps, width=1)
+    assert d["first"] == d["last"] == 1.0
