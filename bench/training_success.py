@@ -13,9 +13,10 @@ window of policy versions:
 * staleness: the learner's mean lag (versions behind) over the updates of the window.
 
 Then it splits the change in unguided success between the first and the last window (of those
-with at least half the typical number of episodes) into the part the task mix explains (the last window's per-difficulty success weighted by the first
-window's mix, against the last window's own mix) and the change within tasks rolled out in both
-windows (the same task ids early and late: the policy itself, not the mix).
+with at least half the typical number of episodes) into the part the task mix explains (the
+last window's per-difficulty success weighted by the first window's mix, against the last
+window's own mix) and the change within tasks rolled out in both windows (the same task ids
+early and late: the policy itself, not the mix).
 """
 
 from __future__ import annotations
