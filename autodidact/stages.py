@@ -138,6 +138,7 @@ def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,
         say(f"  warm-start step {step}/{cfg.warmstart.steps}  loss {loss:.3f}")
 
     info = warm_start(cfg, base_path, out, rollout_settings(cfg), progress, tasks)
+    RunDir(run_dir).warmstart_tasks.write_text(json.dumps(info["task_ids"]))
     say(f"  warm-start: {info['examples']} verified references, "
         f"{info['steps']} steps in {info['seconds']:.0f}s")
     return str(out)

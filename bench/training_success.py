@@ -6,8 +6,10 @@ Reads each run's replay store (every stored rollout) and its learner metrics, an
 window of policy versions:
 
 * success of all, unguided and guided rollouts;
-* the task mix: mean difficulty and reference length of the tasks rolled out, and the share
-  that the run had rolled out before (revisits);
+* the task mix: mean difficulty and reference length of the tasks rolled out, the share that
+  the run had rolled out before (revisits), and the share that the warm-start had trained on
+  (its examples' task ids, ``policy_init/warmstart_tasks.json``), with the success on those
+  tasks and on the rest;
 * the policy: mean negative log-prob of the sampled action tokens (a sampled estimate of the
   per-token entropy), invalid actions per step, episodes cut at the turn limit;
 * staleness: the learner's mean lag (versions behind) over the updates of the window.
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import protocol.messages  # noqa: E402,F401  (registers the message types)
 from metrics.jsonl import read_metrics  # noqa: E402
 from protocol import codec  # noqa: E402
+from protocol.run_dir import RunDir  # noqa: E402
 from replay.store import Store  # noqa: E402
 
 
@@ -53,23 +56,27 @@ class Episode:
     neg_logprob: float  # mean over the sampled action tokens
     invalid_share: float  # invalid actions / actions
     truncated: bool
+    warmstarted: bool = False  # the warm-start trained on this task's reference
 
 
 def episodes(run_dir: Path) -> list[Episode]:
     """Every stored rollout of ``run_dir``, oldest policy version first."""
+    path = RunDir(run_dir).warmstart_tasks
+    warm = set(json.loads(path.read_text())) if path.exists() else set()
     store = Store(run_dir, readonly=True)
     out = []
     try:
         with store.begin_read() as txn:
             for _, body in store.iter_bodies(txn):
                 group = codec.decode_body("group", bytes(body))
-                out += [_episode(group, t) for t in group.trajectories]
+                out += [_episode(group, t, group.task.task_id in warm)
+                        for t in group.trajectories]
     finally:
         store.close()
     return sorted(out, key=lambda e: e.version)
 
 
-def _episode(group, traj) -> Episode:
+def _episode(group, traj, warmstarted: bool = False) -> Episode:
     sampled = traj.action_mask > 0
     steps = traj.steps or []
     return Episode(
@@ -78,7 +85,7 @@ def _episode(group, traj) -> Episode:
         guided=bool(traj.experience_ids), success=bool(traj.success),
         neg_logprob=float(-traj.logprobs[sampled].mean()) if sampled.any() else float("nan"),
         invalid_share=sum(not s.valid for s in steps) / max(len(steps), 1),
-        truncated=bool(traj.info.get("truncated", False)))
+        truncated=bool(traj.info.get("truncated", False)), warmstarted=warmstarted)
 
 
 def windows(eps: list[Episode], width: int) -> dict[int, list[Episode]]:
@@ -108,6 +115,9 @@ def window_rows(eps: list[Episode], width: int, lags: dict[int, float]) -> list[
             "difficulty": _rate(e.difficulty for e in group),
             "reference_len": _rate(e.reference_len for e in group),
             "revisit_share": _rate(revisits),
+            "warmstarted_share": _rate(e.warmstarted for e in group),
+            "success_warmstarted": _rate(e.success for e in group if e.warmstarted),
+            "success_other": _rate(e.success for e in group if not e.warmstarted),
             "neg_logprob": float(np.nanmean([e.neg_logprob for e in group])),
             "invalid_per_step": _rate(e.invalid_share for e in group),
             "truncated": _rate(e.truncated for e in group),
@@ -169,7 +179,8 @@ def analyse(run_dir: Path, width: int) -> dict:
 def show(result: dict) -> str:
     lines = [f"{result['run']}: per {result['window']} policy versions"]
     cols = ["versions", "episodes", "success", "success_unguided", "success_guided",
-            "difficulty", "reference_len", "revisit_share", "neg_logprob", "invalid_per_step",
+            "difficulty", "reference_len", "revisit_share", "warmstarted_share",
+            "success_warmstarted", "success_other", "neg_logprob", "invalid_per_step",
             "truncated", "lag_mean"]
     lines.append("  " + " ".join(f"{c[:12]:>12}" for c in cols))
     for row in result["windows"]:

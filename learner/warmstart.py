@@ -114,4 +114,5 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
     guided = sum(bool(g.trajectories[0].experience_ids) for g in groups)
     return {"examples": len(groups), "with_experience": guided,
             "steps": cfg.warmstart.steps, "loss": loss_value,
-            "seconds": time.monotonic() - t0}
+            "seconds": time.monotonic() - t0,
+            "task_ids": [g.task.task_id for g in groups]}

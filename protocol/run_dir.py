@@ -21,7 +21,8 @@ never by spelling a name itself, so the layout below is the whole contract::
         split.json                  the env's task ids that train and those held out
         logs/<role>.log             each role's stdout and stderr
         model/                      the tiny base model (when model.path is empty)
-        policy_init/                the warm-started policy (a Hugging Face model folder)
+        policy_init/                the warm-started policy (a Hugging Face model folder),
+                                    with warmstart_tasks.json: the ids of its examples' tasks
         policy_final/               the newest published weights over the run's model
         weights/v000042.safetensors published policy versions (the newest weights.keep)
         checkpoints/latest.pt       the learner's checkpoint (weights, optimizer, ledger);
@@ -168,6 +169,11 @@ class RunDir:
     @property
     def policy_init(self) -> Path:
         return self.path / POLICY_INIT
+
+    @property
+    def warmstart_tasks(self) -> Path:
+        """The task ids of the warm-start's examples, kept with the policy they made."""
+        return self.path / POLICY_INIT / "warmstart_tasks.json"
 
     @property
     def policy_final(self) -> Path:

@@ -85,6 +85,13 @@ def finished_run(tmp_path_factory):
     return run_dir, proc
 
 
+def test_the_warm_start_names_the_tasks_it_trained_on(finished_run):
+    run_dir, _ = finished_run
+    ids = json.loads((run_dir / "policy_init" / "warmstart_tasks.json").read_text())
+    train = set(json.loads((run_dir / "split.json").read_text())["train"])
+    assert ids and len(set(ids)) == len(ids) and set(ids) <= train
+
+
 def test_roles_rode_out_a_redis_kill(finished_run):
     run_dir, proc = finished_run
     assert (run_dir / "redis_killed").exists(), "the run ended before redis could be killed"

@@ -8,11 +8,11 @@ import pytest
 from bench.training_success import Episode, decompose, window_rows
 
 
-def ep(version, task, difficulty, success, guided=False, neg_logprob=1.0):
+def ep(version, task, difficulty, success, guided=False, neg_logprob=1.0, warm=False):
     return Episode(version=version, group_id=f"g{version}-{task}", task_id=task,
                    difficulty=difficulty, reference_len=int(difficulty), guided=guided,
                    success=success, neg_logprob=neg_logprob, invalid_share=0.0,
-                   truncated=False)
+                   truncated=False, warmstarted=warm)
 
 
 def test_a_fall_from_a_harder_mix_is_told_from_a_worse_policy():
@@ -53,3 +53,10 @@ def test_a_thin_last_window_is_not_taken_for_the_end_of_the_run():
     eps += [ep(2, "late", 1.0, False)]  # one group rolled out after the last update
     d = decompose(eps, width=1)
     assert d["first"] == d["last"] == 1.0
+
+
+def test_tasks_the_warm_start_trained_on_are_told_apart():
+    eps = [ep(0, "w", 1.0, True, warm=True), ep(0, "x", 1.0, False), ep(0, "y", 1.0, True)]
+    (row,) = window_rows(eps, width=1, lags={})
+    assert row["warmstarted_share"] == pytest.approx(1 / 3)
+    assert row["success_warmstarted"] == 1.0 and row["success_other"] == 0.5
