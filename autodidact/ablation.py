@@ -70,14 +70,19 @@ REFERENCE = "+questioning"  # the arm the others are compared with, seed by seed
 LLM_JUDGE_ARM = "+questioning+llm-attributing"
 
 
-def arm_settings(arm: str, llm_judge: str | None = None) -> tuple[str, ...] | None:
-    """The config overrides that make ``arm`` (None for zero-shot, which is not a run)."""
+def arm_settings(arm: str, llm_judge: str | None = None,
+                 nav_sets: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The config overrides that make ``arm`` (None for zero-shot, which is not a run);
+    ``nav_sets`` go to the arms that navigate (experience enabled) and to no other."""
     if arm == LLM_JUDGE_ARM:
         if not llm_judge:
             raise ValueError(f"the arm {LLM_JUDGE_ARM} needs --llm-judge MODEL")
         return (*ARMS["+questioning+attributing"], f"judge.serve={llm_judge}",
                 "llm.structured_outputs=vllm")
-    return ARMS[arm]
+    sets = ARMS[arm]
+    if sets is not None and "experience.enabled=true" in sets:
+        sets = (*sets, *nav_sets)
+    return sets
 
 
 @dataclass(frozen=True)
@@ -159,12 +164,13 @@ def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None)
 
 
 def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
-            sets: list[str], fresh: bool, k: int = K, llm_judge: str | None = None) -> Result:
+            sets: list[str], fresh: bool, k: int = K, llm_judge: str | None = None,
+            nav_sets: tuple[str, ...] = ()) -> Result:
     """One trained arm at one seed: reused when finished before with the same argv."""
     run_dir = (out / run_name(arm, seed)).resolve()
     group = f"{out.name}/{arm}"
     shared = [*common(k), *budget.sets, *sets]
-    settings = arm_settings(arm, llm_judge)
+    settings = arm_settings(arm, llm_judge, nav_sets)
     warm = SharedWarmStart.of(settings, seed, out, config, shared)
     # A run starting from a kept warm-start has nothing new to evaluate before RL.
     reused = ["eval.before_rl=false"] if warm.serves(run_dir) and not fresh else []
@@ -530,6 +536,9 @@ def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
               help="Seeds, one run per arm each (default 0,1,2; --quick: 0).")
 @click.option("--arms", default=None, metavar="A,B",
               help=f"Arms to run (default all: {', '.join(ARMS)}).")
+@click.option("--nav-set", "nav_sets", multiple=True, metavar="KEY=VALUE",
+              help="Override one config value in the arms that navigate only (repeatable): "
+                   "e.g. experience.min_similarity=0.5 where tasks rarely repeat.")
 @click.option("--llm-judge", default=None, metavar="MODEL",
               help=f"Add the arm {LLM_JUDGE_ARM}: +attributing with MODEL (a local folder or "
                    "packaged name) served by vllm serve as the step judge.")
@@ -546,7 +555,8 @@ def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
               help="Markdown file the table goes into, with the plot beside it (default "
                    "docs/ablation.md; --quick: OUT/ablation.md).")
 @click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
-def ablation(config, sets, seeds, arms, llm_judge, k, updates, quick, out, doc, fresh):
+def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, out, doc,
+             fresh):
     """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
     held-out original tasks, and write it with a plot into docs/ablation.md.
 
@@ -562,11 +572,11 @@ def ablation(config, sets, seeds, arms, llm_judge, k, updates, quick, out, doc, 
         budget = Budget(updates, budget.sets)
     seed_list = parse_seeds(seeds or ("0" if quick else "0,1,2"))
     arm_list = parse_arms(arms, llm_judge)
-    check_sets(list(sets))
+    check_sets([*sets, *nav_sets])
     out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
     doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
     results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh, k,
-                      llm_judge)
+                      llm_judge, tuple(nav_sets))
     rows = summarize(results, k)
     click.echo("\n" + table(rows, k))
     doc.parent.mkdir(parents=True, exist_ok=True)
@@ -574,9 +584,10 @@ def ablation(config, sets, seeds, arms, llm_judge, k, updates, quick, out, doc, 
     command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
         else "autodidact ablation"
     write_doc(doc, section(results, rows, k, command.strip(), plot_path.name, budget,
-                           list(sets)))
+                           list(sets), tuple(nav_sets)))
     doc.with_suffix(".json").write_text(json.dumps(
-        {"budget": {"updates": budget.updates, "sets": [*common(k), *budget.sets, *sets]},
+        {"budget": {"updates": budget.updates, "sets": [*common(k), *budget.sets, *sets],
+                    "nav_sets": list(nav_sets)},
          "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
          "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results]},
         indent=1, default=str))
@@ -607,7 +618,7 @@ def _shown_path(path: Path | None) -> str | None:
 
 def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, budget: Budget,
             sets: list[str], fresh: bool, k: int = K,
-            llm_judge: str | None = None) -> list[Result]:
+            llm_judge: str | None = None, nav_sets: tuple[str, ...] = ()) -> list[Result]:
     trained = [(arm, seed) for seed in seeds for arm in arms
                if arm_settings(arm, llm_judge) is not None]
     if not trained:
@@ -621,7 +632,7 @@ def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, b
     for i, (arm, seed) in enumerate(trained, 1):
         click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: running "
                    f"(log {out / (run_name(arm, seed) + '.log')})")
-        result = run_arm(arm, seed, out, config, budget, sets, fresh, k, llm_judge)
+        result = run_arm(arm, seed, out, config, budget, sets, fresh, k, llm_judge, nav_sets)
         results.append(result)
         elapsed = time.monotonic() - t0
         eta = elapsed / i * (len(trained) - i)

@@ -219,3 +219,12 @@ def test_the_llm_judge_arm_is_attributing_with_a_served_judge_and_needs_a_model(
     assert sets[:len(ARMS["+questioning+attributing"])] == ARMS["+questioning+attributing"]
     assert "judge.serve=smollm2-135m" in sets and "llm.structured_outputs=vllm" in sets
     assert run_name(LLM_JUDGE_ARM, 2) == "questioning-llm-attributing-s2"
+
+
+def test_nav_sets_reach_the_navigating_arms_alone():
+    nav = ("experience.min_similarity=0.5",)
+    assert arm_settings("+questioning+navigating", nav_sets=nav)[-1] == nav[0]
+    assert arm_settings("full", nav_sets=nav)[-1] == nav[0]
+    for arm in (REFERENCE, "+questioning+attributing"):
+        assert arm_settings(arm, nav_sets=nav) == ARMS[arm]
+    assert arm_settings("zero-shot", nav_sets=nav) is None
