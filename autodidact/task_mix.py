@@ -46,7 +46,10 @@ class TaskFeeder:
                  share: float):
         self.control, self.share = control, share
         self.original, self.synthetic = original, []
-        self.rng = random.Random(cfg.seed)
+        # Its own stream: seeded with cfg.seed alone, as warmstart_tasks is, its first draws
+        # came from the same Mersenne Twister words as the warm-start's picks, so the first
+        # tasks RL saw were those the warm-start had just trained on.
+        self.rng = random.Random(f"task-feeder:{cfg.seed}")
         # Sized for every actor drawing from the queue: this machine's and, counted from their
         # heartbeats, other nodes' (autodidact node); at least one.
         self.per_actor = 4 * cfg.actor.groups_in_flight

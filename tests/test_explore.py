@@ -635,6 +635,24 @@ def test_task_feeder_mixture(control, share, want):
         assert {t.task_id for t in pushed} == {t.task_id for t in synthetics(3)}
 
 
+def test_rl_does_not_start_on_the_tasks_the_warm_start_trained_on(control):
+    # Same seed, same pool: the feeder's draws must not repeat the warm-start's picks (they
+    # did, when both seeded a Random with cfg.seed: the first 4 top-ups were all warm-start
+    # tasks in the SmolLM2 config).
+    cfg = load_config(None, ["warmstart.max_examples=200", "actor.num_actors=1",
+                             "actor.groups_in_flight=1"])
+    pool = synthetics(2000)
+    warm = {t.task_id for t in warmstart_tasks(cfg, originals(30), pool, 1.0)}
+    control.add_synthetic(pool)
+    feeder = TaskFeeder(cfg, control, originals(30), 1.0)
+    drawn = []
+    for _ in range(4):
+        feeder.top_up()
+        drawn += drain(control)
+    share = sum(t.task_id in warm for t in drawn) / len(drawn)
+    assert share < 0.25  # 10% expected (200 of 2000); it was 100%
+
+
 def test_task_feeder_picks_up_new_synthetic_tasks(control):
     cfg = load_config(None, [])
     feeder = TaskFeeder(cfg, control, [], 1.0)
