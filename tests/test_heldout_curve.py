@@ -17,3 +17,16 @@ def test_the_level_is_interpolated_between_evaluated_versions():
 def test_a_curve_that_dips_is_credited_with_its_first_crossing():
     assert updates_to_reach({0: 0.5, 4: 0.3, 8: 0.7}, 0.6) == pytest.approx(7.0)
     assert updates_to_reach({0: 0.5, 4: 0.6, 8: 0.4}, 0.6) == pytest.approx(4.0)
+
+
+def test_a_curve_is_the_runs_own_points_and_the_kept_evaluations(tmp_path):
+    import json
+
+    from bench.heldout_curve import curve
+
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "success_warm": {"avg": 0.3}, "success_rl": {"avg": 0.5},
+        "learner": {"learner/version": 15}}))
+    (tmp_path / "heldout_curve.json").write_text(json.dumps({"5": 0.4}))
+    # version 5 is read from the cache (nothing is evaluated); 20 is past the run's last
+    assert curve(tmp_path, [5, 20]) == {0: 0.3, 5: 0.4, 15: 0.5}
