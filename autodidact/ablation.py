@@ -444,8 +444,9 @@ END = "<!-- ablation:end -->"
 
 
 def section(results: list[Result], rows: list[dict], k: int, command: str, plot_name: str,
-            budget: Budget, sets: list[str]) -> str:
+            budget: Budget, sets: list[str], nav_sets: tuple[str, ...] = ()) -> str:
     shared = [*common(k), *budget.sets, *sets]
+    nav_text = f" The arms that navigate also: `{' '.join(nav_sets)}`." if nav_sets else ""
     seeds = sorted({r.seed for r in results})
     failed = [r for r in results if r.error]
     minutes = sum(r.seconds for r in results) / 60
@@ -458,7 +459,7 @@ def section(results: list[Result], rows: list[dict], k: int, command: str, plot_
         "Every arm trains only on tasks the agent wrote itself (`tasks.synthetic_share=1.0`) "
         "and is scored on the built-in env's held-out original tasks: success in percent, "
         f"avg@{k} and best@{k} over {k} sampled episodes per task, greedy with temperature 0. "
-        f"Settings shared by every run: `{' '.join(shared)}`.",
+        f"Settings shared by every run: `{' '.join(shared)}`.{nav_text}",
         "", table(rows, k), "",
         f"The change against {REFERENCE} is paired by seed (the same seed builds the same base "
         "model, explores the same way and evaluates the same tasks); the reading claims a "

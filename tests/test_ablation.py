@@ -27,6 +27,7 @@ from autodidact.ablation import (
     parse_arms,
     parse_seeds,
     run_name,
+    section,
     summarize,
     table,
     verdict,
@@ -228,3 +229,15 @@ def test_nav_sets_reach_the_navigating_arms_alone():
     for arm in (REFERENCE, "+questioning+attributing"):
         assert arm_settings(arm, nav_sets=nav) == ARMS[arm]
     assert arm_settings("zero-shot", nav_sets=nav) is None
+
+
+def test_the_section_names_the_shared_and_the_navigating_settings():
+    from autodidact.ablation import Budget
+
+    results = [_result(REFERENCE, 0, 0.4), _result("full", 0, 0.45)]
+    text = section(results, summarize(results, 4), 4, "autodidact ablation", "a.png",
+                   Budget(15, ("eval.num_tasks=100",)), ["learner.lora_rank=16"],
+                   ("experience.min_similarity=0.5",))
+    assert "`tasks.synthetic_share=1.0 eval.k=4 eval.num_tasks=100 learner.lora_rank=16`" in text
+    assert "The arms that navigate also: `experience.min_similarity=0.5`." in text
+    assert "avg@4" in text and text.startswith(BEGIN) and text.endswith(END)
