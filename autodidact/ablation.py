@@ -101,6 +101,9 @@ QUICK_BUDGET = Budget(16, ("eval.num_tasks=40", "warmstart.steps=100", "learner.
                            "explore.seeds=12"))
 
 
+NOT_RUN = "not run yet"  # the error of a run --no-run found unfinished
+
+
 @dataclass
 class Result:
     """One arm at one seed: the held-out evaluations its ``summary.json`` holds."""
@@ -165,7 +168,7 @@ def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None)
 
 def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
             sets: list[str], fresh: bool, k: int = K, llm_judge: str | None = None,
-            nav_sets: tuple[str, ...] = ()) -> Result:
+            nav_sets: tuple[str, ...] = (), may_run: bool = True) -> Result:
     """One trained arm at one seed: reused when finished before with the same argv."""
     run_dir = (out / run_name(arm, seed)).resolve()
     group = f"{out.name}/{arm}"
@@ -178,7 +181,7 @@ def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
                     [*shared, *settings, f"seed={seed}", *reused,
                      f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
     return run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh,
-                        warm=warm)
+                        may_run=may_run, warm=warm)
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path
         result.reused = True
         return result
     if not may_run:
-        return Result(label, seed, run_dir, error="not run yet")
+        return Result(label, seed, run_dir, error=NOT_RUN)
     shutil.rmtree(run_dir, ignore_errors=True)
     kept = warm.link_into(run_dir) if warm is not None and not fresh else None
     t0 = time.monotonic()
@@ -285,7 +288,7 @@ def zero_shot(results: list[Result], seed: int) -> Result:
     same sampling seed, so the runs agree; should they not, their mean is taken."""
     bases = [r.base for r in results if r.seed == seed and r.base]
     if not bases:
-        return Result("zero-shot", seed, None, error="no trained run of this seed finished")
+        return Result("zero-shot", seed, None, error=NOT_RUN)  # no run of this seed finished
     final = {key: sum(b[key] for b in bases) / len(bases)
              for key in ("avg", "best", "greedy") if all(key in b for b in bases)}
     return Result("zero-shot", seed, None, base=bases[0], final=final)
@@ -384,7 +387,8 @@ def per_seed_table(results: list[Result], k: int) -> str:
         for s in seeds:
             r = next((r for r in results if r.arm == arm and r.seed == s), None)
             if r is None or not r.final:
-                cells.append(f"failed: {r.error}" if r and r.error else "–")
+                cells.append(f"failed: {r.error}" if r and r.error and r.error != NOT_RUN
+                             else "–")
             else:
                 cells.append(f"{r.final['avg']:.1%} / {r.final['best']:.1%}")
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
@@ -430,7 +434,8 @@ def plot(results: list[Result], rows: list[dict], k: int, path: Path) -> Path:
     stages.set_xticks([0, 1, 2], ["zero-shot", "warm-start", "after RL"])
     stages.set_ylabel(f"held-out avg@{k} (%)")
     stages.set_title("where the gain comes from")
-    stages.legend(fontsize=8)
+    if stages.get_legend_handles_labels()[0]:  # nothing finished yet: no lines to name
+        stages.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -448,7 +453,8 @@ def section(results: list[Result], rows: list[dict], k: int, command: str, plot_
     shared = [*common(k), *budget.sets, *sets]
     nav_text = f" The arms that navigate also: `{' '.join(nav_sets)}`." if nav_sets else ""
     seeds = sorted({r.seed for r in results})
-    failed = [r for r in results if r.error]
+    failed = [r for r in results if r.error and r.error != NOT_RUN]
+    pending = [r for r in results if r.error == NOT_RUN]
     minutes = sum(r.seconds for r in results) / 60
     lines = [
         BEGIN, "",
@@ -469,6 +475,10 @@ def section(results: list[Result], rows: list[dict], k: int, command: str, plot_
     if failed:
         lines += ["Runs that failed: " + "; ".join(f"{r.arm} seed {r.seed} ({r.error})"
                                                     for r in failed), ""]
+    if pending:
+        lines += [f"Not run yet ({len(pending)} of {len(results)}; the same command without "
+                  "`--no-run` runs them): " + ", ".join(f"{r.arm} seed {r.seed}"
+                                                        for r in pending), ""]
     return "\n".join([*lines, END])
 
 
@@ -556,8 +566,10 @@ def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
               help="Markdown file the table goes into, with the plot beside it (default "
                    "docs/ablation.md; --quick: OUT/ablation.md).")
 @click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
+@click.option("--no-run", "no_run", is_flag=True,
+              help="Run nothing: write the table from the runs finished so far.")
 def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, out, doc,
-             fresh):
+             fresh, no_run):
     """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
     held-out original tasks, and write it with a plot into docs/ablation.md.
 
@@ -577,7 +589,7 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
     doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
     results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh, k,
-                      llm_judge, tuple(nav_sets))
+                      llm_judge, tuple(nav_sets), may_run=not no_run)
     rows = summarize(results, k)
     click.echo("\n" + table(rows, k))
     doc.parent.mkdir(parents=True, exist_ok=True)
@@ -594,7 +606,7 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
         indent=1, default=str))
     overlay(results, out)
     click.echo(f"table and plot written to {doc} and {plot_path}")
-    if any(r.error for r in results):
+    if any(r.error and r.error != NOT_RUN for r in results):
         raise SystemExit(1)
 
 
@@ -619,7 +631,8 @@ def _shown_path(path: Path | None) -> str | None:
 
 def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, budget: Budget,
             sets: list[str], fresh: bool, k: int = K,
-            llm_judge: str | None = None, nav_sets: tuple[str, ...] = ()) -> list[Result]:
+            llm_judge: str | None = None, nav_sets: tuple[str, ...] = (),
+            may_run: bool = True) -> list[Result]:
     trained = [(arm, seed) for seed in seeds for arm in arms
                if arm_settings(arm, llm_judge) is not None]
     if not trained:
@@ -631,13 +644,17 @@ def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, b
     t0 = time.monotonic()
     results = []
     for i, (arm, seed) in enumerate(trained, 1):
-        click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: running "
-                   f"(log {out / (run_name(arm, seed) + '.log')})")
-        result = run_arm(arm, seed, out, config, budget, sets, fresh, k, llm_judge, nav_sets)
+        if may_run:
+            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: running "
+                       f"(log {out / (run_name(arm, seed) + '.log')})")
+        result = run_arm(arm, seed, out, config, budget, sets, fresh, k, llm_judge, nav_sets,
+                         may_run)
         results.append(result)
         elapsed = time.monotonic() - t0
         eta = elapsed / i * (len(trained) - i)
-        if result.error:
+        if result.error == NOT_RUN:
+            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: not run yet")
+        elif result.error:
             click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: FAILED, {result.error}")
         else:
             reused = " (reused)" if result.reused else ""

@@ -241,3 +241,15 @@ def test_the_section_names_the_shared_and_the_navigating_settings():
     assert "`tasks.synthetic_share=1.0 eval.k=4 eval.num_tasks=100 learner.lora_rank=16`" in text
     assert "The arms that navigate also: `experience.min_similarity=0.5`." in text
     assert "avg@4" in text and text.startswith(BEGIN) and text.endswith(END)
+
+
+def test_no_run_writes_the_table_of_what_finished_and_runs_nothing(tmp_path):
+    out, doc = tmp_path / "abl", tmp_path / "abl.md"
+    result = CliRunner().invoke(ablation, ["--no-run", "--seeds", "0,1", "--arms",
+                                           f"zero-shot,{REFERENCE}", "--out", str(out),
+                                           "--doc", str(doc)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "not run yet" in result.output and "running" not in result.output
+    assert not list(out.glob("*-s*"))  # no run directory was made
+    text = doc.read_text()
+    assert "Not run yet (4 of 4;" in text and f"{REFERENCE} seed 1" in text
