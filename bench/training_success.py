@@ -56,27 +56,27 @@ class Episode:
     neg_logprob: float  # mean over the sampled action tokens
     invalid_share: float  # invalid actions / actions
     truncated: bool
-    warmstarted: bool = False  # the warm-start trained on this task's reference
+    warmstarted: bool | None = None  # the warm-start trained on this task (None: not recorded)
 
 
 def episodes(run_dir: Path) -> list[Episode]:
     """Every stored rollout of ``run_dir``, oldest policy version first."""
     path = RunDir(run_dir).warmstart_tasks
-    warm = set(json.loads(path.read_text())) if path.exists() else set()
+    warm = set(json.loads(path.read_text())) if path.exists() else None
     store = Store(run_dir, readonly=True)
     out = []
     try:
         with store.begin_read() as txn:
             for _, body in store.iter_bodies(txn):
                 group = codec.decode_body("group", bytes(body))
-                out += [_episode(group, t, group.task.task_id in warm)
-                        for t in group.trajectories]
+                known = None if warm is None else group.task.task_id in warm
+                out += [_episode(group, t, known) for t in group.trajectories]
     finally:
         store.close()
     return sorted(out, key=lambda e: e.version)
 
 
-def _episode(group, traj, warmstarted: bool = False) -> Episode:
+def _episode(group, traj, warmstarted: bool | None = None) -> Episode:
     sampled = traj.action_mask > 0
     steps = traj.steps or []
     return Episode(
@@ -115,9 +115,10 @@ def window_rows(eps: list[Episode], width: int, lags: dict[int, float]) -> list[
             "difficulty": _rate(e.difficulty for e in group),
             "reference_len": _rate(e.reference_len for e in group),
             "revisit_share": _rate(revisits),
-            "warmstarted_share": _rate(e.warmstarted for e in group),
+            "warmstarted_share": _rate(e.warmstarted for e in group
+                                       if e.warmstarted is not None),
             "success_warmstarted": _rate(e.success for e in group if e.warmstarted),
-            "success_other": _rate(e.success for e in group if not e.warmstarted),
+            "success_other": _rate(e.success for e in group if e.warmstarted is False),
             "neg_logprob": float(np.nanmean([e.neg_logprob for e in group])),
             "invalid_per_step": _rate(e.invalid_share for e in group),
             "truncated": _rate(e.truncated for e in group),

@@ -60,3 +60,9 @@ def test_tasks_the_warm_start_trained_on_are_told_apart():
     (row,) = window_rows(eps, width=1, lags={})
     assert row["warmstarted_share"] == pytest.approx(1 / 3)
     assert row["success_warmstarted"] == 1.0 and row["success_other"] == 0.5
+
+
+def test_a_run_without_the_warm_starts_task_list_says_nothing_about_it():
+    (row,) = window_rows([ep(0, "a", 1.0, True, warm=None)], width=1, lags={})
+    assert all(row[k] != row[k] for k in ("warmstarted_share", "success_warmstarted",
+                                          "success_other"))  # NaN, not 0
