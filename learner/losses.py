@@ -177,28 +177,28 @@ def navigation_terms(
         boosted.sum() / act.sum().clamp(min=1),
         batch.guided.float().mean(),
         batch.stripped.float().mean(),
+        stripped.sum().float(),
+        *_context_weight(proximal, batch.behaviour_logprobs, stripped, iw_cap),
     ]).tolist()  # one device→host transfer
     metrics = dict(zip(("boosted_token_fraction", "guided_fraction", "stripped_fraction"), values))
-    if stripped.any():
-        metrics.update(_context_weight(proximal, batch.behaviour_logprobs, stripped, iw_cap))
+    if values[3]:  # some token was stripped: what its weight would have been
+        metrics.update(zip(("stripped_log_w_mean", "stripped_w_over_cap_fraction",
+                            "stripped_w_under_fraction"), values[4:]))
     return behaviour, clip, metrics
 
 
 @torch.no_grad()
 def _context_weight(proximal: torch.Tensor, behaviour: torch.Tensor, stripped: torch.Tensor,
-                    iw_cap: float | None) -> dict[str, float]:
+                    iw_cap: float | None) -> list[torch.Tensor]:
     """The importance weight stripped rows would get, were the behaviour log-probs (taken
-    with the experience in context) used as they are; over the stripped rows' generated tokens."""
+    with the experience in context) used as they are, over the stripped rows' generated
+    tokens: mean ``log w``, and the fractions over ``iw_cap`` and under ``1/iw_cap``."""
     log_w = (proximal.detach().float() - behaviour.float()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     cap = float("inf") if iw_cap is None else float(iw_cap)
     n = stripped.sum().clamp(min=1)
-    values = torch.stack([
-        (log_w * stripped).sum() / n,
-        ((log_w.exp() > cap) & stripped).sum() / n,
-        ((log_w.exp() < 1.0 / cap) & stripped).sum() / n,
-    ]).tolist()
-    return dict(zip(("stripped_log_w_mean", "stripped_w_over_cap_fraction",
-                     "stripped_w_under_fraction"), values))
+    return [(log_w * stripped).sum() / n,
+            ((log_w.exp() > cap) & stripped).sum() / n,
+            ((log_w.exp() < 1.0 / cap) & stripped).sum() / n]
 
 
 @torch.no_grad()
@@ -207,14 +207,17 @@ def _by_row_kind(guided: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,
     """``clip_fraction`` and ``iw_masked_fraction`` on guided and on unguided rows, for the
     kinds present (a fraction of no tokens is left out rather than written as 0)."""
     rows = (guided > 0)[:, None].expand_as(valid)
-    out = {}
-    for kind, where in (("guided", rows), ("unguided", ~rows)):
+    counts = []
+    for where in (rows, ~rows):
         mask, kept = valid & where, keep & where
-        if not mask.any():
-            continue
-        values = torch.stack([(clipped & kept).sum() / kept.sum().clamp(min=1),
-                              (mask & ~keep).sum() / mask.sum()]).tolist()
-        out[f"clip_fraction_{kind}"], out[f"iw_masked_fraction_{kind}"] = values
+        counts += [(clipped & kept).sum(), kept.sum(), (mask & ~keep).sum(), mask.sum()]
+    values = torch.stack(counts).tolist()  # one device→host transfer for both kinds
+    out = {}
+    for kind, (clip_n, kept_n, dropped_n, mask_n) in zip(("guided", "unguided"),
+                                                          (values[:4], values[4:])):
+        if mask_n:
+            out[f"clip_fraction_{kind}"] = clip_n / max(kept_n, 1)
+            out[f"iw_masked_fraction_{kind}"] = dropped_n / mask_n
     return out
 
 
