@@ -55,6 +55,11 @@ def common(k: int) -> tuple[str, ...]:
     return ("tasks.synthetic_share=1.0", f"eval.k={k}")
 
 
+def shared_sets(k: int, budget: Budget, sets: list[str]) -> list[str]:
+    """Every override all runs get, in order: the common ones, the budget's, the user's."""
+    return [*common(k), *budget.sets, *sets]
+
+
 ARMS: dict[str, tuple[str, ...] | None] = {
     "zero-shot": None,  # not a run: the base model each trained run evaluates first
     "+questioning": ("experience.enabled=false", "learner.advantage=grpo", "judge.workers=0"),
@@ -172,11 +177,11 @@ def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
     """One trained arm at one seed: reused when finished before with the same argv."""
     run_dir = (out / run_name(arm, seed)).resolve()
     group = f"{out.name}/{arm}"
-    shared = [*common(k), *budget.sets, *sets]
+    shared = shared_sets(k, budget, sets)
     settings = arm_settings(arm, llm_judge, nav_sets)
     warm = SharedWarmStart.of(settings, seed, out, config, shared)
     # A run starting from a kept warm-start has nothing new to evaluate before RL.
-    reused = ["eval.before_rl=false"] if warm.serves(run_dir) and not fresh else []
+    reused = ["eval.before_rl=false"] if warm.serves(run_dir) is not None and not fresh else []
     argv = run_argv(config, run_dir, budget.updates,
                     [*shared, *settings, f"seed={seed}", *reused,
                      f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
@@ -216,21 +221,22 @@ class SharedWarmStart:
         record = json.loads(path.read_text())
         return record if record.get("stamp") == self.stamp else None
 
-    def serves(self, run_dir: Path) -> bool:
-        """Whether ``run_dir`` would start from the kept policy (it exists and another run
-        made it)."""
+    def serves(self, run_dir: Path) -> dict | None:
+        """The record, when ``run_dir`` would start from the kept policy (it exists and
+        another run made it); else None."""
         record = self.record()
-        return record is not None and record["source"] != str(run_dir)
+        return record if record is not None and record["source"] != str(run_dir) else None
 
     def link_into(self, run_dir: Path) -> dict | None:
         """Hard-link the kept policy into ``run_dir/policy_init`` when it serves that run;
         the record, or None."""
-        if not self.serves(run_dir):
+        record = self.serves(run_dir)
+        if record is None:
             return None
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copytree(self.folder / "policy_init", RunDir(run_dir).policy_init,
                         copy_function=os.link)
-        return self.record()
+        return record
 
     def keep_from(self, run_dir: Path, summary: dict) -> None:
         """Keep ``run_dir``'s warm-started policy and its evaluations for the next arms."""
@@ -450,7 +456,7 @@ END = "<!-- ablation:end -->"
 
 def section(results: list[Result], rows: list[dict], k: int, command: str, plot_name: str,
             budget: Budget, sets: list[str], nav_sets: tuple[str, ...] = ()) -> str:
-    shared = [*common(k), *budget.sets, *sets]
+    shared = shared_sets(k, budget, sets)
     nav_text = f" The arms that navigate also: `{' '.join(nav_sets)}`." if nav_sets else ""
     seeds = sorted({r.seed for r in results})
     failed = [r for r in results if r.error and r.error != NOT_RUN]
@@ -599,7 +605,7 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     write_doc(doc, section(results, rows, k, command.strip(), plot_path.name, budget,
                            list(sets), tuple(nav_sets)))
     doc.with_suffix(".json").write_text(json.dumps(
-        {"budget": {"updates": budget.updates, "sets": [*common(k), *budget.sets, *sets],
+        {"budget": {"updates": budget.updates, "sets": shared_sets(k, budget, list(sets)),
                     "nav_sets": list(nav_sets)},
          "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
          "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results]},
