@@ -256,13 +256,19 @@ def final_policy(run_dir: Path, init: str) -> str | None:
     files = RunDir(run_dir).published_weights()
     if not files:
         return None
+    return str(save_published(init, files[-1], RunDir(run_dir).policy_final))
+
+
+def save_published(init: str, weights: Path, out: Path) -> Path:
+    """:func:`save_policy` for one published weights file: the whole model's tensors, or a
+    LoRA adapter (known by its metadata) merged into ``init``."""
     from safetensors.torch import load
 
     from protocol.weights import AdapterMeta, file_metadata
 
-    data = files[-1].read_bytes()  # read once: the metadata and the tensors
+    data = weights.read_bytes()  # read once: the metadata and the tensors
     adapter = AdapterMeta.from_metadata(file_metadata(data))
-    return str(save_policy(init, load(data), adapter, RunDir(run_dir).policy_final))
+    return save_policy(init, load(data), adapter, out)
 
 
 def save_policy(init: str, state: dict, adapter, out: Path) -> Path:

@@ -51,24 +51,19 @@ def run_points(run_dir: Path) -> dict[int, float]:
 def evaluate_version(run_dir: Path, version: int) -> float:
     """avg@k of published ``version`` merged into the run's warm-start, on the run's held-out
     tasks (a subprocess: ``autodidact eval`` picks the engine's interpreter itself)."""
-    from safetensors.torch import load
-
-    from autodidact.stages import save_policy
-    from protocol.weights import AdapterMeta, file_metadata
+    from autodidact.stages import resumed_policy, save_published
 
     rd = RunDir(run_dir)
-    files = {int(p.stem.lstrip("v")): p for p in rd.published_weights()}
-    if version not in files:
+    weights = rd.weights_file(version)
+    if not weights.exists():
+        kept = [p.name for p in rd.published_weights()]
         raise SystemExit(f"{run_dir}: version {version} was not kept (kept: "
-                         f"{sorted(files) or 'none'}); make the run with weights.keep >= its "
-                         "updates")
+                         f"{kept or 'none'}); make the run with weights.keep >= its updates")
     cfg = load_config(rd.config)
     with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
-        data = files[version].read_bytes()
-        adapter = AdapterMeta.from_metadata(file_metadata(data))
-        init = str(rd.policy_init) if (rd.policy_init / "config.json").exists() \
-            else cfg.model.path
-        model = save_policy(init, load(data), adapter, Path(tmp) / "policy")
+        # the policy RL started from: the warm-start, or the base without one
+        init = resumed_policy(cfg, run_dir, cfg.model.path)
+        model = save_published(init, weights, Path(tmp) / "policy")
         out = Path(tmp) / "eval.jsonl"
         subprocess.run([sys.executable, "-m", "autodidact.cli", "eval", "-c", str(rd.config),
                         "--model", str(model), "-k", str(cfg.eval.k),
