@@ -48,20 +48,21 @@ def run(out: Path, name: str, config: Path, updates: int, sets: list[str], reuse
     return run_dir
 
 
-def rollouts(run_dir: Path) -> list[tuple[int, bool, bool, str]]:
-    """(policy version, guided, success, group id) per stored trajectory."""
+def stored_groups(run_dir: Path):
+    """Every group the run's replay store holds, decoded (read-only, beside a live writer)."""
     store = Store(run_dir, readonly=True)
-    out = []
     try:
-        with store.env.begin() as txn:
+        with store.begin_read() as txn:
             for _, body in store.iter_bodies(txn):
-                group = codec.decode_body("group", bytes(body))
-                version = group.policy_versions()[0]
-                out += [(version, bool(t.experience_ids), t.success, group.group_id)
-                        for t in group.trajectories]
+                yield codec.decode_body("group", bytes(body))
     finally:
         store.close()
-    return out
+
+
+def rollouts(run_dir: Path) -> list[tuple[int, bool, bool, str]]:
+    """(policy version, guided, success, group id) per stored trajectory."""
+    return [(group.policy_versions()[0], bool(t.experience_ids), t.success, group.group_id)
+            for group in stored_groups(run_dir) for t in group.trajectories]
 
 
 def success_curve(rows, unguided_only: bool = True) -> dict[int, float]:

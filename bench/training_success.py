@@ -35,11 +35,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import protocol.messages  # noqa: E402,F401  (registers the message types)
+from bench.run_compare import stored_groups  # noqa: E402
 from metrics.jsonl import read_metrics  # noqa: E402
-from protocol import codec  # noqa: E402
 from protocol.run_dir import RunDir  # noqa: E402
-from replay.store import Store  # noqa: E402
 
 
 @dataclass
@@ -63,16 +61,8 @@ def episodes(run_dir: Path) -> list[Episode]:
     """Every stored rollout of ``run_dir``, oldest policy version first."""
     path = RunDir(run_dir).warmstart_tasks
     warm = set(json.loads(path.read_text())) if path.exists() else None
-    store = Store(run_dir, readonly=True)
-    out = []
-    try:
-        with store.begin_read() as txn:
-            for _, body in store.iter_bodies(txn):
-                group = codec.decode_body("group", bytes(body))
-                known = None if warm is None else group.task.task_id in warm
-                out += [_episode(group, t, known) for t in group.trajectories]
-    finally:
-        store.close()
+    out = [_episode(group, t, None if warm is None else group.task.task_id in warm)
+           for group in stored_groups(run_dir) for t in group.trajectories]
     return sorted(out, key=lambda e: e.version)
 
 
