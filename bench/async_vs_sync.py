@@ -19,6 +19,11 @@ learner's seconds stepping, whose sum over max bounds what overlapping them can 
     .venv/bin/python bench/async_vs_sync.py -c configs/smollm2.yaml --updates 12 \
         --init runs/abl-smollm2/warmstart/s0-plain --eval-tasks 40 --out runs/async-smollm2
 
+``--curve-versions 4,8`` (with ``--eval-tasks`` and ``--set weights.keep=N`` ≥ the updates, so
+the versions are kept) also evaluates those versions of each mode (``bench/heldout_curve.py``)
+and reports the seconds each mode took to reach the sync run's final held-out success, on the
+same clock as the wall time (from the first update; reached before it counts as 0 s).
+
 ``--init DIR`` starts both modes from ``DIR/policy_init`` (a warm-start made before) instead of
 making one; ``--out`` keeps the runs there, and a mode whose run finished with the same
 settings is read back instead of run again.
@@ -37,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
 
 from metrics.jsonl import read_metrics  # noqa: E402
 
@@ -85,6 +92,40 @@ def measure(name: str, run_dir: Path) -> dict:
             "held_out": summary.get("success_rl"), "warm": summary.get("success_warm")}
 
 
+def seconds_at_versions(run_dir: Path) -> dict[int, float]:
+    """Seconds from the first update to each published version (the wall time's clock)."""
+    rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
+    return {int(r["learner/version"]): r["t"] - rows[0]["t"] for r in rows}
+
+
+def seconds_to_level(points: dict[int, float], seconds: dict[int, float],
+                     level: float) -> float | None:
+    """When a mode's held-out curve first reaches ``level``, in seconds on ``seconds``' clock:
+    the (fractional) update read off the curve, then the time at that update interpolated."""
+    from bench.heldout_curve import updates_to_reach
+
+    update = updates_to_reach(points, level)
+    if update is None:
+        return None
+    versions = sorted(seconds)
+    return float(np.interp(update, versions, [seconds[v] for v in versions]))
+
+
+def time_to_level(results: list[dict], root: Path, versions: list[int]) -> dict:
+    """Each mode's held-out curve and its seconds to the sync run's final held-out success."""
+    from bench.heldout_curve import curve
+
+    level = results[0]["held_out"]["avg"]
+    out = {"level": level, "modes": {}}
+    for r in results:
+        run_dir = root / r["mode"]
+        points = curve(run_dir, versions)
+        out["modes"][r["mode"]] = {
+            "curve": points,
+            "seconds_to_level": seconds_to_level(points, seconds_at_versions(run_dir), level)}
+    return out
+
+
 def _group_size(run_dir: Path) -> int:
     import yaml
 
@@ -118,22 +159,27 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="keep the runs here (and reuse finished ones); default a temp dir")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--curve-versions", default="",
+                    help="versions of each mode to evaluate for the time to the same held-out "
+                         "success, e.g. 4,8 (needs --eval-tasks and weights.keep)")
     args = ap.parse_args()
+    versions = [int(v) for v in args.curve_versions.split(",") if v]
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-async-"))
     try:
         seed_dir = args.init or make_seed(root, args.sets, args.config)
         results = [run_mode(mode, root, seed_dir, args.updates, staleness, args.sets,
                             args.config, args.eval_tasks)
                    for mode, staleness in (("sync", 0), ("async", args.staleness))]
+        reached = time_to_level(results, root, versions) if versions else None
     finally:
         if args.out is None and not os.environ.get("KEEP_BENCH"):
             shutil.rmtree(root, ignore_errors=True)
-    print(report(results))
+    print(report(results, reached))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({"modes": results, "time_to_level": reached}, indent=1))
 
 
-def report(results: list[dict]) -> str:
+def report(results: list[dict], reached: dict | None = None) -> str:
     lines = []
     for r in results:
         held = r["held_out"]
@@ -152,6 +198,21 @@ def report(results: list[dict]) -> str:
     if a and lrn:
         lines.append(f"overlap bound from the sync run's busy times: (A + L) / max(A, L) = "
                      f"({a:.0f} + {lrn:.0f}) / {max(a, lrn):.0f} = {(a + lrn) / max(a, lrn):.2f}x")
+    if reached:
+        lines.append(report_time_to_level(reached))
+    return "\n".join(lines)
+
+
+def report_time_to_level(reached: dict) -> str:
+    lines = [f"time to the sync run's final held-out success ({reached['level']:.1%}):"]
+    for mode, r in reached["modes"].items():
+        pts = "  ".join(f"v{v}:{s:.1%}" for v, s in sorted(r["curve"].items()))
+        when = r["seconds_to_level"]
+        lines.append(f"  {mode:>5}: {pts}   reached at "
+                     f"{'never' if when is None else f'{when:.0f}s'}")
+    sync, asyn = (reached["modes"][m]["seconds_to_level"] for m in ("sync", "async"))
+    if sync and asyn:
+        lines.append(f"  sync/async time to that success: {sync / asyn:.2f}x")
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ and the updates each group of runs needs to reach a held-out level.
     python bench/heldout_curve.py --versions 5,10 \
         --group outcome=runs/abl-smollm2/questioning-s0,runs/abl-smollm2/questioning-s1 \
         --group attribution=runs/abl-smollm2/questioning-attributing-s0,... \
-        [--level 0.55] [--json docs/attribution_smollm2.json]
+        [--level 0.55] [--json docs/attribution_smollm2.json] [--plot docs/attribution_smollm2.png]
 
 A run keeps its published versions when made with ``weights.keep`` at least its updates
 (``autodidact ablation`` passes it). Each asked version is merged into the run's warm-started
@@ -133,6 +133,34 @@ def show(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: Path) -> Path:
+    """One line per run (a colour per group), the group's mean at the versions every run of it
+    has, and the level as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for colour, (name, cs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"],
+                                  result["curves"].items()):
+        for c in cs.values():
+            vs = sorted(int(v) for v in c)
+            ax.plot(vs, [100 * c[v] for v in vs], color=colour, alpha=0.35, marker=".")
+        shared = sorted(set.intersection(*(set(int(v) for v in c) for c in cs.values())))
+        ax.plot(shared, [100 * np.mean([c[v] for c in cs.values()]) for v in shared],
+                color=colour, linewidth=2.5, marker="o", label=f"{name} (mean of {len(cs)})")
+    ax.axhline(100 * result["level"], color="grey", linestyle="--", linewidth=1, label="level")
+    ax.set_xlabel("RL update (weight version)")
+    ax.set_ylabel("held-out success, avg@k (%)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--group", action="append", required=True, metavar="NAME=DIR,DIR",
@@ -141,6 +169,7 @@ def main() -> None:
     ap.add_argument("--level", type=float, default=None,
                     help="held-out avg@k to reach (default: the first group's mean final)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="also draw the curves here (png)")
     args = ap.parse_args()
     groups = {}
     for text in args.group:
@@ -151,6 +180,8 @@ def main() -> None:
     print(show(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        print(f"plot: {plot(result, args.plot)}")
 
 
 if __name__ == "__main__":

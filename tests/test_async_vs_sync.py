@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.async_vs_sync import report
 
 
@@ -20,3 +22,26 @@ def test_report_gives_the_speed_up_and_the_bound_of_the_sync_run():
     # (A + L) / max(A, L) of the sync run: (60 + 40) / 60
     assert "(60 + 40) / 60 = 1.67x" in text
     assert "held-out avg 50.0%" in text
+
+
+def test_time_to_level_reads_the_curve_then_the_clock_of_its_updates():
+    from bench.async_vs_sync import seconds_to_level
+
+    seconds = {1: 0.0, 2: 100.0, 4: 300.0, 8: 700.0}
+    # the curve reaches 0.5 halfway from version 4 (0.4) to 8 (0.6): update 6, 500 s
+    assert seconds_to_level({0: 0.3, 4: 0.4, 8: 0.6}, seconds, 0.5) == pytest.approx(500.0)
+    # reached by the warm-start: before the first update, so 0 s on this clock
+    assert seconds_to_level({0: 0.55, 8: 0.6}, seconds, 0.5) == 0.0
+    assert seconds_to_level({0: 0.3, 8: 0.45}, seconds, 0.5) is None
+
+
+def test_report_gives_the_ratio_of_the_times_to_the_same_success():
+    from bench.async_vs_sync import report
+
+    reached = {"level": 0.5, "modes": {
+        "sync": {"curve": {0: 0.3, 12: 0.5}, "seconds_to_level": 600.0},
+        "async": {"curve": {0: 0.3, 6: 0.5, 12: 0.55}, "seconds_to_level": 240.0}}}
+    text = report([mode("sync", 600.0, 1.0, 60.0, 40.0), mode("async", 400.0, 1.5, 70.0, 45.0)],
+                  reached)
+    assert "sync/async time to that success: 2.50x" in text
+    assert "async: v0:30.0%  v6:50.0%  v12:55.0%   reached at 240s" in text

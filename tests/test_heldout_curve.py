@@ -30,3 +30,13 @@ def test_a_curve_is_the_runs_own_points_and_the_kept_evaluations(tmp_path):
     (tmp_path / "heldout_curve.json").write_text(json.dumps({"5": 0.4}))
     # version 5 is read from the cache (nothing is evaluated); 20 is past the run's last
     assert curve(tmp_path, [5, 20]) == {0: 0.3, 5: 0.4, 15: 0.5}
+
+
+def test_the_plot_draws_every_group_even_when_its_runs_kept_different_versions(tmp_path):
+    from bench.heldout_curve import plot
+
+    result = {"level": 0.45, "curves": {
+        "grpo": {"a": {0: 0.3, 8: 0.4, 15: 0.45}, "b": {0: 0.32, 15: 0.44}},
+        "composite": {"c": {0: 0.3, 8: 0.5, 15: 0.5}}}}
+    path = plot(result, tmp_path / "curve.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
