@@ -89,7 +89,10 @@ def measure(name: str, run_dir: Path) -> dict:
             "learner_idle_s": sum(r["learner/idle_s"] for r in rows[1:]),
             "actor_rollout_s": sum(r["actor/rollout_s"] for r in actor),
             "actor_idle_s": sum(r["actor/idle_s"] for r in actor),
-            "held_out": summary.get("success_rl"), "warm": summary.get("success_warm")}
+            "held_out": summary.get("success_rl"), "warm": summary.get("success_warm"),
+            # per update: where the learner's time went (the plot shows the cores' contention)
+            "step_s_each": [r["learner/step_s"] for r in rows],
+            "idle_s_each": [r["learner/idle_s"] for r in rows]}
 
 
 def seconds_at_versions(run_dir: Path) -> dict[int, float]:
@@ -120,10 +123,50 @@ def time_to_level(results: list[dict], root: Path, versions: list[int]) -> dict:
     for r in results:
         run_dir = root / r["mode"]
         points = curve(run_dir, versions)
-        out["modes"][r["mode"]] = {
-            "curve": points,
-            "seconds_to_level": seconds_to_level(points, seconds_at_versions(run_dir), level)}
+        seconds = seconds_at_versions(run_dir)
+        out["modes"][r["mode"]] = {"curve": points, "seconds_at_versions": seconds,
+                                   "seconds_to_level": seconds_to_level(points, seconds, level)}
     return out
+
+
+def plot(results: list[dict], reached: dict | None, path: Path) -> Path:
+    """Left: the learner's seconds per update, stepping and waiting for data, per mode.
+    Right (with a curve): held-out success against seconds from the first update."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if reached else 1, figsize=(11 if reached else 6, 4.3),
+                             squeeze=False)
+    ax = axes[0][0]
+    for r, colour in zip(results, ("tab:blue", "tab:orange")):
+        updates = range(1, len(r["step_s_each"]) + 1)
+        ax.plot(updates, r["step_s_each"], color=colour, marker="o", label=f"{r['mode']}: stepping")
+        ax.plot(updates, r["idle_s_each"], color=colour, linestyle=":", marker=".",
+                label=f"{r['mode']}: waiting for data")
+    ax.set_xlabel("learner update")
+    ax.set_ylabel("seconds")
+    ax.set_title("the learner's time per update")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    if reached:
+        ax = axes[0][1]
+        for (mode, r), colour in zip(reached["modes"].items(), ("tab:blue", "tab:orange")):
+            seconds = {int(v): s for v, s in r["seconds_at_versions"].items()}
+            vs = sorted(int(v) for v in r["curve"])
+            ax.plot([seconds.get(v, 0.0) for v in vs], [100 * r["curve"][v] for v in vs],
+                    color=colour, marker="o", label=mode)
+        ax.axhline(100 * reached["level"], color="grey", linestyle="--", linewidth=1,
+                   label="sync's final held-out")
+        ax.set_xlabel("seconds from the first update (version 0 drawn at 0)")
+        ax.set_ylabel("held-out success, avg@k (%)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _group_size(run_dir: Path) -> int:
@@ -159,6 +202,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="keep the runs here (and reuse finished ones); default a temp dir")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--plot", type=Path, default=None, help="also draw the modes here (png)")
     ap.add_argument("--curve-versions", default="",
                     help="versions of each mode to evaluate for the time to the same held-out "
                          "success, e.g. 4,8 (needs --eval-tasks and weights.keep)")
@@ -177,6 +221,8 @@ def main() -> None:
     print(report(results, reached))
     if args.json:
         args.json.write_text(json.dumps({"modes": results, "time_to_level": reached}, indent=1))
+    if args.plot:
+        print(f"plot: {plot(results, reached, args.plot)}")
 
 
 def report(results: list[dict], reached: dict | None = None) -> str:
