@@ -202,6 +202,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help="keep the runs here (and reuse finished ones); default a temp dir")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--async-set", dest="async_sets", action="append", default=[],
+                    help="overrides for the async mode only, e.g. learner.torch_threads=1 to "
+                         "split the cores between the roles instead of oversubscribing them")
     ap.add_argument("--plot", type=Path, default=None, help="also draw the modes here (png)")
     ap.add_argument("--curve-versions", default="",
                     help="versions of each mode to evaluate for the time to the same held-out "
@@ -211,9 +214,10 @@ def main() -> None:
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-async-"))
     try:
         seed_dir = args.init or make_seed(root, args.sets, args.config)
-        results = [run_mode(mode, root, seed_dir, args.updates, staleness, args.sets,
+        results = [run_mode(mode, root, seed_dir, args.updates, staleness, args.sets + extra,
                             args.config, args.eval_tasks)
-                   for mode, staleness in (("sync", 0), ("async", args.staleness))]
+                   for mode, staleness, extra in (("sync", 0, []),
+                                                  ("async", args.staleness, args.async_sets))]
         reached = time_to_level(results, root, versions) if versions else None
     finally:
         if args.out is None and not os.environ.get("KEEP_BENCH"):
