@@ -304,7 +304,11 @@ class LearnerConfig:
     """Stop RL after this much wall time."""
 
     torch_threads: int = 1
-    """CPU threads for the learner process."""
+    """CPU threads for the learner process. On a CPU machine that also runs the actors, more
+    threads than the cores the actors leave free oversubscribe them: SmolLM2 with transformers
+    actors on 2 cores stepped 2.8x slower at 2 threads beside a generating actor than at 2
+    threads alone, while 1 thread beside it made async 1.62x faster than sync (README,
+    Benchmarks). Sync runs never overlap the roles, so they want every core."""
 
     probe_every: int = 0
     """Every n updates, score the batch again after the step and log ``learner/step_gain``
