@@ -92,13 +92,10 @@ def measure(name: str, run_dir: Path) -> dict:
             "held_out": summary.get("success_rl"), "warm": summary.get("success_warm"),
             # per update: where the learner's time went (the plot shows the cores' contention)
             "step_s_each": [r["learner/step_s"] for r in rows],
-            "idle_s_each": [r["learner/idle_s"] for r in rows]}
-
-
-def seconds_at_versions(run_dir: Path) -> dict[int, float]:
-    """Seconds from the first update to each published version (the wall time's clock)."""
-    rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
-    return {int(r["learner/version"]): r["t"] - rows[0]["t"] for r in rows}
+            "idle_s_each": [r["learner/idle_s"] for r in rows],
+            # the wall time's clock at each published version, for the time to a success
+            "seconds_at_versions": {int(r["learner/version"]): r["t"] - rows[0]["t"]
+                                    for r in rows}}
 
 
 def seconds_to_level(points: dict[int, float], seconds: dict[int, float],
@@ -121,11 +118,10 @@ def time_to_level(results: list[dict], root: Path, versions: list[int]) -> dict:
     level = results[0]["held_out"]["avg"]
     out = {"level": level, "modes": {}}
     for r in results:
-        run_dir = root / r["mode"]
-        points = curve(run_dir, versions)
-        seconds = seconds_at_versions(run_dir)
-        out["modes"][r["mode"]] = {"curve": points, "seconds_at_versions": seconds,
-                                   "seconds_to_level": seconds_to_level(points, seconds, level)}
+        points = curve(root / r["mode"], versions)
+        out["modes"][r["mode"]] = {
+            "curve": points,
+            "seconds_to_level": seconds_to_level(points, r["seconds_at_versions"], level)}
     return out
 
 
@@ -152,11 +148,11 @@ def plot(results: list[dict], reached: dict | None, path: Path) -> Path:
     ax.grid(alpha=0.3)
     if reached:
         ax = axes[0][1]
-        for (mode, r), colour in zip(reached["modes"].items(), ("tab:blue", "tab:orange")):
-            seconds = {int(v): s for v, s in r["seconds_at_versions"].items()}
-            vs = sorted(int(v) for v in r["curve"])
-            ax.plot([seconds.get(v, 0.0) for v in vs], [100 * r["curve"][v] for v in vs],
-                    color=colour, marker="o", label=mode)
+        for r, colour in zip(results, ("tab:blue", "tab:orange")):
+            points = reached["modes"][r["mode"]]["curve"]
+            vs = sorted(points)
+            ax.plot([r["seconds_at_versions"].get(v, 0.0) for v in vs],
+                    [100 * points[v] for v in vs], color=colour, marker="o", label=r["mode"])
         ax.axhline(100 * reached["level"], color="grey", linestyle="--", linewidth=1,
                    label="sync's final held-out")
         ax.set_xlabel("seconds from the first update (version 0 drawn at 0)")

@@ -145,9 +145,9 @@ def plot(result: dict, path: Path) -> Path:
     for colour, (name, cs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"],
                                   result["curves"].items()):
         for c in cs.values():
-            vs = sorted(int(v) for v in c)
+            vs = sorted(c)
             ax.plot(vs, [100 * c[v] for v in vs], color=colour, alpha=0.35, marker=".")
-        shared = sorted(set.intersection(*(set(int(v) for v in c) for c in cs.values())))
+        shared = sorted(set.intersection(*(set(c) for c in cs.values())))
         ax.plot(shared, [100 * np.mean([c[v] for c in cs.values()]) for v in shared],
                 color=colour, linewidth=2.5, marker="o", label=f"{name} (mean of {len(cs)})")
     ax.axhline(100 * result["level"], color="grey", linestyle="--", linewidth=1, label="level")
