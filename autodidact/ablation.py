@@ -36,12 +36,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
 import click
 
+from autodidact.heldout import curve
 from protocol.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +125,9 @@ class Result:
     seconds: float = 0.0
     error: str = ""
     reused: bool = False  # read from a finished run of an earlier call
+    stamp: list[str] = field(default_factory=list)  # what defines the cell (cell_stamp)
+    curve: dict[int, float] = field(default_factory=dict)  # held-out avg@k by weight version
+    from_record: bool = False  # read from the doc's json, the run directory being gone
 
 
 # --- running ---------------------------------------------------------------------------------
@@ -171,22 +176,115 @@ def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None)
                   seconds=float(summary.get("ablation_seconds", 0.0)))
 
 
-def run_arm(arm: str, seed: int, out: Path, config: Path | None, budget: Budget,
-            sets: list[str], fresh: bool, k: int = K, llm_judge: str | None = None,
-            nav_sets: tuple[str, ...] = (), may_run: bool = True) -> Result:
-    """One trained arm at one seed: reused when finished before with the same argv."""
+def cell_stamp(config: Path | None, updates: int, shared: list[str],
+               settings: tuple[str, ...], seed: int) -> list[str]:
+    """What defines one arm at one seed, whatever machine or folder runs it: two runs of equal
+    stamps are the same experiment."""
+    return [str(config), f"updates={updates}", *shared, *settings, f"seed={seed}"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the cells of one ``autodidact ablation`` call share."""
+
+    out: Path
+    config: Path | None
+    budget: Budget
+    sets: list[str]
+    k: int = K
+    llm_judge: str | None = None
+    nav_sets: tuple[str, ...] = ()
+    fresh: bool = False
+    records: Records | None = None
+    """Finished cells of earlier calls, from the doc's json (None: trust run directories only)."""
+    curve_versions: tuple[int, ...] = ()
+    """Weight versions evaluated on held-out tasks after RL, for the arms in ``curve_arms``."""
+    curve_arms: tuple[str, ...] = ()
+
+    def curve_asked(self, arm: str) -> list[int]:
+        """The versions ``arm``'s runs must have a held-out point at (none past the last)."""
+        if arm not in self.curve_arms:
+            return []
+        return [v for v in self.curve_versions if 0 < v < self.budget.updates]
+
+
+def run_arm(arm: str, seed: int, plan: Plan, may_run: bool = True,
+            use_records: bool = True, evaluate: bool = True) -> Result:
+    """One trained arm at one seed: reused when its run directory finished before with the same
+    argv, or else (``use_records``) when the doc's json recorded it with the same stamp;
+    otherwise run (``may_run``). A run directory's missing curve points are evaluated
+    (``evaluate``); a record's cannot be (see ``lacks_curve``)."""
+    out, budget, fresh = plan.out, plan.budget, plan.fresh
     run_dir = (out / run_name(arm, seed)).resolve()
-    group = f"{out.name}/{arm}"
-    shared = shared_sets(k, budget, sets)
-    settings = arm_settings(arm, llm_judge, nav_sets)
-    warm = SharedWarmStart.of(settings, seed, out, config, shared)
+    shared = shared_sets(plan.k, budget, plan.sets)
+    settings = arm_settings(arm, plan.llm_judge, plan.nav_sets)
+    stamp = cell_stamp(plan.config, budget.updates, shared, settings, seed)
+    warm = SharedWarmStart.of(settings, seed, out, plan.config, shared)
     # A run starting from a kept warm-start has nothing new to evaluate before RL.
     reused = ["eval.before_rl=false"] if warm.serves(run_dir) is not None and not fresh else []
-    argv = run_argv(config, run_dir, budget.updates,
+    argv = run_argv(plan.config, run_dir, budget.updates,
                     [*shared, *settings, f"seed={seed}", *reused,
-                     f"name=abl-{run_name(arm, seed)}", f"tracking.group={group}"])
-    return run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh,
-                        may_run=may_run, warm=warm)
+                     f"name=abl-{run_name(arm, seed)}", f"tracking.group={out.name}/{arm}"])
+    asked = plan.curve_asked(arm)
+    recorded = plan.records.lookup(arm, seed, stamp) \
+        if plan.records and use_records and not fresh and not finished(run_dir, argv) else None
+    if recorded is not None:
+        return recorded
+    result = run_or_reuse(arm, seed, run_dir, argv, out / f"{run_dir.name}.log", fresh,
+                          may_run=may_run, warm=warm)
+    result.stamp = stamp
+    if asked and result.final and result.run_dir:
+        result.curve = curve(result.run_dir, asked, evaluate=evaluate)
+    return result
+
+
+class Records:
+    """The finished cells an earlier call wrote into the doc's json, committed beside the doc.
+
+    A fresh checkout has no run directories, so without these an ablation that spans sessions
+    would start over each time. A record stands in for its run when its stamp is the cell's;
+    the run directory, when present, still comes first. A record of other settings is
+    replaced when its cell runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        runs = json.loads(path.read_text())["runs"] if path.exists() else []
+        self.by_cell = {(r["arm"], r["seed"]): r for r in runs
+                        if r.get("stamp") and r.get("final") and not r.get("error")}
+
+    def lookup(self, arm: str, seed: int, stamp: list[str]) -> Result | None:
+        record = self.by_cell.get((arm, seed))
+        if record is None or record["stamp"] != stamp:
+            return None
+        points = {int(v): s for v, s in (record.get("curve") or {}).items()}
+        run_dir = Path(record["run_dir"]) if record.get("run_dir") else None
+        return Result(arm, seed, run_dir, base=record["base"], warm=record["warm"],
+                      final=record["final"], updates=record["updates"],
+                      seconds=record["seconds"], reused=True, stamp=stamp, curve=points,
+                      from_record=True)
+
+
+def lacks_curve(result: Result, plan: Plan) -> bool:
+    """Whether a recorded cell misses curve points the plan asks: its weights are gone with its
+    run directory, so the cell is run again (keeping the record until the new run replaces
+    it)."""
+    return result.from_record and any(v not in result.curve
+                                       for v in plan.curve_asked(result.arm))
+
+
+def same_evaluation(a: dict, b: dict) -> bool:
+    """Whether two held-out evaluations of the same tasks and sampling seed gave the same
+    numbers: the fingerprint of a warm-started policy that outlives its files."""
+    return all(a.get(key) == b.get(key) for key in ("avg", "best", "greedy"))
+
+
+def stale_records(results: list[Result], made: Result) -> list[int]:
+    """Indices of the recorded cells of ``made``'s seed whose warm-start evaluated otherwise
+    than the one ``made`` started from: re-made on another machine, it is another policy, so
+    pairing those cells with ``made`` would compare RL from different starts."""
+    return [i for i, r in enumerate(results)
+            if r.from_record and r.seed == made.seed and made.warm
+            and not same_evaluation(r.warm, made.warm)]
 
 
 @dataclass(frozen=True)
@@ -571,11 +669,18 @@ def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
 @click.option("--doc", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Markdown file the table goes into, with the plot beside it (default "
                    "docs/ablation.md; --quick: OUT/ablation.md).")
+@click.option("--curve-versions", default="", metavar="5,10",
+              help="Also evaluate these weight versions of the --curve-arms runs on the held-out "
+                   "tasks (needs weights.keep >= --updates): a learning curve per run, recorded "
+                   "in the doc's json for bench/heldout_curve.py --ablation.")
+@click.option("--curve-arms", default=None, metavar="A,B",
+              help=f"Arms whose runs get --curve-versions (default {REFERENCE} and the "
+                   "attributing arms: attribution's data efficiency).")
 @click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
 @click.option("--no-run", "no_run", is_flag=True,
               help="Run nothing: write the table from the runs finished so far.")
 def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, out, doc,
-             fresh, no_run):
+             curve_versions, curve_arms, fresh, no_run):
     """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
     held-out original tasks, and write it with a plot into docs/ablation.md.
 
@@ -583,6 +688,9 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     autodidact ablation                 3 seeds x 4 trained arms (about an hour on 2 cores)
     autodidact ablation --quick         1 seed, small budget (under 10 minutes)
     autodidact ablation --seeds 0,1,2,3,4 --updates 200 --out runs/abl-long
+
+    Finished cells are recorded in the doc's json (committed beside the doc), so the same
+    command on a fresh checkout goes on where the last one stopped.
     """
     budget = QUICK_BUDGET if quick else DEFAULT_BUDGET
     if updates is not None:
@@ -594,26 +702,54 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     check_sets([*sets, *nav_sets])
     out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
     doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
-    results = run_all(arm_list, seed_list, out, config, budget, list(sets), fresh, k,
-                      llm_judge, tuple(nav_sets), may_run=not no_run)
-    rows = summarize(results, k)
-    click.echo("\n" + table(rows, k))
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    plot_path = plot(results, rows, k, doc.with_suffix(".png"))
+    attributing = [a for a in arm_list if "attributing" in a]
+    plan = Plan(out, config, budget, list(sets), k, llm_judge, tuple(nav_sets), fresh,
+                Records(doc.with_suffix(".json")), parse_versions(curve_versions),
+                tuple(parse_arms(curve_arms, llm_judge) if curve_arms
+                      else [REFERENCE, *attributing]))
     command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
         else "autodidact ablation"
-    write_doc(doc, section(results, rows, k, command.strip(), plot_path.name, budget,
-                           list(sets), tuple(nav_sets)))
-    doc.with_suffix(".json").write_text(json.dumps(
-        {"budget": {"updates": budget.updates, "sets": shared_sets(k, budget, list(sets)),
-                    "nav_sets": list(nav_sets)},
-         "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
-         "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results]},
-        indent=1, default=str))
+
+    def publish(results: list[Result]) -> Path:
+        return write_outputs(results, plan, doc, command.strip())
+
+    results = run_all(arm_list, seed_list, plan, may_run=not no_run, publish=publish)
+    click.echo("\n" + table(summarize(results, k), k))
+    plot_path = publish(results)
     overlay(results, out)
     click.echo(f"table and plot written to {doc} and {plot_path}")
     if any(r.error and r.error != NOT_RUN for r in results):
         raise SystemExit(1)
+
+
+def parse_versions(text: str) -> tuple[int, ...]:
+    try:
+        versions = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}",
+                                 param_hint="--curve-versions") from None
+    if any(v < 1 for v in versions):
+        raise click.BadParameter("versions start at 1 (0 is the warm-start, always on the "
+                                 "curve)", param_hint="--curve-versions")
+    return versions
+
+
+def write_outputs(results: list[Result], plan: Plan, doc: Path, command: str) -> Path:
+    """The doc's generated section, its plot, and its json: the table's rows and every cell,
+    the records a later call reuses. Returns the plot's path."""
+    rows = summarize(results, plan.k)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    plot_path = plot(results, rows, plan.k, doc.with_suffix(".png"))
+    write_doc(doc, section(results, rows, plan.k, command, plot_path.name, plan.budget,
+                           plan.sets, plan.nav_sets))
+    doc.with_suffix(".json").write_text(json.dumps(
+        {"budget": {"updates": plan.budget.updates,
+                    "sets": shared_sets(plan.k, plan.budget, plan.sets),
+                    "nav_sets": list(plan.nav_sets)},
+         "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
+         "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results]},
+        indent=1, default=str))
+    return plot_path
 
 
 def _no_nan(value):
@@ -635,45 +771,65 @@ def _shown_path(path: Path | None) -> str | None:
         return str(path)
 
 
-def run_all(arms: list[str], seeds: list[int], out: Path, config: Path | None, budget: Budget,
-            sets: list[str], fresh: bool, k: int = K,
-            llm_judge: str | None = None, nav_sets: tuple[str, ...] = (),
-            may_run: bool = True) -> list[Result]:
+def run_all(arms: list[str], seeds: list[int], plan: Plan, may_run: bool = True,
+            publish=None) -> list[Result]:
+    """Every cell, seed by seed: first what is reused (run directories, then records), then
+    the rest run one at a time, with ``publish(shown results)`` after each so an interrupted
+    call loses at most the cell it was running."""
     trained = [(arm, seed) for seed in seeds for arm in arms
-               if arm_settings(arm, llm_judge) is not None]
+               if arm_settings(arm, plan.llm_judge) is not None]
     if not trained:
         trained = [(REFERENCE, seed) for seed in seeds]  # zero-shot alone still needs a base
-    out.mkdir(parents=True, exist_ok=True)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    results = [run_arm(arm, seed, plan, may_run=False, evaluate=may_run)
+               for arm, seed in trained]
+    for result in results:
+        if not result.error:
+            announce(result, plan.k, "(reused from the doc's json)" if result.from_record
+                     else "(reused)")
+    pending = deque(i for i, r in enumerate(results) if r.error or lacks_curve(r, plan))
     click.echo(f"ablation: {len(trained)} runs ({len(seeds)} seed(s) x "
-               f"{len({a for a, _ in trained})} trained arm(s), {budget.updates} RL updates "
-               f"each) into {out}")
-    t0 = time.monotonic()
-    results = []
-    for i, (arm, seed) in enumerate(trained, 1):
-        if may_run:
-            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: running "
-                       f"(log {out / (run_name(arm, seed) + '.log')})")
-        result = run_arm(arm, seed, out, config, budget, sets, fresh, k, llm_judge, nav_sets,
-                         may_run)
-        results.append(result)
-        elapsed = time.monotonic() - t0
-        eta = elapsed / i * (len(trained) - i)
-        if result.error == NOT_RUN:
-            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: not run yet")
-        elif result.error:
-            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: FAILED, {result.error}")
-        else:
-            reused = " (reused)" if result.reused else ""
-            click.echo(f"[{i}/{len(trained)}] {arm} seed {seed}: held-out avg@{k} "
-                       f"{result.base.get('avg', math.nan):.1%} -> warm-start "
-                       f"{result.warm.get('avg', math.nan):.1%} -> RL "
-                       f"{result.final['avg']:.1%} (best@{k} {result.final['best']:.1%}), "
-                       f"{result.updates} updates, {result.seconds / 60:.1f} min{reused}; "
-                       f"about {eta / 60:.0f} min left")
-    shown = [r for r in results if r.arm in arms]
-    if "zero-shot" in arms:
-        shown = [zero_shot(results, s) for s in seeds] + shown
-    return shown
+               f"{len({a for a, _ in trained})} trained arm(s), {plan.budget.updates} RL "
+               f"updates each) into {plan.out}; {len(pending)} "
+               f"{'to run' if may_run else 'not run yet (--no-run)'}")
+    t0, done = time.monotonic(), 0
+    while may_run and pending:
+        i = pending.popleft()
+        arm, seed = results[i].arm, results[i].seed
+        click.echo(f"{arm} seed {seed}: running (log "
+                   f"{plan.out / (run_name(arm, seed) + '.log')}); {len(pending)} after it")
+        results[i] = run_arm(arm, seed, plan, use_records=False)
+        done += 1
+        left = (time.monotonic() - t0) / done * len(pending)
+        announce(results[i], plan.k, f"about {left / 60:.0f} min left")
+        stale = [j for j in stale_records(results, results[i]) if j not in pending]
+        if stale:
+            click.echo(f"seed {seed}: the warm-start made again evaluates {results[i].warm} "
+                       f"against {results[stale[0]].warm} recorded: the seed's "
+                       f"{len(stale)} recorded run(s) are run again from it")
+            pending.extendleft(reversed(stale))
+        if publish is not None:
+            publish(shown(results, arms, seeds))
+    return shown(results, arms, seeds)
+
+
+def announce(result: Result, k: int, note: str) -> None:
+    head = f"{result.arm} seed {result.seed}"
+    if result.error == NOT_RUN:
+        return
+    if result.error:
+        click.echo(f"{head}: FAILED, {result.error}")
+        return
+    click.echo(f"{head}: held-out avg@{k} {result.base.get('avg', math.nan):.1%} -> warm-start "
+               f"{result.warm.get('avg', math.nan):.1%} -> RL {result.final['avg']:.1%} "
+               f"(best@{k} {result.final['best']:.1%}), {result.updates} updates, "
+               f"{result.seconds / 60:.1f} min; {note}")
+
+
+def shown(results: list[Result], arms: list[str], seeds: list[int]) -> list[Result]:
+    """The asked arms' results, with zero-shot (read off each seed's runs) first if asked."""
+    trained = [r for r in results if r.arm in arms]
+    return [zero_shot(results, s) for s in seeds] + trained if "zero-shot" in arms else trained
 
 
 def overlay(results: list[Result], out: Path) -> None:
@@ -681,7 +837,8 @@ def overlay(results: list[Result], out: Path) -> None:
     from autodidact.report import make_report
 
     first = min((r.seed for r in results), default=None)
-    runs = [r for r in results if r.seed == first and r.run_dir and r.final]
+    runs = [r for r in results if r.seed == first and r.run_dir and r.final
+            and RunDir(r.run_dir).summary.exists()]  # a recorded cell's directory may be gone
     if len(runs) < 1:
         return
     path = make_report([r.run_dir for r in runs], [r.arm for r in runs], out / "report")

@@ -113,7 +113,7 @@ def seconds_to_level(points: dict[int, float], seconds: dict[int, float],
 
 def time_to_level(results: list[dict], root: Path, versions: list[int]) -> dict:
     """Each mode's held-out curve and its seconds to the sync run's final held-out success."""
-    from bench.heldout_curve import curve
+    from autodidact.heldout import curve
 
     level = results[0]["held_out"]["avg"]
     out = {"level": level, "modes": {}}

@@ -6,12 +6,13 @@ and the updates each group of runs needs to reach a held-out level.
         --group attribution=runs/abl-smollm2/questioning-attributing-s0,... \
         [--level 0.55] [--json docs/attribution_smollm2.json] [--plot docs/attribution_smollm2.png]
 
-A run keeps its published versions when made with ``weights.keep`` at least its updates
-(``autodidact ablation`` passes it). Each asked version is merged into the run's warm-started
-policy and evaluated with ``autodidact eval`` on the run's own held-out tasks (its config: the
-same tasks, k and temperature as the run's evaluations), kept in ``RUN/heldout_curve.json`` so
-a second call evaluates only what is missing. Version 0 and the last version are the run's own
-evaluations after warm-start and after RL (``summary.json``).
+    python bench/heldout_curve.py --ablation docs/ablation_smollm2.json \
+        --group grpo=+questioning --group reference=+questioning+attributing ...
+
+The first form evaluates the asked versions of run directories (``autodidact/heldout.py``;
+kept in each run, so asking again costs nothing). The second reads the curves an ablation
+recorded with ``--curve-versions`` in its json, one group per arm, all seeds: the run
+directories need not exist any more.
 
 The level defaults to the first group's mean final held-out success; the updates to reach it
 are read off each run's curve by linear interpolation between evaluated versions (None when a
@@ -22,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,62 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from protocol.config import load_config  # noqa: E402
-from protocol.run_dir import RunDir  # noqa: E402
-
-
-def run_points(run_dir: Path) -> dict[int, float]:
-    """Held-out avg@k after warm-start (version 0) and after RL (the last version)."""
-    summary = json.loads(RunDir(run_dir).summary.read_text())
-    last = int((summary.get("learner") or {}).get("learner/version", 0))
-    points = {}
-    if summary.get("success_warm"):
-        points[0] = summary["success_warm"]["avg"]
-    if summary.get("success_rl") and last:
-        points[last] = summary["success_rl"]["avg"]
-    return points
-
-
-def evaluate_version(run_dir: Path, version: int) -> float:
-    """avg@k of published ``version`` merged into the run's warm-start, on the run's held-out
-    tasks (a subprocess: ``autodidact eval`` picks the engine's interpreter itself)."""
-    from autodidact.stages import resumed_policy, save_published
-
-    rd = RunDir(run_dir)
-    weights = rd.weights_file(version)
-    if not weights.exists():
-        kept = [p.name for p in rd.published_weights()]
-        raise SystemExit(f"{run_dir}: version {version} was not kept (kept: "
-                         f"{kept or 'none'}); make the run with weights.keep >= its updates")
-    cfg = load_config(rd.config)
-    with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
-        # the policy RL started from: the warm-start, or the base without one
-        init = resumed_policy(cfg, run_dir, cfg.model.path)
-        model = save_published(init, weights, Path(tmp) / "policy")
-        out = Path(tmp) / "eval.jsonl"
-        subprocess.run([sys.executable, "-m", "autodidact.cli", "eval", "-c", str(rd.config),
-                        "--model", str(model), "-k", str(cfg.eval.k),
-                        "--limit", str(cfg.eval.num_tasks), "--run-dir", str(Path(tmp) / "run"),
-                        "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        return json.loads(out.with_suffix(".summary.json").read_text())["avg"]
-
-
-def curve(run_dir: Path, versions: list[int]) -> dict[int, float]:
-    """Held-out avg@k per version: the run's own points plus ``versions``, cached."""
-    cache_path = run_dir / "heldout_curve.json"
-    cache = {int(v): s for v, s in json.loads(cache_path.read_text()).items()} \
-        if cache_path.exists() else {}
-    points = run_points(run_dir)
-    last = max(points, default=0)
-    for v in versions:
-        if v in points or v >= last and last:
-            continue
-        if v not in cache:
-            print(f"[heldout] {run_dir.name}: evaluating version {v}", flush=True)
-            cache[v] = evaluate_version(run_dir, v)
-            cache_path.write_text(json.dumps(cache, indent=1))
-        points[v] = cache[v]
-    return dict(sorted(points.items()))
+from autodidact.heldout import curve  # noqa: E402
 
 
 def updates_to_reach(points: dict[int, float], level: float) -> float | None:
@@ -101,9 +45,30 @@ def updates_to_reach(points: dict[int, float], level: float) -> float | None:
     return float(items[-1][0]) if items and items[-1][1] >= level else None
 
 
-def compare(groups: dict[str, list[Path]], versions: list[int],
-            level: float | None) -> dict:
-    curves = {name: {str(d): curve(d, versions) for d in dirs} for name, dirs in groups.items()}
+def run_curves(groups: dict[str, list[Path]], versions: list[int]) -> dict:
+    """``{group: {run dir: {version: avg@k}}}`` evaluated from the run directories."""
+    return {name: {str(d): curve(d, versions) for d in dirs} for name, dirs in groups.items()}
+
+
+def ablation_curves(path: Path, groups: dict[str, str]) -> dict:
+    """``{group: {"ARM seed S": {version: avg@k}}}`` from an ablation's json, whose runs carry
+    the curves ``--curve-versions`` recorded; a group is one arm, over every seed that has one."""
+    runs = json.loads(path.read_text())["runs"]
+    curves = {}
+    for name, arm in groups.items():
+        found = {f"{arm} seed {r['seed']}": {int(v): s for v, s in r["curve"].items()}
+                 for r in runs if r["arm"] == arm and r.get("curve")}
+        if not found:
+            raise SystemExit(f"{path}: no run of the arm {arm!r} recorded a curve; run the "
+                             "ablation with --curve-versions (arms: "
+                             f"{sorted({r['arm'] for r in runs})})")
+        curves[name] = found
+    return curves
+
+
+def compare(curves: dict, level: float | None) -> dict:
+    """The level (default: the first group's mean final success) and the updates each run's
+    curve needs to reach it."""
     first = next(iter(curves.values()))
     if level is None:
         level = float(np.mean([c[max(c)] for c in first.values()]))
@@ -164,19 +129,25 @@ def plot(result: dict, path: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--group", action="append", required=True, metavar="NAME=DIR,DIR",
-                    help="a named group of run directories (repeatable)")
+                    help="a named group of run directories, or with --ablation of one arm "
+                         "(NAME=ARM) (repeatable)")
+    ap.add_argument("--ablation", type=Path, default=None,
+                    help="read the curves an ablation recorded in this json (its --doc with "
+                         ".json) instead of evaluating run directories")
     ap.add_argument("--versions", default="", help="extra versions to evaluate, e.g. 5,10")
     ap.add_argument("--level", type=float, default=None,
                     help="held-out avg@k to reach (default: the first group's mean final)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="also draw the curves here (png)")
     args = ap.parse_args()
-    groups = {}
-    for text in args.group:
-        name, _, dirs = text.partition("=")
-        groups[name] = [Path(d) for d in dirs.split(",") if d]
-    versions = [int(v) for v in args.versions.split(",") if v]
-    result = compare(groups, versions, args.level)
+    groups = dict(text.partition("=")[::2] for text in args.group)
+    if args.ablation:
+        curves = ablation_curves(args.ablation, groups)
+    else:
+        curves = run_curves({name: [Path(d) for d in dirs.split(",") if d]
+                             for name, dirs in groups.items()},
+                            [int(v) for v in args.versions.split(",") if v])
+    result = compare(curves, args.level)
     print(show(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -22,7 +22,7 @@ def test_a_curve_that_dips_is_credited_with_its_first_crossing():
 def test_a_curve_is_the_runs_own_points_and_the_kept_evaluations(tmp_path):
     import json
 
-    from bench.heldout_curve import curve
+    from autodidact.heldout import curve
 
     (tmp_path / "summary.json").write_text(json.dumps({
         "success_warm": {"avg": 0.3}, "success_rl": {"avg": 0.5},

@@ -1,0 +1,80 @@
+"""Held-out success along a run, from the weight versions it kept: the points of a learning
+curve, for ``autodidact ablation --curve-versions`` and ``bench/heldout_curve.py``.
+
+A run keeps its published versions when made with ``weights.keep`` at least its updates. Each
+asked version is merged into the run's warm-started policy and evaluated with ``autodidact
+eval`` on the run's own held-out tasks (its config: the same tasks, k and temperature as the
+run's evaluations), kept in ``RUN/heldout_curve.json`` so a second call evaluates only what is
+missing. Version 0 and the last version are the run's own evaluations after warm-start and after
+RL (``summary.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from protocol.config import load_config
+from protocol.run_dir import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_points(run_dir: Path) -> dict[int, float]:
+    """Held-out avg@k after warm-start (version 0) and after RL (the last version)."""
+    summary = json.loads(RunDir(run_dir).summary.read_text())
+    last = int((summary.get("learner") or {}).get("learner/version", 0))
+    points = {}
+    if summary.get("success_warm"):
+        points[0] = summary["success_warm"]["avg"]
+    if summary.get("success_rl") and last:
+        points[last] = summary["success_rl"]["avg"]
+    return points
+
+
+def evaluate_version(run_dir: Path, version: int) -> float:
+    """avg@k of published ``version`` merged into the run's warm-start, on the run's held-out
+    tasks (a subprocess: ``autodidact eval`` picks the engine's interpreter itself)."""
+    from autodidact.stages import resumed_policy, save_published
+
+    rd = RunDir(run_dir)
+    weights = rd.weights_file(version)
+    if not weights.exists():
+        kept = [p.name for p in rd.published_weights()]
+        raise SystemExit(f"{run_dir}: version {version} was not kept (kept: "
+                         f"{kept or 'none'}); make the run with weights.keep >= its updates")
+    cfg = load_config(rd.config)
+    with tempfile.TemporaryDirectory(prefix="heldout-") as tmp:
+        # the policy RL started from: the warm-start, or the base without one
+        init = resumed_policy(cfg, run_dir, cfg.model.path)
+        model = save_published(init, weights, Path(tmp) / "policy")
+        out = Path(tmp) / "eval.jsonl"
+        subprocess.run([sys.executable, "-m", "autodidact.cli", "eval", "-c", str(rd.config),
+                        "--model", str(model), "-k", str(cfg.eval.k),
+                        "--limit", str(cfg.eval.num_tasks), "--run-dir", str(Path(tmp) / "run"),
+                        "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        return json.loads(out.with_suffix(".summary.json").read_text())["avg"]
+
+
+def curve(run_dir: Path, versions: list[int], evaluate: bool = True) -> dict[int, float]:
+    """Held-out avg@k per version: the run's own points plus ``versions``, cached (with
+    ``evaluate`` false, only the versions already in the cache)."""
+    cache_path = run_dir / "heldout_curve.json"
+    cache = {int(v): s for v, s in json.loads(cache_path.read_text()).items()} \
+        if cache_path.exists() else {}
+    points = run_points(run_dir)
+    last = max(points, default=0)
+    for v in versions:
+        if v in points or v >= last and last:
+            continue
+        if v not in cache and not evaluate:
+            continue
+        if v not in cache:
+            print(f"[heldout] {run_dir.name}: evaluating version {v}", flush=True)
+            cache[v] = evaluate_version(run_dir, v)
+            cache_path.write_text(json.dumps(cache, indent=1))
+        points[v] = cache[v]
+    return dict(sorted(points.items()))
