@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import click
@@ -17,17 +18,28 @@ from autodidact.ablation import (
     BEGIN,
     END,
     LLM_JUDGE_ARM,
+    NOT_RUN,
     REFERENCE,
+    Budget,
+    Plan,
+    Records,
     Result,
     ablation,
     arm_settings,
+    cell_stamp,
     check_sets,
+    lacks_curve,
     mean_std,
     paired_change,
     parse_arms,
     parse_seeds,
+    parse_versions,
+    run_all,
+    run_arm,
     run_name,
     section,
+    shared_sets,
+    stale_records,
     summarize,
     table,
     verdict,
@@ -124,6 +136,106 @@ def test_bad_options_are_refused():
     check_sets(["actor.num_actors=1"])
     result = CliRunner().invoke(ablation, ["--updates", "0"])
     assert result.exit_code == 2 and "--updates" in result.output
+    with pytest.raises(click.BadParameter, match="versions start at 1"):
+        parse_versions("0,5")
+    assert parse_versions("10,5,5") == (5, 10)
+
+
+# --- records: an ablation that outlives its run directories -----------------------------------
+
+
+def _plan(tmp_path, **kw):
+    return Plan(tmp_path / "abl", None, Budget(15), [], k=4, **kw)
+
+
+def _record(arm, seed, stamp, warm=0.3, curve=None):
+    return {"arm": arm, "seed": seed, "run_dir": f"runs/abl/{run_name(arm, seed)}",
+            "base": {"avg": 0.04}, "warm": {"avg": warm, "best": 0.5, "greedy": 0.3},
+            "final": {"avg": warm + 0.03, "best": 0.6, "greedy": 0.3}, "updates": 15,
+            "seconds": 900.0, "error": "", "stamp": stamp, "curve": curve or {}}
+
+
+def _stamp(arm, seed):
+    return cell_stamp(None, 15, shared_sets(4, Budget(15), []), arm_settings(arm), seed)
+
+
+def test_a_record_stands_in_for_its_run_only_with_the_same_stamp(tmp_path):
+    path = tmp_path / "abl.json"
+    path.write_text(json.dumps({"runs": [
+        _record(REFERENCE, 0, _stamp(REFERENCE, 0)),
+        _record("full", 0, _stamp("full", 0)[:-1] + ["seed=9"]),  # made with other settings
+        {**_record("full", 1, _stamp("full", 1)), "error": "exit code 1"}]}))
+    records = Records(path)
+    found = records.lookup(REFERENCE, 0, _stamp(REFERENCE, 0))
+    assert found.from_record and found.reused and found.final["avg"] == pytest.approx(0.33)
+    assert found.run_dir == Path("runs/abl/questioning-s0") and found.seconds == 900.0
+    assert records.lookup("full", 0, _stamp("full", 0)) is None
+    assert records.lookup("full", 1, _stamp("full", 1)) is None  # a failure is not a result
+    assert records.lookup(REFERENCE, 1, _stamp(REFERENCE, 1)) is None
+    # the same cell with a flag of the run (not of the experiment) still has the same stamp
+    run = run_arm(REFERENCE, 0, _plan(tmp_path, records=records), may_run=False)
+    assert run.from_record and run.stamp == _stamp(REFERENCE, 0)
+
+
+def test_curves_are_asked_of_the_curve_arms_below_the_last_version(tmp_path):
+    plan = _plan(tmp_path, curve_versions=(5, 10, 15, 20), curve_arms=(REFERENCE,))
+    assert plan.curve_asked(REFERENCE) == [5, 10] and plan.curve_asked("full") == []
+    recorded = Result(REFERENCE, 0, None, final={"avg": 0.3}, from_record=True,
+                      curve={0: 0.3, 15: 0.33})
+    assert lacks_curve(recorded, plan)
+    recorded.curve = {0: 0.3, 5: 0.31, 10: 0.32, 15: 0.33}
+    assert not lacks_curve(recorded, plan)
+    # a run directory's curve is evaluated on the spot, never a reason to run again
+    assert not lacks_curve(Result(REFERENCE, 0, tmp_path, final={"avg": 0.3}), plan)
+
+
+def test_a_warm_start_made_again_that_evaluates_otherwise_makes_its_seeds_records_stale():
+    warm = {"avg": 0.3, "best": 0.5, "greedy": 0.3}
+    results = [Result(REFERENCE, 0, None, warm=warm, final={"avg": 0.3}, from_record=True),
+               Result("full", 0, None, warm=dict(warm), final={"avg": 0.3}, from_record=True),
+               Result(REFERENCE, 1, None, warm=warm, final={"avg": 0.3}, from_record=True)]
+    same = Result("+questioning+attributing", 0, Path("/r"), warm={**warm, "tasks": 100})
+    assert stale_records(results, same) == []
+    other = Result("+questioning+attributing", 0, Path("/r"), warm={**warm, "greedy": 0.31})
+    assert stale_records(results, other) == [0, 1]  # seed 1 started elsewhere
+
+
+def test_records_are_run_again_for_their_curve_and_never_dropped_meanwhile(tmp_path,
+                                                                         monkeypatch):
+    """The order of work and what is published after each run, with runs faked: a recorded
+    cell without the asked curve is run again and keeps its record until replaced; a
+    re-made warm-start that evaluates otherwise sends the seed's other records back."""
+    import autodidact.ablation as abl
+
+    warm, remade = {"avg": 0.3, "best": 0.5, "greedy": 0.3}, {"avg": 0.32, "best": 0.5,
+                                                             "greedy": 0.3}
+    recorded = {REFERENCE: Result(REFERENCE, 0, None, warm=warm, final={"avg": 0.33, "best": 0.5},
+                                  from_record=True, reused=True),
+                "full": Result("full", 0, None, warm=warm, final={"avg": 0.35, "best": 0.5},
+                               from_record=True, reused=True)}
+    ran, published = [], []
+
+    def fake_run_arm(arm, seed, plan, may_run=True, use_records=True, evaluate=True):
+        if use_records and arm in recorded:
+            return recorded[arm]
+        if not may_run:
+            return Result(arm, seed, None, error=NOT_RUN)
+        ran.append(arm)
+        return Result(arm, seed, plan.out / arm, warm=remade, final={"avg": 0.4, "best": 0.5},
+                      curve={5: 0.35} if arm == REFERENCE else {})
+
+    monkeypatch.setattr(abl, "run_arm", fake_run_arm)
+    plan = _plan(tmp_path, curve_versions=(5,), curve_arms=(REFERENCE,))
+    arms = [REFERENCE, "+questioning+attributing", "full"]
+    results = run_all(arms, [0], plan, publish=lambda rs: published.append(
+        [(r.arm, r.final.get("avg"), r.from_record) for r in rs]))
+    # the reference for its curve; its warm-start differs from full's record, so full runs
+    # again right after it, before the cell that was never run
+    assert ran == [REFERENCE, "full", "+questioning+attributing"]
+    assert published[0] == [(REFERENCE, 0.4, False), ("+questioning+attributing", None, False),
+                            ("full", 0.35, True)]
+    assert [r.final["avg"] for r in results] == [0.4, 0.4, 0.4]
+    assert not any(r.from_record for r in results)
 
 
 # --- a real tiny ablation ---------------------------------------------------------------------
@@ -143,7 +255,7 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     doc = tmp_path / "docs" / "ablation.md"
     args = ["--arms", f"zero-shot,{REFERENCE},+questioning+attributing,full", "--seeds", "3",
             "--updates", "3", "--k", "2", "--out", str(out), "--doc", str(doc),
-            *[a for s in TINY for a in ("--set", s)]]
+            "--curve-versions", "2", *[a for s in TINY for a in ("--set", s)]]
     result = CliRunner().invoke(ablation, args)
     assert result.exit_code == 0, (result.output, result.exception)
 
@@ -208,6 +320,28 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     assert again.output.count("(reused)") == 3
     assert (ref / "summary.json").stat().st_mtime_ns == stamp
     assert doc.read_text().count(BEGIN) == 1
+
+    # The curve: version 2 evaluated for the reference and +attributing, beside the run's own
+    # points after the warm-start (0) and after RL (3); full is not asked for one.
+    curves = {r["arm"]: r["curve"] for r in data["runs"]}
+    assert set(curves[REFERENCE]) == set(curves["+questioning+attributing"]) == {"0", "2", "3"}
+    assert curves["full"] == {}
+    assert curves[REFERENCE]["3"] == runs[REFERENCE]["final"]["avg"]
+    from bench.heldout_curve import ablation_curves
+
+    read = ablation_curves(doc.with_suffix(".json"), {"grpo": REFERENCE})
+    assert read == {"grpo": {f"{REFERENCE} seed 3": {int(v): a
+                                                     for v, a in curves[REFERENCE].items()}}}
+
+    # A fresh checkout has the doc and its json but no runs: nothing runs again, and the
+    # table is the same.
+    table_before = doc.read_text().split(BEGIN)[1]
+    shutil.rmtree(out)
+    fresh = CliRunner().invoke(ablation, args)
+    assert fresh.exit_code == 0, (fresh.output, fresh.exception)
+    assert fresh.output.count("(reused from the doc's json)") == 3 and "running" not in fresh.output
+    assert not ref.exists()
+    assert doc.read_text().split(BEGIN)[1] == table_before
 
 
 def test_the_llm_judge_arm_is_attributing_with_a_served_judge_and_needs_a_model():
