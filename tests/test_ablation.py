@@ -255,7 +255,8 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     doc = tmp_path / "docs" / "ablation.md"
     args = ["--arms", f"zero-shot,{REFERENCE},+questioning+attributing,full", "--seeds", "3",
             "--updates", "3", "--k", "2", "--out", str(out), "--doc", str(doc),
-            "--curve-versions", "2", *[a for s in TINY for a in ("--set", s)]]
+            "--curve-versions", "2", "--curve-arms", REFERENCE,
+            *[a for s in TINY for a in ("--set", s)]]
     result = CliRunner().invoke(ablation, args)
     assert result.exit_code == 0, (result.output, result.exception)
 
@@ -321,11 +322,11 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     assert (ref / "summary.json").stat().st_mtime_ns == stamp
     assert doc.read_text().count(BEGIN) == 1
 
-    # The curve: version 2 evaluated for the reference and +attributing, beside the run's own
-    # points after the warm-start (0) and after RL (3); full is not asked for one.
+    # The curve: version 2 evaluated for the reference (the arm asked), beside the run's own
+    # points after the warm-start (0) and after RL (3); the other arms have none.
     curves = {r["arm"]: r["curve"] for r in data["runs"]}
-    assert set(curves[REFERENCE]) == set(curves["+questioning+attributing"]) == {"0", "2", "3"}
-    assert curves["full"] == {}
+    assert set(curves[REFERENCE]) == {"0", "2", "3"}
+    assert curves["full"] == curves["+questioning+attributing"] == {}
     assert curves[REFERENCE]["3"] == runs[REFERENCE]["final"]["avg"]
     from bench.heldout_curve import ablation_curves
 
