@@ -248,9 +248,16 @@ class Records:
 
     def __init__(self, path: Path):
         self.path = path
-        runs = json.loads(path.read_text())["runs"] if path.exists() else []
+        data = json.loads(path.read_text()) if path.exists() else {}
+        runs = data.get("runs", []) + data.get("other_records", [])
         self.by_cell = {(r["arm"], r["seed"]): r for r in runs
                         if r.get("stamp") and r.get("final") and not r.get("error")}
+
+    def others(self, results: list[Result]) -> list[dict]:
+        """The records of cells ``results`` does not hold (other arms or seeds than this call
+        asks): kept in the json, so a narrower call never drops them."""
+        asked = {(r.arm, r.seed) for r in results}
+        return [record for cell, record in self.by_cell.items() if cell not in asked]
 
     def lookup(self, arm: str, seed: int, stamp: list[str]) -> Result | None:
         record = self.by_cell.get((arm, seed))
@@ -747,7 +754,8 @@ def write_outputs(results: list[Result], plan: Plan, doc: Path, command: str) ->
                     "sets": shared_sets(plan.k, plan.budget, plan.sets),
                     "nav_sets": list(plan.nav_sets)},
          "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
-         "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results]},
+         "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results],
+         "other_records": plan.records.others(results) if plan.records else []},
         indent=1, default=str))
     return plot_path
 

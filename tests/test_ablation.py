@@ -177,6 +177,25 @@ def test_a_record_stands_in_for_its_run_only_with_the_same_stamp(tmp_path):
     assert run.from_record and run.stamp == _stamp(REFERENCE, 0)
 
 
+def test_a_narrower_call_keeps_the_records_of_the_cells_it_does_not_ask(tmp_path):
+    from autodidact.ablation import write_outputs
+
+    doc = tmp_path / "abl.md"
+    doc.with_suffix(".json").write_text(json.dumps({"runs": [
+        _record(REFERENCE, 0, _stamp(REFERENCE, 0)), _record(REFERENCE, 1, _stamp(REFERENCE, 1)),
+        _record("full", 0, _stamp("full", 0))]}))
+    plan = _plan(tmp_path, records=Records(doc.with_suffix(".json")))
+    only = [plan.records.lookup(REFERENCE, 0, _stamp(REFERENCE, 0))]  # --arms/--seeds narrower
+    write_outputs(only, plan, doc, "autodidact ablation --seeds 0 --arms +questioning")
+    data = json.loads(doc.with_suffix(".json").read_text())
+    assert [(r["arm"], r["seed"]) for r in data["runs"]] == [(REFERENCE, 0)]
+    assert {(r["arm"], r["seed"]) for r in data["other_records"]} == {(REFERENCE, 1),
+                                                                       ("full", 0)}
+    again = Records(doc.with_suffix(".json"))  # and the next call finds all three
+    assert again.lookup("full", 0, _stamp("full", 0)) is not None
+    assert again.lookup(REFERENCE, 1, _stamp(REFERENCE, 1)) is not None
+
+
 def test_curves_are_asked_of_the_curve_arms_below_the_last_version(tmp_path):
     plan = _plan(tmp_path, curve_versions=(5, 10, 15, 20), curve_arms=(REFERENCE,))
     assert plan.curve_asked(REFERENCE) == [5, 10] and plan.curve_asked("full") == []
