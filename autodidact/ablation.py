@@ -20,10 +20,13 @@ kept in ``OUT/warmstart/`` and linked into the others', which then skip that sta
 model it is most of a run's set-up), and take its held-out evaluations before RL instead of
 repeating them (``eval.before_rl=false``).
 
-Then it prints the table (mean ± std over seeds of avg@k and best@k, and each arm's change
-against +questioning paired by seed), writes it with a plot into the doc
-(``docs/ablation.md`` by default) between markers, keeping any text outside them, and overlays
-the seed-0 runs in ``OUT/report`` with ``autodidact report``.
+After every run it writes the table (mean ± std over seeds of avg@k and best@k, and each arm's
+change against +questioning paired by seed) with a plot into the doc (``docs/ablation.md`` by
+default) between markers, keeping any text outside them, and every cell into the doc's json.
+Committed beside the doc, that json is the record a fresh checkout goes on from (``Records``):
+run directories are git-ignored. With ``--curve-versions`` the reference and attributing arms
+also get held-out points at those weight versions (``autodidact/heldout.py``), recorded with the
+cell. At the end it overlays the seed-0 runs in ``OUT/report`` with ``autodidact report``.
 """
 
 from __future__ import annotations
