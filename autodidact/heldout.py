@@ -70,9 +70,9 @@ def curve(run_dir: Path, versions: list[int], evaluate: bool = True) -> dict[int
     for v in versions:
         if v in points or v >= last and last:
             continue
-        if v not in cache and not evaluate:
-            continue
         if v not in cache:
+            if not evaluate:
+                continue
             print(f"[heldout] {run_dir.name}: evaluating version {v}", flush=True)
             cache[v] = evaluate_version(run_dir, v)
             cache_path.write_text(json.dumps(cache, indent=1))

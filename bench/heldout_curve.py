@@ -31,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from autodidact.ablation import Records  # noqa: E402
 from autodidact.heldout import curve  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def run_curves(groups: dict[str, list[Path]], versions: list[int]) -> dict:
 def ablation_curves(path: Path, groups: dict[str, str]) -> dict:
     """``{group: {"ARM seed S": {version: avg@k}}}`` from an ablation's json, whose runs carry
     the curves ``--curve-versions`` recorded; a group is one arm, over every seed that has one."""
-    runs = json.loads(path.read_text())["runs"]
+    runs = list(Records(path).by_cell.values())  # "runs" and "other_records" alike
     curves = {}
     for name, arm in groups.items():
         found = {f"{arm} seed {r['seed']}": {int(v): s for v, s in r["curve"].items()}

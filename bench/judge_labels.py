@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from judge.step_judges import parse_judgement  # noqa: E402
 from metrics.jsonl import read_metrics  # noqa: E402
-from protocol.run_dir import RunDir  # noqa: E402
+from protocol.run_dir import LLM_REPLIES, RunDir  # noqa: E402
 
 # build_judge_messages writes these two lines into every request
 _OUTCOME = re.compile(r"^Outcome: (success|partial success|failure) ", re.M)
@@ -38,7 +38,7 @@ _STEPS = re.compile(r"^Steps \((\d+)\):", re.M)
 
 def replies(run_dir: Path) -> list[dict]:
     """Every logged judge request of the run, oldest first."""
-    folder = RunDir(run_dir).llm_replies("judge-0").parent
+    folder = RunDir(run_dir).path / LLM_REPLIES
     rows = []
     for path in sorted(folder.glob("judge-*.jsonl")):
         rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
