@@ -17,6 +17,13 @@ directories need not exist any more.
 The level defaults to the first group's mean final held-out success; the updates to reach it
 are read off each run's curve by linear interpolation between evaluated versions (None when a
 run never reaches it), and the ratio of the groups' means is the data efficiency.
+
+With --ablation the runs are paired by seed: a seed's arms share one warm-start, and the seeds'
+warm-starts differ by more than RL moves them (30.5, 39.5, 41.0% on SmolLM2), so one level for
+all seeds would be reached at version 0 by some and never by others. Each seed gets its own
+level instead, the first group's final success on that seed (or --level above the seed's
+version 0 with --gain), and the data efficiency is the first group's updates over each other
+group's, seed by seed. The plot then draws the change since the warm-start.
 """
 
 from __future__ import annotations
@@ -52,12 +59,12 @@ def run_curves(groups: dict[str, list[Path]], versions: list[int]) -> dict:
 
 
 def ablation_curves(path: Path, groups: dict[str, str]) -> dict:
-    """``{group: {"ARM seed S": {version: avg@k}}}`` from an ablation's json, whose runs carry
+    """``{group: {"seed S": {version: avg@k}}}`` from an ablation's json, whose runs carry
     the curves ``--curve-versions`` recorded; a group is one arm, over every seed that has one."""
     runs = list(Records(path).by_cell.values())  # "runs" and "other_records" alike
     curves = {}
     for name, arm in groups.items():
-        found = {f"{arm} seed {r['seed']}": {int(v): s for v, s in r["curve"].items()}
+        found = {f"seed {r['seed']}": {int(v): s for v, s in r["curve"].items()}
                  for r in runs if r["arm"] == arm and r.get("curve")}
         if not found:
             raise SystemExit(f"{path}: no run of the arm {arm!r} recorded a curve; run the "
@@ -67,22 +74,46 @@ def ablation_curves(path: Path, groups: dict[str, str]) -> dict:
     return curves
 
 
-def compare(curves: dict, level: float | None) -> dict:
-    """The level (default: the first group's mean final success) and the updates each run's
-    curve needs to reach it."""
+def compare(curves: dict, level: float | None, paired: bool = False,
+            gain: float | None = None) -> dict:
+    """The level and the updates each run's curve needs to reach it. Unpaired: one level for
+    every run, by default the first group's mean final success. Paired (runs keyed alike in
+    every group, e.g. by seed): only the keys every group has, a level per key, by default the
+    first group's final success on it, or its version-0 success plus ``gain``; and each group's
+    ratio to the first, per key."""
+    if paired:
+        common = set.intersection(*(set(cs) for cs in curves.values()))
+        left_out = sorted(set().union(*curves.values()) - common)
+        curves = {name: {k: c for k, c in cs.items() if k in common}
+                  for name, cs in curves.items()}
     first = next(iter(curves.values()))
-    if level is None:
-        level = float(np.mean([c[max(c)] for c in first.values()]))
-    reach = {name: {run: updates_to_reach(c, level) for run, c in cs.items()}
+    if not paired:
+        if level is None:
+            level = float(np.mean([c[max(c)] for c in first.values()]))
+        reach = {name: {run: updates_to_reach(c, level) for run, c in cs.items()}
+                 for name, cs in curves.items()}
+        return {"level": level, "curves": curves, "updates_to_level": reach}
+    levels = {key: level if level is not None
+              else c[min(c)] + gain if gain is not None else c[max(c)]
+              for key, c in first.items()}
+    reach = {name: {key: updates_to_reach(c, levels[key]) for key, c in cs.items()}
              for name, cs in curves.items()}
-    return {"level": level, "curves": curves, "updates_to_level": reach}
+    base = reach[next(iter(curves))]
+    ratio = {name: {key: base[key] / got for key, got in r.items() if got and base[key]}
+             for name, r in reach.items()}
+    return {"level": levels, "paired": True, "left_out": left_out, "curves": curves,
+            "updates_to_level": reach, "ratio_to_first": ratio}
 
 
 def show(result: dict) -> str:
-    lines = [f"held-out level: {result['level']:.1%}"]
+    level = result["level"]
+    lines = [f"held-out level: {level:.1%}" if not result.get("paired") else
+             "held-out level per run: " + ", ".join(f"{k} {v:.1%}" for k, v in level.items())]
+    if result.get("left_out"):
+        lines.append("  left out, not in every group: " + ", ".join(result["left_out"]))
     for name, cs in result["curves"].items():
         for run, c in cs.items():
-            reach = result["updates_to_level"][name][run]
+            reach = result["updates_to_level"][name].get(run)
             pts = "  ".join(f"v{v}:{s:.1%}" for v, s in c.items())
             lines.append(f"  {name:12s} {Path(run).name:32s} {pts}   reaches it at "
                          f"{'never' if reach is None else f'{reach:.1f}'}")
@@ -93,32 +124,44 @@ def show(result: dict) -> str:
         lines.append(f"  {name}: reached by {len(got)}/{len(reach)} runs, mean updates "
                      f"{'–' if not got else f'{means[name]:.1f}'}")
     names = list(means)
-    if len(names) == 2 and all(means[n] for n in names):
+    if not result.get("paired") and len(names) == 2 and all(means[n] for n in names):
         lines.append(f"  {names[0]} / {names[1]} updates to the level: "
                      f"{means[names[0]] / means[names[1]]:.2f}x")
+    for name, ratio in result.get("ratio_to_first", {}).items():
+        if name != names[0]:
+            per = ", ".join(f"{k} {r:.2f}x" for k, r in ratio.items())
+            mean = f"{np.mean(list(ratio.values())):.2f}x" if ratio else "–"
+            lines.append(f"  {names[0]} / {name} updates, paired: {per or 'none'} (mean {mean})")
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> Path:
     """One line per run (a colour per group), the group's mean at the versions every run of it
-    has, and the level as a dashed line."""
+    has, and the level as a dashed line; paired, the change since each run's version 0 (the
+    seeds start apart) and no level line (each seed has its own)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    paired = bool(result.get("paired"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for colour, (name, cs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"],
                                   result["curves"].items()):
-        for c in cs.values():
+        shown = {run: {v: 100 * (s - (c[min(c)] if paired else 0)) for v, s in c.items()}
+                 for run, c in cs.items()}
+        for c in shown.values():
             vs = sorted(c)
-            ax.plot(vs, [100 * c[v] for v in vs], color=colour, alpha=0.35, marker=".")
-        shared = sorted(set.intersection(*(set(c) for c in cs.values())))
-        ax.plot(shared, [100 * np.mean([c[v] for c in cs.values()]) for v in shared],
+            ax.plot(vs, [c[v] for v in vs], color=colour, alpha=0.35, marker=".")
+        shared = sorted(set.intersection(*(set(c) for c in shown.values())))
+        ax.plot(shared, [np.mean([c[v] for c in shown.values()]) for v in shared],
                 color=colour, linewidth=2.5, marker="o", label=f"{name} (mean of {len(cs)})")
-    ax.axhline(100 * result["level"], color="grey", linestyle="--", linewidth=1, label="level")
+    if not paired:
+        ax.axhline(100 * result["level"], color="grey", linestyle="--", linewidth=1,
+                   label="level")
     ax.set_xlabel("RL update (weight version)")
-    ax.set_ylabel("held-out success, avg@k (%)")
+    ax.set_ylabel("held-out success since the warm-start, avg@k (points)" if paired
+                  else "held-out success, avg@k (%)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -137,7 +180,10 @@ def main() -> None:
                          ".json) instead of evaluating run directories")
     ap.add_argument("--versions", default="", help="extra versions to evaluate, e.g. 5,10")
     ap.add_argument("--level", type=float, default=None,
-                    help="held-out avg@k to reach (default: the first group's mean final)")
+                    help="held-out avg@k to reach (default: the first group's mean final; "
+                         "with --ablation, its final on each seed)")
+    ap.add_argument("--gain", type=float, default=None,
+                    help="with --ablation: each seed's level is its version-0 success plus this")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="also draw the curves here (png)")
     args = ap.parse_args()
@@ -148,7 +194,9 @@ def main() -> None:
         curves = run_curves({name: [Path(d) for d in dirs.split(",") if d]
                              for name, dirs in groups.items()},
                             [int(v) for v in args.versions.split(",") if v])
-    result = compare(curves, args.level)
+    if args.gain is not None and (not args.ablation or args.level is not None):
+        ap.error("--gain sets a level per seed: it needs --ablation and no --level")
+    result = compare(curves, args.level, paired=bool(args.ablation), gain=args.gain)
     print(show(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

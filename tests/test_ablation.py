@@ -350,8 +350,7 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     from bench.heldout_curve import ablation_curves
 
     read = ablation_curves(doc.with_suffix(".json"), {"grpo": REFERENCE})
-    assert read == {"grpo": {f"{REFERENCE} seed 3": {int(v): a
-                                                     for v, a in curves[REFERENCE].items()}}}
+    assert read == {"grpo": {"seed 3": {int(v): a for v, a in curves[REFERENCE].items()}}}
 
     # A fresh checkout has the doc and its json but no runs: nothing runs again, and the
     # table is the same.
