@@ -101,8 +101,13 @@ def compare(curves: dict, level: float | None, paired: bool = False,
     base = reach[next(iter(curves))]
     ratio = {name: {key: base[key] / got for key, got in r.items() if got and base[key]}
              for name, r in reach.items()}
+    # The area under the curve above its start: less at the mercy of one noisy evaluation
+    # than the first crossing of a level.
+    gain = {name: {key: float(np.mean([s - c[min(c)] for v, s in c.items() if v > min(c)]))
+                   for key, c in cs.items()}
+            for name, cs in curves.items()}
     return {"level": levels, "paired": True, "left_out": left_out, "curves": curves,
-            "updates_to_level": reach, "ratio_to_first": ratio}
+            "updates_to_level": reach, "ratio_to_first": ratio, "mean_gain": gain}
 
 
 def show(result: dict) -> str:
@@ -132,6 +137,10 @@ def show(result: dict) -> str:
             per = ", ".join(f"{k} {r:.2f}x" for k, r in ratio.items())
             mean = f"{np.mean(list(ratio.values())):.2f}x" if ratio else "–"
             lines.append(f"  {names[0]} / {name} updates, paired: {per or 'none'} (mean {mean})")
+    for name, gain in result.get("mean_gain", {}).items():
+        per = ", ".join(f"{k} {100 * g:+.2f}" for k, g in gain.items())
+        lines.append(f"  {name}: mean gain over the evaluated versions after 0, points: {per} "
+                     f"(mean {100 * np.mean(list(gain.values())):+.2f})")
     return "\n".join(lines)
 
 

@@ -38,6 +38,9 @@ def test_paired_by_seed_each_seed_has_its_own_level_and_ratio():
     assert result["updates_to_level"]["ref"] == pytest.approx({"seed 0": 5.0, "seed 1": 10.0})
     assert result["ratio_to_first"]["ref"] == pytest.approx({"seed 0": 3.0, "seed 1": 1.5})
     assert "ref updates, paired: seed 0 3.00x, seed 1 1.50x (mean 2.25x)" in show(result)
+    # the mean gain over versions 5 and 15: (2 + 4) / 2 and (1 + 4) / 2 points for GRPO
+    assert result["mean_gain"]["grpo"] == pytest.approx({"seed 0": 0.03, "seed 1": 0.025})
+    assert result["mean_gain"]["ref"] == pytest.approx({"seed 0": 0.045, "seed 1": 0.04})
 
 
 def test_paired_a_seed_missing_from_a_group_is_left_out_of_every_group():
