@@ -1,0 +1,106 @@
+"""How much of a held-out number, or of a difference between two, is noise: read off the
+per-task files of ``autodidact eval --out`` (k sampled episodes per task).
+
+    python bench/eval_noise.py A.jsonl [B.jsonl] [--json F]
+
+For each file: avg@k, its standard error across tasks (what another draw of tasks would give)
+and its sampling standard error alone (what another draw of episodes on the same tasks would
+give: the binomial variance of k samples per task). For a pair evaluated on the same tasks,
+as the ablation's arms of one seed are: the difference B - A, its paired standard error across
+tasks, and its sampling standard error. A difference within about two paired standard errors
+of zero is not a measured effect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def successes(path: Path) -> dict[str, list[bool]]:
+    """``{task_id: [solved?] * k}`` from an ``autodidact eval`` per-task JSONL."""
+    rows = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows[row["task_id"]] = [r >= 1.0 for r in row["rewards"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{path}:{n}: not a per-task record of `autodidact eval --out` "
+                             f"({exc}); pass the .jsonl it wrote, not its summary") from None
+    if not rows:
+        raise SystemExit(f"{path}: no per-task records")
+    return rows
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+    return mean, math.sqrt(var)
+
+
+def _sampling_var(solved: list[bool]) -> float:
+    """Unbiased variance of one task's success rate over its k samples."""
+    k = len(solved)
+    p = sum(solved) / k
+    return p * (1 - p) / (k - 1) if k > 1 else float("nan")
+
+
+def noise(rows: dict[str, list[bool]]) -> dict:
+    """avg@k with its standard error across tasks and its sampling standard error."""
+    rates = [sum(s) / len(s) for s in rows.values()]
+    avg, sd = _mean_sd(rates)
+    n = len(rates)
+    return {"tasks": n, "k": len(next(iter(rows.values()))), "avg": avg,
+            "se_tasks": sd / math.sqrt(n),
+            "se_sampling": math.sqrt(sum(_sampling_var(s) for s in rows.values())) / n}
+
+
+def paired(a: dict[str, list[bool]], b: dict[str, list[bool]]) -> dict:
+    """B - A on the tasks both evaluated: the difference, its standard error across tasks
+    (paired by task) and its sampling standard error (the two evaluations' samples apart)."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise SystemExit("the two evaluations share no task: evaluate both with the same "
+                         "config (seed, eval.num_tasks) so they draw the same tasks")
+    diffs = [sum(b[t]) / len(b[t]) - sum(a[t]) / len(a[t]) for t in common]
+    diff, sd = _mean_sd(diffs)
+    n = len(common)
+    sampling = sum(_sampling_var(a[t]) + _sampling_var(b[t]) for t in common)
+    return {"tasks": n, "diff": diff, "se_paired": sd / math.sqrt(n),
+            "se_sampling": math.sqrt(sampling) / n,
+            "tasks_that_differ": sum(d != 0 for d in diffs)}
+
+
+def show(name: str, stats: dict) -> str:
+    if "diff" in stats:
+        return (f"{name}: B - A {100 * stats['diff']:+.2f} points on {stats['tasks']} tasks "
+                f"({stats['tasks_that_differ']} differ); paired s.e. "
+                f"{100 * stats['se_paired']:.2f}, sampling s.e. {100 * stats['se_sampling']:.2f}")
+    return (f"{name}: avg@{stats['k']} {100 * stats['avg']:.2f}% on {stats['tasks']} tasks; "
+            f"s.e. across tasks {100 * stats['se_tasks']:.2f}, sampling s.e. "
+            f"{100 * stats['se_sampling']:.2f} points")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("a", type=Path, help="per-task JSONL of `autodidact eval --out`")
+    ap.add_argument("b", type=Path, nargs="?", default=None, help="a second one, same tasks")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    a = successes(args.a)
+    result = {"a": noise(a)}
+    if args.b is not None:
+        b = successes(args.b)
+        result.update(b=noise(b), b_minus_a=paired(a, b))
+    for name, stats in result.items():
+        print(show(name, stats))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
