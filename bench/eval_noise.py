@@ -16,7 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from autodidact.ablation import mean_std  # noqa: E402
 
 
 def successes(path: Path) -> dict[str, list[bool]]:
@@ -36,12 +42,6 @@ def successes(path: Path) -> dict[str, list[bool]]:
     return rows
 
 
-def _mean_sd(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
-    return mean, math.sqrt(var)
-
-
 def _sampling_var(solved: list[bool]) -> float:
     """Unbiased variance of one task's success rate over its k samples."""
     k = len(solved)
@@ -52,7 +52,7 @@ def _sampling_var(solved: list[bool]) -> float:
 def noise(rows: dict[str, list[bool]]) -> dict:
     """avg@k with its standard error across tasks and its sampling standard error."""
     rates = [sum(s) / len(s) for s in rows.values()]
-    avg, sd = _mean_sd(rates)
+    avg, sd = mean_std(rates)
     n = len(rates)
     return {"tasks": n, "k": len(next(iter(rows.values()))), "avg": avg,
             "se_tasks": sd / math.sqrt(n),
@@ -67,7 +67,7 @@ def paired(a: dict[str, list[bool]], b: dict[str, list[bool]]) -> dict:
         raise SystemExit("the two evaluations share no task: evaluate both with the same "
                          "config (seed, eval.num_tasks) so they draw the same tasks")
     diffs = [sum(b[t]) / len(b[t]) - sum(a[t]) / len(a[t]) for t in common]
-    diff, sd = _mean_sd(diffs)
+    diff, sd = mean_std(diffs)
     n = len(common)
     sampling = sum(_sampling_var(a[t]) + _sampling_var(b[t]) for t in common)
     return {"tasks": n, "diff": diff, "se_paired": sd / math.sqrt(n),

@@ -76,23 +76,26 @@ def ablation_curves(path: Path, groups: dict[str, str]) -> dict:
 
 def compare(curves: dict, level: float | None, paired: bool = False,
             gain: float | None = None) -> dict:
-    """The level and the updates each run's curve needs to reach it. Unpaired: one level for
-    every run, by default the first group's mean final success. Paired (runs keyed alike in
-    every group, e.g. by seed): only the keys every group has, a level per key, by default the
-    first group's final success on it, or its version-0 success plus ``gain``; and each group's
-    ratio to the first, per key."""
+    """The level and the updates each run's curve needs to reach it: one level for every run,
+    by default the first group's mean final success; or, ``paired``, as :func:`compare_paired`."""
     if paired:
-        common = set.intersection(*(set(cs) for cs in curves.values()))
-        left_out = sorted(set().union(*curves.values()) - common)
-        curves = {name: {k: c for k, c in cs.items() if k in common}
-                  for name, cs in curves.items()}
+        return compare_paired(curves, level, gain)
+    if level is None:
+        level = float(np.mean([c[max(c)] for c in next(iter(curves.values())).values()]))
+    reach = {name: {run: updates_to_reach(c, level) for run, c in cs.items()}
+             for name, cs in curves.items()}
+    return {"level": level, "curves": curves, "updates_to_level": reach}
+
+
+def compare_paired(curves: dict, level: float | None, gain: float | None) -> dict:
+    """Runs keyed alike in every group (by seed), only the keys every group has: a level per
+    key (``level``, else the key's version-0 success plus ``gain``, else the first group's
+    final success on it), the updates to reach it, each group's ratio to the first group per
+    key, and each run's mean gain over its start."""
+    common = set.intersection(*(set(cs) for cs in curves.values()))
+    left_out = sorted(set().union(*curves.values()) - common)
+    curves = {name: {k: c for k, c in cs.items() if k in common} for name, cs in curves.items()}
     first = next(iter(curves.values()))
-    if not paired:
-        if level is None:
-            level = float(np.mean([c[max(c)] for c in first.values()]))
-        reach = {name: {run: updates_to_reach(c, level) for run, c in cs.items()}
-                 for name, cs in curves.items()}
-        return {"level": level, "curves": curves, "updates_to_level": reach}
     levels = {key: level if level is not None
               else c[min(c)] + gain if gain is not None else c[max(c)]
               for key, c in first.items()}
@@ -103,11 +106,11 @@ def compare(curves: dict, level: float | None, paired: bool = False,
              for name, r in reach.items()}
     # The area under the curve above its start: less at the mercy of one noisy evaluation
     # than the first crossing of a level.
-    gain = {name: {key: float(np.mean([s - c[min(c)] for v, s in c.items() if v > min(c)]))
-                   for key, c in cs.items()}
-            for name, cs in curves.items()}
+    mean_gain = {name: {key: float(np.mean([s - c[min(c)] for v, s in c.items() if v > min(c)]))
+                        for key, c in cs.items()}
+                 for name, cs in curves.items()}
     return {"level": levels, "paired": True, "left_out": left_out, "curves": curves,
-            "updates_to_level": reach, "ratio_to_first": ratio, "mean_gain": gain}
+            "updates_to_level": reach, "ratio_to_first": ratio, "mean_gain": mean_gain}
 
 
 def show(result: dict) -> str:
