@@ -29,6 +29,17 @@ _SENTINEL = "\u2063AUTODIDACT-EXPERIENCE\u2063"  # where the experience block go
 _CONTENT = "\u2063AUTODIDACT-CONTENT\u2063"  # where untrusted text goes in a template
 
 
+def special_tokens(tokenizer) -> dict[str, int]:
+    """Every special token of ``tokenizer`` -> its id: the named ones (bos, eos, ...) and every
+    added token flagged special. The named ones alone are not enough: a tokenizer whose eos was
+    set wrongly still has ``<|im_end|>`` as an added special token, and it still ends turns."""
+    tokens = dict(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if added.special:
+            tokens[added.content] = token_id
+    return tokens
+
+
 class Codec(abc.ABC):
     """Text pieces of a rollout -> token ids; ``eoa_id`` ends every action."""
 
@@ -39,9 +50,10 @@ class Codec(abc.ABC):
         self._cache: dict[str, list[int]] = {}
         self._cache_size = cache_size
         vocab = tokenizer.get_vocab()
+        self.special = special_tokens(tokenizer)
         # Ids that structure a conversation; text from outside (queries, observations, advice)
         # must never produce them, or a tool result could end a turn or open a new one.
-        self._structural = set(tokenizer.all_special_ids) | {
+        self._structural = set(self.special.values()) | {
             vocab[m] for m in (*MARKERS, *EXPERIENCE_MARKERS) if m in vocab}
         self._unk = tokenizer.unk_token_id
 
@@ -151,7 +163,7 @@ class ChatCodec(Codec):
         """The template's end-of-turn token text, and the text it puts after it."""
         text = self._probe_text
         tail = text[text.rindex("A\u2063") + 2:]
-        for token in self.tokenizer.all_special_tokens:
+        for token in sorted(self.special, key=len, reverse=True):
             if token and tail.startswith(token):
                 return token, tail[len(token):]
         raise ValueError(f"cannot find the end-of-turn token after an assistant message in "

@@ -162,9 +162,10 @@ def load_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
             params[key].copy_(value)
 
 
-def delta(tensors: dict[str, torch.Tensor], module: str, scale: float) -> torch.Tensor:
-    """``scale · B A`` of one module: what the adapter adds to its weight."""
-    a, b = tensors[f"{module}.lora_A"].float(), tensors[f"{module}.lora_B"].float()
+def delta(tensors: dict[str, torch.Tensor], module: str, scale: float,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """``scale · B A`` of one module on ``device``: what the adapter adds to its weight."""
+    a, b = (tensors[f"{module}.lora_{x}"].to(device, torch.float32) for x in "AB")
     return (b @ a) * scale
 
 
@@ -175,12 +176,13 @@ def adapted_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
 def merged_weights(base: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
                    meta: AdapterMeta) -> dict[str, torch.Tensor]:
     """The targeted modules' weights with the adapter merged in (``W + scale · B A``), in the
-    base's dtype; ``base`` holds at least those weights (``<module>.weight``), pristine."""
+    base's dtype and on its device (an engine on a GPU gets the adapter as read from a file, on
+    the CPU); ``base`` holds at least those weights (``<module>.weight``), pristine."""
     out = {}
     for module in adapted_modules(tensors):
         weight = base[f"{module}.weight"]
-        out[f"{module}.weight"] = (weight.float() + delta(tensors, module, meta.scale)
-                                   ).to(weight.dtype)
+        out[f"{module}.weight"] = (weight.float() + delta(tensors, module, meta.scale,
+                                                          weight.device)).to(weight.dtype)
     return out
 
 

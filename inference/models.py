@@ -27,7 +27,7 @@ from pathlib import Path
 
 CACHE_ENV = "AUTODIDACT_MODELS"
 MARKER = "autodidact_converted.json"  # written last: a folder without it is incomplete
-_FORMAT = 1  # bump when conversion changes, so cached folders are made again
+_FORMAT = 2  # bump when conversion changes, so cached folders are made again
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                   dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    set_special_tokens(tokenizer, gguf_special_token_ids(gguf))
     model = plain_copy(loaded)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -135,6 +136,36 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# GGUF metadata key -> the tokenizer's attribute it names
+_GGUF_SPECIAL = {"bos_token_id": "bos_token", "eos_token_id": "eos_token",
+                 "unknown_token_id": "unk_token", "padding_token_id": "pad_token"}
+
+
+def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
+    """The special tokens a GGUF file names (``tokenizer.ggml.eos_token_id`` ...), as
+    ``{"eos_token": id, ...}``. Read from the file itself because transformers' GGUF tokenizer
+    loading has got them wrong (5.17 made SmolLM2's ``<|im_start|>`` its end of sequence)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    found = {}
+    for key, attribute in _GGUF_SPECIAL.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            found[attribute] = int(field.contents())
+    return found
+
+
+def set_special_tokens(tokenizer, ids: dict[str, int]) -> None:
+    """Make ``tokenizer``'s bos/eos/unk/pad the tokens at ``ids`` (see gguf_special_token_ids)."""
+    size = len(tokenizer)
+    for attribute, token_id in ids.items():
+        if not 0 <= token_id < size:
+            raise ValueError(f"GGUF names token id {token_id} as its {attribute}, outside the "
+                             f"tokenizer's {size} tokens: the file is damaged or mismatched")
+        setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def plain_copy(loaded):

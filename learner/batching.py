@@ -68,7 +68,8 @@ class TrainBatch:
 
     def lengths(self) -> torch.Tensor:
         """Each row's length up to its last real token ``[B]``."""
-        positions = torch.arange(1, self.attention_mask.shape[1] + 1)
+        positions = torch.arange(1, self.attention_mask.shape[1] + 1,
+                                 device=self.attention_mask.device)
         return (self.attention_mask.bool() * positions).amax(dim=1)
 
     def to(self, device: torch.device | str) -> TrainBatch:

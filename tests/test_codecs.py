@@ -102,6 +102,19 @@ def test_template_without_end_of_turn_token_is_refused(tok):
         ChatCodec(broken)
 
 
+def test_end_of_turn_is_found_when_eos_names_another_token(tok):
+    """transformers 5.17 loaded SmolLM2's GGUF tokenizer with ``<|im_start|>`` as its eos, so
+    ``<|im_end|>`` was missing from ``all_special_tokens``; it is still an added special token,
+    so the codec still ends turns with it and untrusted text still cannot produce it."""
+    odd = AutoTokenizer.from_pretrained(tok.name_or_path, eos_token="<|endoftext|>")
+    assert "<|im_end|>" not in odd.all_special_tokens
+    chat = ChatCodec(odd)
+    end = odd.convert_tokens_to_ids("<|im_end|>")
+    assert (chat.eoa_text, chat.eoa_id) == ("<|im_end|>", end)
+    assert end in chat._structural
+    assert end not in chat.content(INJECTION)
+
+
 def test_rollout_through_a_chat_model(chat_path):
     """The whole rollout path with a chat-template model: tokens are prompt + actions +
     observations, actions are what the backend generated, rewards come from the env."""

@@ -288,6 +288,14 @@ def test_a_head_that_is_not_plain_is_refused(tiny_lm):
         check_chunked_head(scaled)
 
 
+def test_row_lengths_on_the_batchs_own_device():
+    """The learner moves the batch to its device before it measures rows (on a GPU once a
+    mix of devices); ``meta`` stands in for a GPU here."""
+    batch, _ = build_batch(two_groups(), pad_id=0)
+    assert batch.lengths().tolist() == [7, 4, 3, 3]
+    assert batch.to("meta").lengths().device.type == "meta"
+
+
 def test_token_budget_parts_pack_rows_by_length():
     from learner.batching import token_budget_parts
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from test_ddp import learner_config, shares, tiny_model
+from test_ddp import learner_config, shares, state_of, tiny_model, update_rows
 from transformers import AutoModelForCausalLM
 
 from inference import lora
@@ -334,3 +334,53 @@ def test_a_merging_engine_undoes_an_adapter_whose_targets_the_next_one_drops(mod
     for ids in PROMPTS:
         torch.testing.assert_close(logits(actor.model, ids), logits(want, ids), rtol=0,
                                    atol=1e-5)
+
+
+
+def test_merged_weights_stay_on_the_engines_device(model, tmp_path, control):
+    """An engine on a GPU merges an adapter read from a file (so on the CPU) into its own
+    weights: the merge happens on the weights' device. ``meta`` stands in for a GPU here; the
+    CUDA test below is the real thing where a GPU is."""
+    learner = trained(model, tmp_path / "run", control, updates=1)
+    state = learner.model.state_dict()
+    tensors = lora.adapter_state(state)
+    base = {f"{m}.weight": torch.empty(state[f"{m}.weight"].shape, device="meta")
+            for m in lora.adapted_modules(tensors)}
+    merged = lora.merged_weights(base, tensors, learner.adapter)
+    assert merged.keys() == base.keys()
+    assert all(w.device.type == "meta" and w.shape == base[n].shape for n, w in merged.items())
+    learner.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["merge", "layers"])
+def test_an_engine_on_cuda_follows_an_adapter(model, tmp_path, control, mode):
+    learner = trained(model, tmp_path / "run", control)
+    actor = TransformersBackend(model, device="cuda", adapter_mode=mode)
+    assert WeightSubscriber(control, "actor-0").follow(actor) == learner.version
+    want = merged_backend(model, learner, tmp_path)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            got = actor.model(torch.tensor([ids], device="cuda")).logits.cpu()
+        assert torch.allclose(got, logits(want.model, ids), atol=1e-4)
+    learner.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rank", [0, 4])
+def test_a_learner_on_cuda_takes_the_step_the_cpu_takes(model, tmp_path, control, rank):
+    """Full and adapter training on CUDA, rows split into length-packed micro-batches (whose
+    positions were once built on the CPU), in fp32 so the two devices' losses compare."""
+    sets = {**(LORA if rank else {}), "lora_rank": rank, "micro_batch_tokens": 64,
+            "autocast": "none"}
+    losses = {}
+    for device in ("cpu", "cuda"):
+        run_dir = tmp_path / device
+        learner = Learner(learner_config(model, device=device, **sets), run_dir, control, None)
+        before = state_of(learner)
+        learner.update([g for share in shares(0) for g in share], 0.0)
+        after = state_of(learner)
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        learner.close()
+        losses[device] = update_rows(run_dir)[-1]["learner/loss"]
+    assert losses["cuda"] == pytest.approx(losses["cpu"], abs=1e-4, rel=1e-3)

@@ -72,6 +72,21 @@ def test_the_folder_keeps_the_chat_template_and_special_tokens(converted):
         "source"].endswith(".gguf")
 
 
+def test_special_tokens_come_from_the_gguf_itself(converted):
+    """transformers 5.17 made SmolLM2's ``<|im_start|>`` the eos of the GGUF's tokenizer and set
+    no pad; the file names ``<|im_end|>`` (id 2) for both, and conversion takes the file's word."""
+    from transformers import AutoTokenizer
+
+    ids = models.gguf_special_token_ids(named_gguf("smollm2-135m"))
+    assert ids == {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
+    tokenizer = AutoTokenizer.from_pretrained(converted[1], eos_token="<|im_start|>")
+    models.set_special_tokens(tokenizer, ids)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>")
+    with pytest.raises(ValueError, match="token id 49152 as its eos_token, outside"):
+        models.set_special_tokens(tokenizer, {"eos_token": 49152})
+
+
 def test_greedy_chat_is_sensible(converted):
     """The converted model can read an instruction: greedy output answers it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
