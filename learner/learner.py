@@ -79,7 +79,8 @@ class Learner:
         self.learner_id = ranks.member(learner_id)
         ranks.share(self.cfg.batch_groups)  # refuses a batch the ranks cannot split evenly
         self.device = ranks.device(self.cfg.device)
-        self.autocast = autocast_dtype(self.cfg.autocast, self.device)
+        self.autocast = autocast_dtype(self.cfg.autocast, self.device,
+                                       cfg.actor.samples_in_low_precision)
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path).to(self.device)
         # With LoRA only the adapter trains and travels; the frozen base is also the KL
@@ -477,9 +478,12 @@ def check_checkpoint_adapter(state: dict, adapter: AdapterMeta | None, path: Pat
                 f"learner.lora_* settings and model.path it was trained with")
 
 
-def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
-    """``learner.autocast``: bf16 on request, or by default on CUDA; None for float32."""
-    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+def autocast_dtype(setting: str, device: torch.device,
+                   actors_low_precision: bool) -> torch.dtype | None:
+    """``learner.autocast``: bf16 on request, or by default on CUDA behind actors that sample
+    in low precision themselves; None for float32."""
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"
+                             and actors_low_precision):
         return torch.bfloat16
     return None
 

@@ -244,6 +244,12 @@ class ActorConfig:
         if self.lora_apply not in ("merge", "layers"):
             raise ConfigError(f"lora_apply must be merge or layers, got {self.lora_apply!r}")
 
+    @property
+    def samples_in_low_precision(self) -> bool:
+        """Whether rollouts are sampled below float32: a vLLM engine not in float32 (the
+        transformers backend samples in float32 on every device)."""
+        return self.backend == "vllm" and self.vllm_dtype != "float32"
+
 
 @dataclass
 class LearnerConfig:
@@ -351,8 +357,10 @@ class LearnerConfig:
 
     autocast: str = "auto"
     """Mixed precision of the learner's forward and backward: ``bf16`` (torch.autocast to
-    bfloat16; parameters and optimizer state stay float32), ``none``, or ``auto`` (bf16 on
-    CUDA, none on CPU)."""
+    bfloat16; parameters and optimizer state stay float32), ``none``, or ``auto``: bf16 on CUDA
+    when the actors sample in low precision (``actor.samples_in_low_precision``), else none, so
+    on-policy importance weights stay 1. A bf16 learner behind fp32 actors measured
+    ``kl_behaviour`` 0.023 against 0.0001, and a step twice as slow (docs/gpu_check.md)."""
 
     advantage: str = "composite"
     """``composite``: step-level advantages from the judges' GOOD/BAD labels plus the outcome

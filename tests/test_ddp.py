@@ -392,6 +392,23 @@ def test_bf16_autocast_trains_in_float32_parameters(model, tmp_path, control):
     assert any(moved)  # the forward really ran in bfloat16
 
 
+@pytest.mark.parametrize(("setting", "device", "vllm_dtype", "want"), [
+    ("auto", "cuda", "bfloat16", torch.bfloat16),  # behind bf16 samplers: match them
+    ("auto", "cuda", "float32", None),  # behind fp32 samplers: on-policy weights stay 1
+    ("auto", "cpu", "bfloat16", None),
+    ("bf16", "cpu", "float32", torch.bfloat16),
+    ("none", "cuda", "bfloat16", None)])
+def test_auto_autocast_follows_the_actors_precision(setting, device, vllm_dtype, want):
+    from learner.learner import autocast_dtype
+
+    cfg = RunConfig()
+    cfg.actor.backend, cfg.actor.vllm_dtype = "vllm", vllm_dtype
+    assert autocast_dtype(setting, torch.device(device),
+                          cfg.actor.samples_in_low_precision) == want
+    cfg.actor.backend = "transformers"  # samples in float32 whatever vllm_dtype says
+    assert not cfg.actor.samples_in_low_precision
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_learner_under_torchrun_draws_shares_and_rank_0_alone_commits(tmp_path, redis_url,
