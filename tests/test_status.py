@@ -50,6 +50,12 @@ def _learner_updates(run_dir: Path) -> int:
     return rows[-1]["learner/updates"] if rows else 0
 
 
+def _status_json(run_dir: Path) -> dict:
+    result = CliRunner().invoke(status, ["--run-dir", str(run_dir), "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    return json.loads(result.output)
+
+
 def _run_and_watch(run_dir: Path) -> dict:
     args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
             "-c", str(QUICK), "--max-updates", str(UPDATES)]
@@ -62,13 +68,15 @@ def _run_and_watch(run_dir: Path) -> dict:
     try:
         deadline = time.monotonic() + 150
         while proc.poll() is None and time.monotonic() < deadline:
+            # The learner logs an update before its weights are announced (publishing runs
+            # beside training), so wait for the announced version itself, not the log line.
             if _learner_updates(run_dir) >= 2:
-                break
+                live = _status_json(run_dir)
+                if (live.get("version") or 0) >= 2:
+                    break
             time.sleep(0.2)
         assert proc.poll() is None, "the run ended before the learner was seen training"
-        result = CliRunner().invoke(status, ["--run-dir", str(run_dir), "--json"])
-        assert result.exit_code == 0, (result.output, result.exception)
-        live = json.loads(result.output)
+        assert live is not None, "the learner made no 2 updates in 150 s"
         text = CliRunner().invoke(status, ["--run-dir", str(run_dir)])
         live_text = text.output if text.exit_code == 0 else f"exit {text.exit_code}: {text}"
         assert proc.wait(timeout=150) == 0, Path(log.name).read_text()[-3000:]
