@@ -163,7 +163,7 @@ def load_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
 
 
 def delta(tensors: dict[str, torch.Tensor], module: str, scale: float,
-          device: torch.device | str = "cpu") -> torch.Tensor:
+          device: torch.device | str) -> torch.Tensor:
     """``scale · B A`` of one module on ``device``: what the adapter adds to its weight."""
     a, b = (tensors[f"{module}.lora_{x}"].to(device, torch.float32) for x in "AB")
     return (b @ a) * scale

@@ -298,7 +298,7 @@ class Learner:
         over ranks, hence the factor ``world`` back.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        lengths = batch.lengths()
+        lengths = batch.lengths().cpu()  # sizes only: one read-back, not one per row
         parts = self._micro_batches(rows, lengths)
         totals = dict.fromkeys(("loss", "pg_loss", "denominator", "tokens"), 0.0)
         seen = []

@@ -336,7 +336,6 @@ def test_a_merging_engine_undoes_an_adapter_whose_targets_the_next_one_drops(mod
                                    atol=1e-5)
 
 
-
 def test_merged_weights_stay_on_the_engines_device(model, tmp_path, control):
     """An engine on a GPU merges an adapter read from a file (so on the CPU) into its own
     weights: the merge happens on the weights' device. ``meta`` stands in for a GPU here; the
