@@ -21,8 +21,9 @@ model it is most of a run's set-up), and take its held-out evaluations before RL
 repeating them (``eval.before_rl=false``).
 
 After every run it writes the table (mean ± std over seeds of avg@k and best@k, and each arm's
-change against +questioning paired by seed) with a plot into the doc (``docs/ablation.md`` by
-default) between markers, keeping any text outside them, and every cell into the doc's json.
+change against +questioning paired by seed) with a plot into the doc
+(``docs/results/ablation.md`` by default) between markers, keeping any text outside them, and
+every cell into the doc's json.
 Committed beside the doc, that json is the record a fresh checkout goes on from (``Records``):
 run directories are git-ignored. With ``--curve-versions`` the reference and attributing arms
 also get held-out points at those weight versions (``autodidact/heldout.py``), recorded with the
@@ -678,7 +679,7 @@ def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
               help="Where the runs go (default runs/ablation, --quick runs/ablation-quick).")
 @click.option("--doc", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Markdown file the table goes into, with the plot beside it (default "
-                   "docs/ablation.md; --quick: OUT/ablation.md).")
+                   "docs/results/ablation.md; --quick: OUT/ablation.md).")
 @click.option("--curve-versions", default="", metavar="5,10",
               help="Also evaluate these weight versions of the --curve-arms runs on the held-out "
                    "tasks (needs weights.keep >= --updates): a learning curve per run, recorded "
@@ -692,7 +693,7 @@ def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
 def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, out, doc,
              curve_versions, curve_arms, fresh, no_run):
     """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
-    held-out original tasks, and write it with a plot into docs/ablation.md.
+    held-out original tasks, and write it with a plot into docs/results/ablation.md.
 
     \b
     autodidact ablation                 3 seeds x 4 trained arms (about an hour on 2 cores)
@@ -711,7 +712,7 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     arm_list = parse_arms(arms, llm_judge)
     check_sets([*sets, *nav_sets])
     out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
-    doc = doc or (out / "ablation.md" if quick else Path("docs") / "ablation.md")
+    doc = doc or (out / "ablation.md" if quick else Path("docs") / "results" / "ablation.md")
     attributing = [a for a in arm_list if "attributing" in a]
     plan = Plan(out, config, budget, list(sets), k, llm_judge, tuple(nav_sets), fresh,
                 Records(doc.with_suffix(".json")), parse_versions(curve_versions),
