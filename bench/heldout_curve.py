@@ -4,9 +4,10 @@ and the updates each group of runs needs to reach a held-out level.
     python bench/heldout_curve.py --versions 5,10 \
         --group outcome=runs/abl-smollm2/questioning-s0,runs/abl-smollm2/questioning-s1 \
         --group attribution=runs/abl-smollm2/questioning-attributing-s0,... \
-        [--level 0.55] [--json docs/attribution_smollm2.json] [--plot docs/attribution_smollm2.png]
+        [--level 0.55] [--json docs/results/attribution_smollm2.json] \
+        [--plot docs/results/attribution_smollm2.png]
 
-    python bench/heldout_curve.py --ablation docs/ablation_smollm2.json \
+    python bench/heldout_curve.py --ablation docs/results/ablation_smollm2.json \
         --group grpo=+questioning --group reference=+questioning+attributing ...
 
 The first form evaluates the asked versions of run directories (``autodidact/heldout.py``;

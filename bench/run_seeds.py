@@ -2,7 +2,7 @@
 after RL, per seed and as mean ± std, and whether RL moved it (issue 20's 3-seed table).
 
     .venv/bin/python -m bench.run_seeds -c configs/smollm2.yaml --seeds 0,1,2 \\
-        --out docs/smollm2_seeds.json
+        --out docs/results/smollm2_seeds.json
 
 Seed N is ``autodidact run -c CONFIG --run-dir runs/<name>-sN --set seed=N --set name=<name>-sN``
 (``<name>`` is the config's own), run one after another so runs never share the cores. A run

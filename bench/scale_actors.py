@@ -31,8 +31,9 @@ to ``--plot``; see docs/scaling.md. Usage::
 
     .venv/bin/python -m bench.scale_actors [--counts 1,2,4,8] [--seconds 25] \
         [--group-seconds 0.25] [--learner fixed|real] [--update-seconds 0.25] \
-        [--out docs/scale_actors.json] [--plot docs/scale_actors.png | --no-plot]
-    .venv/bin/python -m bench.scale_actors --from-json docs/scale_actors.json  # table, figure
+        [--out docs/results/scale_actors.json] [--plot docs/results/scale_actors.png | --no-plot]
+    # the table and figure again, from the json alone:
+    .venv/bin/python -m bench.scale_actors --from-json docs/results/scale_actors.json
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from protocol.messages import Group, Step, Trajectory  # noqa: E402
 from protocol.replay_client import ReplayClient  # noqa: E402
 from protocol.transport import local_address  # noqa: E402
 
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"
 ROLE_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 

@@ -360,7 +360,7 @@ class LearnerConfig:
     bfloat16; parameters and optimizer state stay float32), ``none``, or ``auto``: bf16 on CUDA
     when the actors sample in low precision (``actor.samples_in_low_precision``), else none, so
     on-policy importance weights stay 1. A bf16 learner behind fp32 actors measured
-    ``kl_behaviour`` 0.023 against 0.0001, and a step twice as slow (docs/gpu_check.md)."""
+    ``kl_behaviour`` 0.023 against 0.0001, and a step twice as slow (docs/results/gpu_check.md)."""
 
     advantage: str = "composite"
     """``composite``: step-level advantages from the judges' GOOD/BAD labels plus the outcome

@@ -295,7 +295,7 @@ def test_generate_on_cuda(model_path, prompts):
 
 
 def test_default_dtype_is_float32_on_every_device():
-    """bf16 on GPU broke the equal-log-probs assumption (docs/gpu_check.md)."""
+    """bf16 on GPU broke the equal-log-probs assumption (docs/results/gpu_check.md)."""
     import torch
 
     from inference.backends.hf import _resolve_dtype
