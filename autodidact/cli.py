@@ -285,7 +285,7 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
     """The policy an ``auto``/``policy`` proposer uses: the run's model, made if missing."""
     if cfg.explore.proposer not in ("auto", "policy") or cfg.llm.url:
         return None
-    from autodidact.stages import prepare_model
+    from autodidact.base_model import prepare_model
 
     return prepare_model(cfg, run_dir)
 

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import click
 
+from autodidact.base_model import prepare_model
 from autodidact.cli_common import check_model, config_option, load_run, set_option
 from autodidact.engine_env import ensure_engine
 from autodidact.resolve import Flags
-from autodidact.stages import prepare_model, write_split
+from autodidact.stages import write_split
 from inference.models import model_folder
 from protocol.config import RunConfig
 from protocol.run_dir import RunDir

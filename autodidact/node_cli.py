@@ -33,10 +33,10 @@ from pathlib import Path
 
 import click
 
+from autodidact.base_model import prepare_model
 from autodidact.cli_common import config_option, role_config, set_option
 from autodidact.resolve import with_model
 from autodidact.roles import role_argv, write_resolved_config
-from autodidact.stages import prepare_model
 from autodidact.supervisor import RoleSpec, Supervisor
 from protocol.config import redact_url
 from protocol.run_dir import RunDir

@@ -3,7 +3,8 @@ returns what it made (and says what it does through ``say``, a rich console line
 
 ``autodidact run`` (``launcher.py``) composes them, and so does the single-process run::
 
-    prepare_model        the base model: model.path, or the tiny model made from the env
+    prepare_model        the base model (autodidact/base_model.py): model.path, or the
+                         tiny model made from the env
     write_split          split.json: which env tasks train, which are held out
     before_training      explore_stage -> experience_stage -> held_out_eval (base)
                          -> warm_start_stage -> held_out_eval (warm-start)
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from autodidact.base_model import prepare_model
 from autodidact.resolve import with_model
 from autodidact.task_mix import synthetic_share, warmstart_tasks
 from metrics.jsonl import MetricsWriter, read_metrics
@@ -44,30 +46,6 @@ def show(message: str) -> None:
 
 class NoSyntheticTasks(RuntimeError):
     """The task mixture asks for synthetic tasks and none exist."""
-
-
-# --- the model ------------------------------------------------------------------------------
-
-
-def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
-    """The base model path: cfg.model.path (a named model's converted folder, see
-    inference/models.py), or a tiny model fitted to the env's vocabulary (made once under
-    ``model/``; the same on every machine that makes it from one config)."""
-    if cfg.model.path:
-        from inference.models import model_folder
-
-        return model_folder(cfg.model.path)  # a named model: converted on first use
-    from environments import env_class
-    from inference.tiny_model import make_tiny_model
-    from navigating.navigator import policy_vocabulary
-
-    m = cfg.model
-    words, special = policy_vocabulary(env_class(cfg.env.name))
-    path = make_tiny_model(RunDir(run_dir).model, words, special_words=special, hidden=m.hidden,
-                           layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
-                           intermediate=m.intermediate,
-                           max_positions=m.max_positions, seed=cfg.seed)
-    return str(path)
 
 
 def write_split(run_dir: Path, env) -> Path:

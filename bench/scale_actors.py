@@ -55,10 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actor.actor import serve  # noqa: E402
+from autodidact.base_model import prepare_model  # noqa: E402
 from autodidact.coordinator import Coordinator  # noqa: E402
 from autodidact.embedded_redis import EmbeddedRedis  # noqa: E402
 from autodidact.roles import role_argv, wait_for_replay, write_resolved_config  # noqa: E402
-from autodidact.stages import prepare_model  # noqa: E402
 from autodidact.supervisor import RoleSpec, Supervisor  # noqa: E402
 from metrics.jsonl import read_metrics  # noqa: E402
 from protocol.config import RunConfig, load_config  # noqa: E402

@@ -137,11 +137,3 @@ def make_navigator(cfg, seed: int, embedder=None) -> Navigator | None:
         rewriter = OpenAIChat.from_config(cfg.llm)
     return Navigator(pool, xc, seed, rewriter)
 
-
-def policy_vocabulary(env_cls) -> tuple[list[str], tuple[str, ...]]:
-    """(words, special words) of a tiny word-level policy for ``env_cls``: the env's words plus
-    the advice words rule-made experiences use, and the prompt and experience markers."""
-    from inference.codecs import EXPERIENCE_MARKERS, MARKERS
-    from navigating.extraction import ADVICE_WORDS
-
-    return [*env_cls.vocabulary(), *ADVICE_WORDS, SEPARATOR], (*MARKERS, *EXPERIENCE_MARKERS)

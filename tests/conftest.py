@@ -95,9 +95,9 @@ def embedder():
 @pytest.fixture(scope="session")
 def files_policy_path(tmp_path_factory) -> str:
     """A tiny policy for the files env with the run's vocabulary (advice words, markers)."""
+    from autodidact.base_model import policy_vocabulary
     from environments.files import FilesEnv
     from inference.tiny_model import make_tiny_model
-    from navigating.navigator import policy_vocabulary
 
     words, special = policy_vocabulary(FilesEnv)
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", words, special))

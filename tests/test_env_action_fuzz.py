@@ -320,6 +320,7 @@ def codecs():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from autodidact.base_model import policy_vocabulary
     from environments.files import FilesEnv
     from inference.codecs import ChatCodec, MarkerCodec
     from inference.tiny_model import (
@@ -329,7 +330,6 @@ def codecs():
         _make_tokenizer,
         _vocabulary,
     )
-    from navigating.navigator import policy_vocabulary
 
     words, special = policy_vocabulary(FilesEnv)
     marker = MarkerCodec(_make_tokenizer(_vocabulary(words, special),
