@@ -35,7 +35,8 @@ ADAPTER_MODES = ("merge", "layers")  # how a LoRA version is applied (Transforme
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     """``None`` means float32 on every device: the actors' log-probs then match the learner's
     fp32 recompute (on-policy importance weights of 1). On an H100, bf16 gave mismatches up
-    to 0.05 nats and was slower for small models (docs/gpu_check.md); pass a dtype for big ones.
+    to 0.05 nats and was slower for small models (docs/results/gpu_check.md); pass a dtype for
+    big ones.
     """
     if dtype is None:
         return torch.float32
