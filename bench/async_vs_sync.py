@@ -15,8 +15,8 @@ the held-out evaluation of the config (N tasks), so the two are also compared on
 updates bought. Each mode's busy time is read back too: the actors' seconds rolling out and the
 learner's seconds stepping, whose sum over max bounds what overlapping them can gain. Usage::
 
-    .venv/bin/python bench/async_vs_sync.py [--updates 40] [--staleness 4]
-    .venv/bin/python bench/async_vs_sync.py -c configs/smollm2.yaml --updates 12 \
+    .venv/bin/python -m bench.async_vs_sync [--updates 40] [--staleness 4]
+    .venv/bin/python -m bench.async_vs_sync -c configs/smollm2.yaml --updates 12 \
         --init runs/abl-smollm2/warmstart/s0-plain --eval-tasks 40 --out runs/async-smollm2
 
 ``--curve-versions 4,8`` (with ``--eval-tasks`` and ``--set weights.keep=N`` ≥ the updates, so
@@ -40,12 +40,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
+from metrics.jsonl import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-
-from metrics.jsonl import read_metrics  # noqa: E402
 
 
 def run_mode(name: str, root: Path, seed_dir: Path, updates: int, staleness: int,

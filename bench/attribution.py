@@ -1,6 +1,6 @@
 """Outcome-only vs step attribution at the same seeds and budget, on the built-in environment.
 
-    python bench/attribution.py [--updates 200] [--seeds 0] [--config configs/default.yaml]
+    python -m bench.attribution [--updates 200] [--seeds 0] [--config configs/default.yaml]
                                 [--out runs/bench-attr] [--reuse] [--set k=v ...]
 
 For each seed, runs `autodidact run` twice — `learner.advantage=grpo` with no judges, then
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from run_compare import (
+from bench.run_compare import (
     WINDOW,
     arguments,
     final_level,
@@ -31,7 +31,6 @@ from run_compare import (
     success_curve,
     updates_to_reach,
 )
-
 from metrics.jsonl import read_metrics
 
 ARMS = {

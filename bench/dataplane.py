@@ -8,7 +8,7 @@
 Prints MB/s and messages (groups) per second for each, and ``full / min(raw zmq, raw lmdb)``;
 the target is >= 0.5.
 
-    .venv/bin/python bench/dataplane.py [--seconds 5] [--size 65536] [--clients 1]
+    .venv/bin/python -m bench.dataplane [--seconds 5] [--size 65536] [--clients 1]
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ import lmdb
 import numpy as np
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from protocol import codec
+from protocol.config import ReplayConfig
+from protocol.messages import Group, Step, Task, Trajectory
 
-from protocol import codec  # noqa: E402
-from protocol.config import ReplayConfig  # noqa: E402
-from protocol.messages import Group, Step, Task, Trajectory  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MAP_SIZE = 256 * 1024**3  # sparse; only what is written takes disk
 

@@ -1,7 +1,7 @@
 """How much of a held-out number, or of a difference between two, is noise: read off the
 per-task files of ``autodidact eval --out`` (k sampled episodes per task).
 
-    python bench/eval_noise.py A.jsonl [B.jsonl] [--json F]
+    python -m bench.eval_noise A.jsonl [B.jsonl] [--json F]
 
 For each file: avg@k, its standard error across tasks (what another draw of tasks would give)
 and its sampling standard error alone (what another draw of episodes on the same tasks would
@@ -16,13 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from autodidact.ablation import mean_std  # noqa: E402
+from autodidact.ablation import mean_std
 
 
 def successes(path: Path) -> dict[str, list[bool]]:

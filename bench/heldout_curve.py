@@ -1,13 +1,13 @@
 """Held-out success along a run, from the weight versions it kept: a learning curve per run,
 and the updates each group of runs needs to reach a held-out level.
 
-    python bench/heldout_curve.py --versions 5,10 \
+    python -m bench.heldout_curve --versions 5,10 \
         --group outcome=runs/abl-smollm2/questioning-s0,runs/abl-smollm2/questioning-s1 \
         --group attribution=runs/abl-smollm2/questioning-attributing-s0,... \
         [--level 0.55] [--json docs/results/attribution_smollm2.json] \
         [--plot docs/results/attribution_smollm2.png]
 
-    python bench/heldout_curve.py --ablation docs/results/ablation_smollm2.json \
+    python -m bench.heldout_curve --ablation docs/results/ablation_smollm2.json \
         --group grpo=+questioning --group reference=+questioning+attributing ...
 
 The first form evaluates the asked versions of run directories (``autodidact/heldout.py``;
@@ -31,16 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from autodidact.ablation import Records  # noqa: E402
-from autodidact.heldout import curve  # noqa: E402
+from autodidact.ablation import Records
+from autodidact.heldout import curve
 
 
 def updates_to_reach(points: dict[int, float], level: float) -> float | None:

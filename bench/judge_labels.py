@@ -1,6 +1,6 @@
 """What an LLM step judge said during a run, read off its raw replies.
 
-    python bench/judge_labels.py RUN_DIR [RUN_DIR ...] [--json OUT]
+    python -m bench.judge_labels RUN_DIR [RUN_DIR ...] [--json OUT]
 
 A run whose judge is an LLM (``judge.serve`` or ``llm.url``) logs every request and raw reply in
 ``RUN/llm/judge-*.jsonl``. For each run this prints:
@@ -20,16 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from judge.step_judges import parse_judgement  # noqa: E402
-from metrics.jsonl import read_metrics  # noqa: E402
-from protocol.run_dir import LLM_REPLIES, RunDir  # noqa: E402
+from judge.step_judges import parse_judgement
+from metrics.jsonl import read_metrics
+from protocol.run_dir import LLM_REPLIES, RunDir
 
 # build_judge_messages writes these two lines into every request
 _OUTCOME = re.compile(r"^Outcome: (success|partial success|failure) ", re.M)

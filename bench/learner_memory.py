@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # name -> (logit_chunk_tokens is used, gradient_checkpointing, head at actions only, LoRA)
 VARIANTS = {

@@ -23,25 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from autodidact.embedded_redis import EmbeddedRedis  # noqa: E402
-from inference import lora  # noqa: E402
-from inference.backends.base import SamplingParams  # noqa: E402
-from inference.backends.hf import TransformersBackend  # noqa: E402
-from inference.models import model_folder  # noqa: E402
-from inference.tiny_model import make_tiny_model  # noqa: E402
-from protocol.config import LearnerConfig  # noqa: E402
-from protocol.control import ControlPlane  # noqa: E402
-from protocol.weights import (  # noqa: E402
+from autodidact.embedded_redis import EmbeddedRedis
+from inference import lora
+from inference.backends.base import SamplingParams
+from inference.backends.hf import TransformersBackend
+from inference.models import model_folder
+from inference.tiny_model import make_tiny_model
+from protocol.config import LearnerConfig
+from protocol.control import ControlPlane
+from protocol.weights import (
     AdapterMeta,
     WeightClient,
     WeightPublisher,

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import protocol.messages  # noqa: F401  (registers the message types)
+from autodidact.ablation import run_argv
+from protocol import codec
+from replay.store import Store
 
-import protocol.messages  # noqa: E402,F401  (registers the message types)
-from autodidact.ablation import run_argv  # noqa: E402
-from protocol import codec  # noqa: E402
-from replay.store import Store  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WINDOW = 10  # policy versions per point of a success curve
 

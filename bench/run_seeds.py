@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from autodidact.ablation import (  # noqa: E402
+from autodidact.ablation import (
     Result,
     mean_std,
     run_argv,
     run_or_reuse,
     verdict,
 )
-from protocol.config import load_config, read_yaml  # noqa: E402
+from protocol.config import load_config, read_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STAGES = ("base", "warm", "final")  # Result's evaluations, in the order they happen
 KEYS = ("avg", "best", "greedy")

@@ -17,12 +17,9 @@ import argparse
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from metrics.jsonl import read_metrics  # noqa: E402
+from metrics.jsonl import read_metrics
 
 STAGES = {  # the launcher's stage lines -> seconds
     "explore": re.compile(r"explore: .* in ([\d.]+)s"),

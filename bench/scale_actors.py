@@ -51,21 +51,20 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from actor.actor import serve
+from autodidact.base_model import prepare_model
+from autodidact.coordinator import Coordinator
+from autodidact.embedded_redis import EmbeddedRedis
+from autodidact.roles import role_argv, wait_for_replay, write_resolved_config
+from autodidact.supervisor import RoleSpec, Supervisor
+from metrics.jsonl import read_metrics
+from protocol.config import RunConfig, load_config
+from protocol.control import ControlPlane, default_prefix
+from protocol.messages import Group, Step, Trajectory
+from protocol.replay_client import ReplayClient
+from protocol.transport import local_address
 
-from actor.actor import serve  # noqa: E402
-from autodidact.base_model import prepare_model  # noqa: E402
-from autodidact.coordinator import Coordinator  # noqa: E402
-from autodidact.embedded_redis import EmbeddedRedis  # noqa: E402
-from autodidact.roles import role_argv, wait_for_replay, write_resolved_config  # noqa: E402
-from autodidact.supervisor import RoleSpec, Supervisor  # noqa: E402
-from metrics.jsonl import read_metrics  # noqa: E402
-from protocol.config import RunConfig, load_config  # noqa: E402
-from protocol.control import ControlPlane, default_prefix  # noqa: E402
-from protocol.messages import Group, Step, Trajectory  # noqa: E402
-from protocol.replay_client import ReplayClient  # noqa: E402
-from protocol.transport import local_address  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DOCS = ROOT / "docs" / "results"
 ROLE_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",

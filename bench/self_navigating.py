@@ -1,6 +1,6 @@
 """Self-navigating vs plain RL at the same budget, on the built-in environment.
 
-    python bench/self_navigating.py [--updates 120] [--config configs/quick.yaml]
+    python -m bench.self_navigating [--updates 120] [--config configs/quick.yaml]
                                     [--out runs/bench-nav] [--reuse] [--set k=v ...]
 
 Runs `autodidact run -c CONFIG` twice from the same seed — experience off, then on —
@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from run_compare import (
+
+from bench.run_compare import (
     WINDOW,
     arguments,
     final_level,

@@ -24,7 +24,7 @@ Faults beyond role kills, each once, at a share of the time (``--faults``):
 
 Usage::
 
-    .venv/bin/python bench/soak.py [--minutes 10] [--kill-every 60] [--run-dir runs/soak]
+    .venv/bin/python -m bench.soak [--minutes 10] [--kill-every 60] [--run-dir runs/soak]
                                    [--faults launcher,checkpoint] [--map-size BYTES]
 
 Exits 1 when anything was lost or trained twice.
@@ -44,11 +44,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from metrics.jsonl import read_metrics
+from replay.store import Store
 
-from metrics.jsonl import read_metrics  # noqa: E402
-from replay.store import Store  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 QUICK = ROOT / "configs" / "quick.yaml"
 

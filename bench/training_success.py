@@ -1,6 +1,6 @@
 """Why training success moves during RL: what the actors rolled out, window by window.
 
-    python bench/training_success.py RUN_DIR [RUN_DIR ...] [--window 5] [--json OUT]
+    python -m bench.training_success RUN_DIR [RUN_DIR ...] [--window 5] [--json OUT]
 
 Reads each run's replay store (every stored rollout) and its learner metrics, and prints per
 window of policy versions:
@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.run_compare import stored_groups  # noqa: E402
-from metrics.jsonl import read_metrics  # noqa: E402
-from protocol.run_dir import RunDir  # noqa: E402
+from bench.run_compare import stored_groups
+from metrics.jsonl import read_metrics
+from protocol.run_dir import RunDir
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Coverage-guided fuzzing (atheris / libFuzzer) of the wire codec and the replay server's
 decode and dispatch path.
 
-    .venv/bin/python scripts/fuzz_atheris.py --runs 20000          # about a minute on 2 cores
-    .venv/bin/python scripts/fuzz_atheris.py --runs 0 -- -max_total_time=600   # libFuzzer args
+    .venv/bin/python -m scripts.fuzz_atheris --runs 20000          # about a minute on 2 cores
+    .venv/bin/python -m scripts.fuzz_atheris --runs 0 -- -max_total_time=600   # libFuzzer args
 
 Each input is used three ways: as a whole frame; as the body of a frame whose type tag it picks
 (every registered type); and as a mutation (truncate, flip, splice) of a valid frame of each
@@ -12,7 +12,7 @@ temporary directory): ``RouterServer._decode`` then ``ReplayServer.handle``, exa
 serving loop runs. A crash is any other exception, a handler crash counted as
 ``errors/internal`` or ``errors/store``, or a reply that is not a message. libFuzzer writes the
 input that crashed to ``crash-<sha1>`` in the working directory; replay one with
-``scripts/fuzz_atheris.py crash-<sha1>``.
+``python -m scripts.fuzz_atheris crash-<sha1>``.
 
 atheris is in the ``dev`` extra on Linux x86-64 with CPython >= 3.11 (it ships wheels there);
 elsewhere ``pip install atheris`` needs clang with libFuzzer.
@@ -28,10 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
 try:
     import atheris
 except ImportError:  # pragma: no cover - only where the dev extra could not install it
@@ -44,7 +40,7 @@ with atheris.instrument_imports(include=["protocol", "replay"]):
     from protocol.errors import SchemaError
     from replay.server import ReplayServer
 
-from helpers_replay import base_frames, make_group  # noqa: E402  (tests/, not instrumented)
+from tests.helpers_replay import base_frames, make_group  # not instrumented
 
 TAGS = sorted(codec.registered_types())
 STORED = [make_group(i, f"stored-{i}") for i in range(3)]

@@ -2,7 +2,7 @@
 step a real-model run takes before RL, alone (no Redis, no roles), so its effect can be measured
 with ``autodidact eval``::
 
-    .venv/bin/python scripts/smollm2_warmstart.py --steps 30 --out runs/smollm2-ws30
+    .venv/bin/python -m scripts.smollm2_warmstart --steps 30 --out runs/smollm2-ws30
     .venv/bin/python -m autodidact.cli eval --model runs/smollm2-ws30 -k 1 --limit 40 \\
         --temperature 0 --set actor.constrained=false --set env.max_context=768 \\
         --set actor.max_action_tokens=32
@@ -15,16 +15,13 @@ instructions.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from autodidact.resolve import resolve_config  # noqa: E402
-from episodes.rollout import rollout_settings  # noqa: E402
-from inference.models import model_folder  # noqa: E402
-from learner.warmstart import warm_start  # noqa: E402
+from autodidact.resolve import resolve_config
+from episodes.rollout import rollout_settings
+from inference.models import model_folder
+from learner.warmstart import warm_start
 
 SETTINGS = ["experience.enabled=false", "env.max_context=768", "actor.max_action_tokens=32",
             "warmstart.batch_size=8", "warmstart.lr=2e-5", "warmstart.max_examples=200",
