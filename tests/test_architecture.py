@@ -149,6 +149,19 @@ def test_no_import_cycles():
     assert cycles(graph) == []
 
 
+def test_no_file_edits_the_import_path():
+    """bench/ and scripts/ run as modules from the repository root (``python -m bench.x``), so
+    no file needs to put the repository on ``sys.path`` itself."""
+    edits = []
+    tops = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")]  # no .venv
+    for path in [p for top in tops for p in top.rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in ("insert", "append", "extend")
+                    and ast.unparse(node.value) == "sys.path"):
+                edits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert edits == []
+
+
 # --- the checks themselves can fail -------------------------------------------------------------
 
 
