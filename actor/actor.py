@@ -18,58 +18,82 @@ and gives back only the slots of those.
 from __future__ import annotations
 
 import logging
-import signal
+import threading
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from actor.outbox import Outbox
 from environments.base import env_maker
-from episodes.reward import outcome_reward
-from episodes.rollout import make_codec, rollout, rollout_settings, start_episodes, to_groups
+from episodes.reward import OutcomeReward
+from episodes.rollout import RolloutSettings, make_codec, rollout, start_episodes, to_groups
 from inference.backends.base import InferenceBackend, SamplingParams
-from inference.engines import make_backend
 from metrics.jsonl import MetricsWriter, RateMeter
-from navigating.navigator import make_navigator
-from protocol.config import RunConfig
+from navigating.navigator import Navigator
 from protocol.control import ControlPlane
 from protocol.replay_client import ReplayClient
+from protocol.role import StopEvent
+from protocol.role_config import ActorSettings
 from protocol.weights import WeightSubscriber
 
 log = logging.getLogger(__name__)
 
 
+def actor_seed(seed: int, actor_id: str) -> int:
+    """The sampling stream of actor ``actor_id``: crc32, not hash() (str hashes differ
+    between processes; seeds must not)."""
+    return seed * 1000 + zlib.crc32(actor_id.encode()) % 1000
+
+
 class Actor:
-    def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane,
-                 replay: ReplayClient, backend: InferenceBackend, actor_id: str):
-        self.cfg = cfg
+    """Built from its settings and what it rolls out with: ``backend`` (the engine),
+    ``weights`` (follows the learner's versions), ``navigator`` (retrieves experience; None
+    when self-navigating is off) and ``reward``. It owns them, and its replay client, from
+    here on: :meth:`close` releases them all."""
+
+    def __init__(self, settings: ActorSettings, run_dir: Path, control: ControlPlane,
+                 replay: ReplayClient, backend: InferenceBackend, weights: WeightSubscriber,
+                 actor_id: str, *, navigator: Navigator | None = None,
+                 reward: OutcomeReward | None = None):
+        self.settings = settings
         self.control = control
         self.replay = replay
         self.backend = backend
+        self.weights = weights
         self.actor_id = actor_id
         self.codec = make_codec(backend.tokenizer)
-        self.settings = rollout_settings(cfg)
-        self.make_env = env_maker(cfg.env)
-        self.reward = outcome_reward(cfg)
-        # crc32, not hash(): str hashes differ between processes, seeds must not
-        self._seed = cfg.seed * 1000 + zlib.crc32(actor_id.encode()) % 1000
-        self.navigator = make_navigator(cfg, self._seed)
+        self.rollout = RolloutSettings(
+            max_turns=settings.env.max_turns, max_context=settings.env.max_context,
+            max_action_tokens=settings.actor.max_action_tokens,
+            constrained=settings.actor.constrained)
+        self.make_env = env_maker(settings.env)
+        self.reward = reward or OutcomeReward()
+        self._seed = actor_seed(settings.seed, actor_id)
+        self.navigator = navigator
         self._navigation: dict[str, float] = {}
-        self.weights = WeightSubscriber.for_run(cfg, control, actor_id)
         self.metrics = MetricsWriter(run_dir, "actor", actor_id)
         self.outbox = Outbox(run_dir, actor_id)
         self.tokens = RateMeter()
         self.groups_done = 0
         self._resend_at: dict[str, float] = {}  # group id -> when to push it again (disk_full)
-        self._stop = False
+        self._stop = StopEvent()
         self._idle_s = 0.0
         self._load_s = 0.0  # seconds the last weight version took to load
+        self._closed = False
 
     def request_stop(self, *_):
-        self._stop = True
+        self._stop.set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for part in (self.replay, self.backend, self.weights, self.metrics, self.outbox,
+                     self.navigator):
+            if part is not None:
+                part.close()
 
     # --- weights ---
 
@@ -97,10 +121,11 @@ class Actor:
                         "%d slots", self.actor_id, len(groups), len(tasks), released)
             self.control.incr("actor/resent", len(groups))
 
-    def run(self) -> None:
+    def run(self, stop: threading.Event | None = None) -> None:
+        self._stop.use(stop)
         self.recover()
         self.maybe_load_weights()
-        while not self._stop:
+        while not self._stop.is_set():
             self.drain_acks(0.0)
             tasks = self.take_tasks()
             if not tasks:
@@ -118,12 +143,12 @@ class Actor:
 
     def take_tasks(self):
         """Reserve slots under the staleness bound, then pop that many tasks."""
-        lc = self.cfg.learner
+        s = self.settings
         t0 = time.monotonic()
-        while not self._stop:
+        while not self._stop.is_set():
             self.maybe_load_weights()
-            granted = self.control.admit(self.actor_id, self.cfg.actor.groups_in_flight,
-                                         lc.max_staleness, lc.batch_groups)
+            granted = self.control.admit(self.actor_id, s.actor.groups_in_flight,
+                                         s.max_staleness, s.batch_groups)
             if granted:
                 tasks = [t for t in (self.control.pop_task(0.2) for _ in range(granted)) if t]
                 if tasks:
@@ -137,16 +162,16 @@ class Actor:
         return []
 
     def roll(self, tasks):
-        n = self.cfg.actor.group_size
+        ac = self.settings.actor
+        n = ac.group_size
         guidance = self.navigator.guide(tasks, n) if self.navigator else None
         episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance)
         self._seed += 1
-        params = SamplingParams(temperature=self.cfg.actor.temperature,
-                                top_p=self.cfg.actor.top_p,
-                                max_new_tokens=self.cfg.actor.max_action_tokens,
+        params = SamplingParams(temperature=ac.temperature, top_p=ac.top_p,
+                                max_new_tokens=ac.max_action_tokens,
                                 stop_token_ids=(self.codec.eoa_id,), seed=self._seed,
                                 logprobs_mode="raw")
-        rollout(self.backend, episodes, self.codec, params, self.settings,
+        rollout(self.backend, episodes, self.codec, params, self.rollout,
                 between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
         if self.navigator:
@@ -212,23 +237,3 @@ class Actor:
         self._idle_s = 0.0
         self.control.heartbeat("actor", self.actor_id, groups=self.groups_done,
                                version=self.backend.version)
-
-
-def main(cfg: RunConfig, run_dir: Path, actor_id: str) -> None:
-    torch.set_num_threads(cfg.actor.torch_threads)
-    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient.for_run(cfg, role="actor", run_dir=run_dir)
-    serve(Actor(cfg, run_dir, control, replay, make_backend(cfg), actor_id))
-
-
-def serve(actor: Actor) -> None:
-    """Run ``actor`` until SIGTERM/SIGINT (it finishes its turn), then release what it holds."""
-    signal.signal(signal.SIGTERM, actor.request_stop)
-    signal.signal(signal.SIGINT, actor.request_stop)
-    try:
-        actor.run()
-    finally:
-        actor.replay.close()
-        actor.backend.close()
-        actor.metrics.close()
-        actor.outbox.close()

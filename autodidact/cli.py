@@ -119,13 +119,13 @@ def replay(ctx, config, run_dir, sets, address):
     """
     if ctx.invoked_subcommand is not None:
         return
-    from replay.server import serve
+    from autodidact.wiring import replay_process
 
     cfg, path = load_run(config, sets, run_dir)
     private_run_dir(path)
     address = address or cfg.replay.address or None
     try:
-        serve(path, cfg.replay, address, check_curve(cfg, address))
+        replay_process(path, cfg, address, check_curve(cfg, address))
     except StoreDamaged as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -180,11 +180,11 @@ def replay_check(run_dir):
 @click.option("--actor-id", default="actor-0", help="Stable id (kept across restarts).")
 def actor(config, run_dir, sets, redis_url, replay_addr, weights_addr, actor_id):
     """Start one actor: roll out groups and stream them to replay."""
-    from actor.actor import main as actor_main
+    from autodidact.wiring import actor_process
 
     cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
     ensure_engine(cfg)
-    actor_main(cfg, path, actor_id)
+    actor_process(cfg, path, actor_id)
 
 
 @main.command()
@@ -194,10 +194,10 @@ def actor(config, run_dir, sets, redis_url, replay_addr, weights_addr, actor_id)
 def learner(config, run_dir, sets, redis_url, replay_addr, weights_addr, max_updates,
             resume):
     """Start the learner: train on groups from replay and publish weights."""
-    from learner.learner import main as learner_main
+    from autodidact.wiring import learner_process
 
     cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
-    learner_main(cfg, path, max_updates, resume)
+    learner_process(cfg, path, max_updates, resume)
 
 
 @main.command()
@@ -206,10 +206,10 @@ def experience(config, run_dir, sets, redis_url, replay_addr, weights_addr):
     """Start the experience extractor: every experience.update_every learner updates, turn the
     groups stored since its last pass (read from <run-dir>/replay.lmdb) into experiences and add
     them to the run's shared pool in Redis."""
-    from judge.experience_worker import main as experience_main
+    from autodidact.wiring import experience_process
 
     cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
-    experience_main(cfg, path)
+    experience_process(cfg, path)
 
 
 @main.command()
@@ -218,11 +218,11 @@ def experience(config, run_dir, sets, redis_url, replay_addr, weights_addr):
 def judge(config, run_dir, sets, redis_url, replay_addr, weights_addr, judge_id):
     """Start one judge: lease unjudged groups from replay, label every step GOOD or BAD
     (judge.backend: reference, an LLM endpoint or the policy) and write the labels back."""
-    from judge.judge_worker import main as judge_main
+    from autodidact.wiring import judge_process
 
     cfg, path = role_config(config, sets, run_dir, redis_url, replay_addr, weights_addr)
     ensure_engine(cfg)
-    judge_main(cfg, path, judge_id)
+    judge_process(cfg, path, judge_id)
 
 
 # --- self-questioning -----------------------------------------------------------------------------

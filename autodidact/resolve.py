@@ -25,6 +25,7 @@ from environments import check_env_options
 from protocol.config import RunConfig, load_config, with_values
 from protocol.control import default_prefix
 from protocol.errors import ConfigError
+from protocol.role_config import ActorSettings, ExperienceSettings, JudgeSettings, LearnerSettings
 from protocol.transport import local_address
 
 
@@ -155,3 +156,34 @@ def with_model(cfg: RunConfig, path: str) -> RunConfig:
     """The run's config with the model the roles start from (the warm-started policy, or the
     base model made here): a new one."""
     return with_values(cfg, {"model.path": path})
+
+
+# --- what each role reads (protocol/role_config.py) ----------------------------------------------
+
+
+def actor_settings(cfg: RunConfig) -> ActorSettings:
+    return ActorSettings(actor=cfg.actor, env=cfg.env, seed=cfg.seed,
+                         max_staleness=cfg.learner.max_staleness,
+                         batch_groups=cfg.learner.batch_groups)
+
+
+def learner_settings(cfg: RunConfig, max_updates: int | None = None) -> LearnerSettings:
+    """``max_updates``: the command's ``--max-updates`` (None: ``learner.max_updates``)."""
+    return LearnerSettings(
+        learner=cfg.learner, model_path=cfg.model.path, seed=cfg.seed,
+        max_updates=max_updates or cfg.learner.max_updates,
+        # Labels are only worth waiting for when some judge will write them.
+        judged=cfg.learner.advantage == "composite" and cfg.judge.workers > 0,
+        judge_deadline_s=cfg.judge.deadline_s,
+        experience_context=cfg.experience.train_context,
+        guided_clip_high=cfg.experience.clip_high,
+        actors_low_precision=cfg.actor.samples_in_low_precision)
+
+
+def judge_settings(cfg: RunConfig) -> JudgeSettings:
+    return JudgeSettings(judge=cfg.judge,
+                         local_model=cfg.judge.resolved_backend(cfg.llm.url) == "policy")
+
+
+def experience_settings(cfg: RunConfig) -> ExperienceSettings:
+    return ExperienceSettings(experience=cfg.experience, env_name=cfg.env.name)

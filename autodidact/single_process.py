@@ -11,10 +11,12 @@ around RL, the same summary.json; only the wiring differs::
         warm-start, held-out eval                               (skipped on resume)
     one thread per role, each running the role's own loop with its own ReplayClient on the
     in-process channel:
-        learner     Learner(...).run(max_updates)               checkpoints when it ends
-        actor-0     Actor(..., make_backend(cfg)).run()         one actor, whatever num_actors
-        judge-0     JudgeWorker(...).run()                      when judge.workers > 0
-        experience  ExperienceWorker(...).run()                 when experience.update_every
+        learner     serve(build_learner(...))                   checkpoints when it ends
+        actor-0     serve(build_actor(...))                     one actor, whatever num_actors
+        judge-0     serve(build_judge(...))                     when judge.workers > 0
+        experience  serve(build_experience(...))                when experience.update_every
+    (autodidact/wiring.py builds each role as its process does; serve() runs it, then closes
+    it: the same shutdown in a thread as in a process)
     main thread, until the learner's loop returns (supervise):
         coordinator.tick()       Redis alive and refilled, the task queue full
         a role thread that died  ends the run (exit code 1)
@@ -43,7 +45,6 @@ from pathlib import Path
 
 import torch
 
-from actor.actor import Actor
 from autodidact.coordinator import Coordinator
 from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.progress import print_summary
@@ -56,13 +57,11 @@ from autodidact.stages import (  # the stages around RL, shared with `autodidact
 )
 from autodidact.supervisor import stop_signals_interrupt
 from autodidact.tracking import read_summary
-from inference.engines import make_backend
-from judge.experience_worker import ExperienceWorker
-from judge.judge_worker import JudgeWorker, make_judges
-from learner.learner import Learner
+from autodidact.wiring import build_actor, build_experience, build_judge, build_learner
 from protocol.config import RunConfig
 from protocol.messages import Error
 from protocol.replay_client import ReplayClient
+from protocol.role import serve
 from protocol.run_dir import RunDir, role_token
 from protocol.transport import Incoming, LoopbackChannel
 from replay.server import HELD_TICK_S, ReplayServer
@@ -146,89 +145,54 @@ class _PacedLoopback(LoopbackChannel):
 
 
 class RoleThread(threading.Thread):
-    """One role's loop (``loop``), then its cleanup (``close``), as its ``serve``/``main``
-    would do in a process of its own. ``error`` holds what ended it, if anything did.
+    """One role served (``protocol.role.serve``: its loop, then its ``close``) as its process
+    would serve it. ``error`` holds what ended it, if anything did.
 
     ``done`` is waited on, never ``join()``: on Python 3.11 a join that Ctrl-C interrupts marks
     the still-running thread as stopped (bpo-45274), and the next join would not wait."""
 
-    def __init__(self, name: str, loop, stop, close):
+    def __init__(self, name: str, role, stop: threading.Event):
         super().__init__(name=name, daemon=True)  # daemon: a hung role cannot hold the exit
-        self.loop, self.request_stop, self.close = loop, stop, close
+        self.role, self.stop = role, stop
         self.error: BaseException | None = None
         self.done = threading.Event()
 
     def run(self) -> None:
         try:
-            self.loop()
+            serve(self.role, self.stop)
         except BaseException as exc:
             self.error = exc
             log.exception("%s failed", self.name)
         finally:
-            try:
-                self.close()
-            finally:
-                self.done.set()
+            self.done.set()
+
+    def request_stop(self) -> None:
+        self.role.request_stop()
 
 
 def start_roles(cfg: RunConfig, run_dir: Path, control, replay: InProcessReplay,
                 max_updates: int | None, resume: bool) -> dict[str, RoleThread]:
-    """The learner, one actor, the judge and the experience extractor, started."""
-    roles: dict[str, RoleThread] = {}
+    """The learner, one actor, the judge and the experience extractor, started. Each has its
+    own stop event: the learner must checkpoint before the others' clients go."""
+    built: dict[str, object] = {}
     with contextlib.ExitStack() as undo:  # a role that fails to build closes those before it
-        undo.callback(lambda: [role.close() for role in roles.values()])
-
-        learner = Learner(cfg, run_dir, control, replay.client(run_dir, "learner"))
+        undo.callback(lambda: [role.close() for role in built.values()])
+        built["learner"] = build_learner(cfg, run_dir, control,
+                                         replay.client(run_dir, "learner"), max_updates)
         if resume:
-            learner.resume()
-
-        def close_learner():  # what learner.main() does after run()
-            learner.replay.close()
-            learner.close()
-
-        roles["learner"] = RoleThread("learner", lambda: learner.run(max_updates),
-                                      learner.request_stop, close_learner)
-
-        actor = Actor(cfg, run_dir, control, replay.client(run_dir, "actor"), make_backend(cfg),
-                      "actor-0")
-
-        def close_actor():  # what actor.serve() does after run()
-            actor.replay.close()
-            actor.backend.close()
-            actor.metrics.close()
-            actor.outbox.close()
-
-        roles["actor-0"] = RoleThread("actor-0", actor.run, actor.request_stop, close_actor)
-
+            built["learner"].resume()
+        built["actor-0"] = build_actor(cfg, run_dir, control, replay.client(run_dir, "actor"),
+                                       "actor-0")
         if cfg.judge.workers > 0:
-            judge, cross_check, hook = make_judges(cfg, control, "judge-0", run_dir)
-            worker = JudgeWorker(cfg, run_dir, replay.client(run_dir, "judge"), judge,
-                                 cross_check, "judge-0", control, hook)
-
-            def close_judge():
-                worker.pool.shutdown(wait=True, cancel_futures=True)
-                worker.replay.close()
-                worker.metrics.close()
-
-            roles["judge-0"] = RoleThread("judge-0", worker.run, worker.request_stop,
-                                          close_judge)
-
+            built["judge-0"] = build_judge(cfg, run_dir, control,
+                                           replay.client(run_dir, "judge"), "judge-0")
         if cfg.experience.enabled and cfg.experience.update_every:
-            from navigating.pool import open_pool
-
-            pool = open_pool(cfg, run_dir=run_dir)
-            pool.restore()
-            extractor = ExperienceWorker(cfg, run_dir, control, pool, replay=replay.client(run_dir))
-
-            def close_experience():
-                extractor.close()
-                pool.close()
-
-            roles["experience"] = RoleThread("experience", extractor.run,
-                                             extractor.request_stop, close_experience)
-        for role in roles.values():
-            role.start()
+            built["experience"] = build_experience(cfg, run_dir, control,
+                                                   replay.client(run_dir))
         undo.pop_all()
+    roles = {name: RoleThread(name, role, threading.Event()) for name, role in built.items()}
+    for thread in roles.values():
+        thread.start()
     return roles
 
 

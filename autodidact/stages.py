@@ -87,14 +87,17 @@ def experience_stage(cfg: RunConfig, run_dir: Path, say: Say = show) -> dict | N
     returns the pool size and the extraction counts, None when seeding is off."""
     if not (cfg.experience.enabled and cfg.experience.init_from_explorations):
         return None
-    from judge.experience_worker import make_extractor, seed_from_explorations
+    from navigating.extraction import make_extractor, seed_from_explorations
     from navigating.pool import open_pool
 
     pool = open_pool(cfg, run_dir=run_dir)
-    counts = seed_from_explorations(pool, run_dir, make_extractor(cfg, run_dir))
-    say(f"  experience pool: {pool.size()} experiences "
-        f"({counts.get('added', 0)} from explorations)")
-    return {"pool_size": pool.size(), **counts}
+    try:
+        counts = seed_from_explorations(pool, run_dir, make_extractor(cfg, run_dir))
+        size = pool.size()
+    finally:
+        pool.close()
+    say(f"  experience pool: {size} experiences ({counts.get('added', 0)} from explorations)")
+    return {"pool_size": size, **counts}
 
 
 def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,

@@ -39,6 +39,7 @@ to ``--plot``; see docs/scaling.md. Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -51,7 +52,6 @@ from pathlib import Path
 
 import numpy as np
 
-from actor.actor import serve
 from autodidact.base_model import prepare_model
 from autodidact.coordinator import Coordinator
 from autodidact.embedded_redis import EmbeddedRedis
@@ -146,8 +146,8 @@ def _fixed_actor_class():
         def __init__(self, *args, group_seconds: float, tokens: int, **kw):
             super().__init__(*args, **kw)
             self.group_seconds = group_seconds
-            self.layout = trajectory_layout(tokens, self.cfg.env.max_turns,
-                                            self.cfg.actor.max_action_tokens)
+            self.layout = trajectory_layout(tokens, self.settings.env.max_turns,
+                                            self.settings.actor.max_action_tokens)
             vocab = len(self.backend.tokenizer)
             self.rng = np.random.default_rng(self._seed)
             self.token_range = (min(8, vocab - 1), vocab)
@@ -168,7 +168,7 @@ def _fixed_actor_class():
             self.control.admit = timed_admit
 
         def roll(self, tasks):
-            n, turns = self.cfg.actor.group_size, len(self.layout[1])
+            n, turns = self.settings.actor.group_size, len(self.layout[1])
             turn_s = self.group_seconds * len(tasks) / turns
             versions = []
             for turn in range(turns):
@@ -189,7 +189,7 @@ def _fixed_actor_class():
 
         def _wait(self, seconds: float) -> None:
             deadline = time.monotonic() + seconds
-            while (left := deadline - time.monotonic()) > 0 and not self._stop:
+            while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
                 self.drain_acks(left)
 
     return FixedPolicyActor
@@ -245,11 +245,16 @@ def actor_main(cfg: RunConfig, run_dir: Path, actor_id: str, group_seconds: floa
     import torch
 
     torch.set_num_threads(1)
-    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = TimedReplayClient.for_run(cfg, role="actor", run_dir=run_dir)
-    serve(_fixed_actor_class()(cfg, run_dir, control, replay,
-                               _fixed_backend_class()(cfg.model.path), actor_id,
-                               group_seconds=group_seconds, tokens=tokens))
+    from autodidact.wiring import build_actor, connect_control
+    from protocol.role import serve
+
+    with contextlib.closing(connect_control(cfg)) as control:
+        replay = TimedReplayClient.for_run(cfg, role="actor", run_dir=run_dir)
+        actor = build_actor(cfg, run_dir, control, replay, actor_id,
+                            backend=_fixed_backend_class()(cfg.model.path),
+                            actor_class=_fixed_actor_class(), group_seconds=group_seconds,
+                            tokens=tokens)
+        serve(actor, signals=True)
 
 
 # --- the fixed-cost learner (runs in the learner process) --------------------------------------

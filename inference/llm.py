@@ -56,6 +56,9 @@ class ChatModel(ABC):
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
 
+    def close(self) -> None:
+        """Release what the model holds (an engine); a remote endpoint holds nothing."""
+
     @abstractmethod
     def complete(
         self, messages: list[dict], temperature: float = 0.7, max_tokens: int = 512,

@@ -20,6 +20,9 @@ class PolicyChat(ChatModel):
         self.seed = seed
         self.name = "policy"
 
+    def close(self) -> None:
+        self.backend.close()
+
     def complete(self, messages: list[dict], temperature: float = 0.7,
                  max_tokens: int = 512, reply_format: ReplyFormat | None = None) -> str:
         self._count("requests")

@@ -17,50 +17,69 @@ longer served to judges.
 from __future__ import annotations
 
 import logging
-import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from judge.step_judges import Judgement, LLMJudge, ReferenceJudge, StepJudge, agreement
+from judge.step_judges import Judgement, StepJudge, agreement
 from metrics.jsonl import MetricsWriter
-from protocol.config import RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
 from protocol.messages import Group, StepLabels
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import RunDir
+from protocol.role import StopEvent
+from protocol.role_config import JudgeSettings
 
 log = logging.getLogger(__name__)
 
 
 class JudgeWorker:
-    def __init__(self, cfg: RunConfig, run_dir: Path, replay: ReplayClient, judge: StepJudge,
-                 cross_check: StepJudge | None = None, judge_id: str = "judge-0",
-                 control: ControlPlane | None = None, between_pulls=None):
-        self.cfg = cfg.judge
+    """Built from its settings, its replay client and its judges: ``judge`` labels,
+    ``cross_check`` (or None) grades the same trajectories for ``judge/agreement``,
+    ``between_pulls`` (or None; e.g. the policy judge following newer weights) runs before
+    each pull. It owns all of them from here on: :meth:`close` releases them."""
+
+    def __init__(self, settings: JudgeSettings, run_dir: Path, replay: ReplayClient,
+                 judge: StepJudge, cross_check: StepJudge | None = None,
+                 judge_id: str = "judge-0", control: ControlPlane | None = None,
+                 between_pulls=None):
+        self.cfg = settings.judge
         self.replay = replay
         self.judge = judge
         self.cross_check = cross_check
         self.judge_id = judge_id
         self.control = control
-        self.between_pulls = between_pulls  # e.g. the policy judge loading newer weights
-        # One local model serves every request of the policy judge: concurrent calls would
-        # only contend for it.
-        local = cfg.judge.resolved_backend(cfg.llm.url) == "policy"
-        self.pool = ThreadPoolExecutor(1 if local else self.cfg.concurrency,
-                                       thread_name_prefix=judge_id)
+        self.between_pulls = between_pulls
+        self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix=judge_id)
         self.metrics = MetricsWriter(run_dir, "judge", judge_id)
         self.window = JudgeWindow()
         self.totals = {"groups": 0, "steps": 0, "duplicates": 0}
-        self._stop = False
+        self._stop = StopEvent()
+        self._closed = False
 
     def request_stop(self, *_):
-        self._stop = True
+        self._stop.set()
 
-    def run(self, poll_s: float = 0.05, log_every_s: float = 5.0) -> None:
+    def close(self) -> None:
+        """Wait for the judge calls in flight (a thread left running would hold the model),
+        then release the clients and the judges."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.replay.close()
+        self.metrics.close()
+        for part in (self.judge, self.cross_check, self.between_pulls):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+
+    def run(self, stop: threading.Event | None = None, poll_s: float = 0.05,
+            log_every_s: float = 5.0) -> None:
+        self._stop.use(stop)
         next_log = time.monotonic() + log_every_s
-        while not self._stop:
+        while not self._stop.is_set():
             if self.between_pulls is not None:
                 self.between_pulls()
             try:
@@ -70,9 +89,9 @@ class JudgeWorker:
                 log.warning("%s: pull: %s; retrying", self.judge_id, exc)
                 continue
             if not groups:
-                time.sleep(poll_s)
+                self._stop.wait(poll_s)
             for group in groups:
-                if self._stop:  # the rest of the lease simply runs out
+                if self._stop.is_set():  # the rest of the lease simply runs out
                     break
                 try:
                     self.submit(self.judge_group(group))
@@ -84,7 +103,6 @@ class JudgeWorker:
                 self.log_metrics()
                 next_log = time.monotonic() + log_every_s
         self.log_metrics()
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def judge_group(self, group: Group) -> StepLabels:
         t0 = time.monotonic()
@@ -164,53 +182,3 @@ class JudgeWindow:
             values["agreement"] = sum(self.agreements) / len(self.agreements)
         self._reset()
         return values
-
-
-def make_judges(cfg: RunConfig, control: ControlPlane | None = None, judge_id: str = "judge-0",
-                run_dir: Path | None = None):
-    """(judge, cross-check judge or None, hook to call between pulls or None).
-
-    The cross-check is the reference judge, for LLM judges with ``judge.cross_check``; the
-    hook makes the policy judge follow the learner's published weights."""
-    from environments.base import env_maker
-
-    reference = ReferenceJudge(env_maker(cfg.env))
-    backend = cfg.judge.resolved_backend(cfg.llm.url)
-    if backend == "reference":
-        return reference, None, None
-    hook = None
-    if backend == "endpoint":
-        from inference.llm import OpenAIChat
-
-        replies = RunDir(run_dir).llm_replies(judge_id) if run_dir is not None else None
-        chat = OpenAIChat.from_config(cfg.judge.endpoint(cfg.llm), reply_log=replies)
-    else:
-        from inference.engines import make_backend
-        from inference.policy_chat import PolicyChat
-
-        chat = PolicyChat(make_backend(cfg), max_context=cfg.env.max_context, seed=cfg.seed)
-        if control is not None:
-            from protocol.weights import WeightSubscriber
-
-            weights = WeightSubscriber.for_run(cfg, control, judge_id)
-            hook = lambda: weights.follow(chat.backend)  # noqa: E731
-    judge = LLMJudge(chat, max_chars=cfg.judge.max_chars, max_attempts=cfg.judge.max_attempts,
-                     temperature=cfg.judge.temperature)
-    return judge, (reference if cfg.judge.cross_check else None), hook
-
-
-def main(cfg: RunConfig, run_dir: Path, judge_id: str = "judge-0") -> None:
-    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient.for_run(cfg, role="judge", run_dir=run_dir)
-    judge, cross_check, hook = make_judges(cfg, control, judge_id, run_dir)
-    worker = JudgeWorker(cfg, run_dir, replay, judge, cross_check, judge_id, control, hook)
-    signal.signal(signal.SIGTERM, worker.request_stop)
-    signal.signal(signal.SIGINT, worker.request_stop)
-    log.info("%s: %s judge%s, %d groups per pull, lease %.0fs", judge_id, judge.name,
-             " + reference cross-check" if cross_check else "", cfg.judge.max_groups,
-             cfg.judge.lease_s)
-    try:
-        worker.run()
-    finally:
-        replay.close()
-        worker.metrics.close()

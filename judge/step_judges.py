@@ -170,6 +170,9 @@ class LLMJudge(StepJudge):
         model = getattr(chat, "model", None)
         self.name = getattr(chat, "name", None) or (f"llm:{model}" if model else "llm")
 
+    def close(self) -> None:
+        self.chat.close()
+
     def judge(self, task: Task, traj: Trajectory) -> Judgement:
         k = len(traj.steps)
         if k == 0:  # nothing to label: no reason to spend a request
@@ -201,6 +204,20 @@ class LLMJudge(StepJudge):
             self._count(parse_failures=1)
             log.warning("step judge reply unparsable (attempt %d): %.200r", attempt, reply)
         return None
+
+
+class FollowWeights:
+    """Between pulls, the policy judge loads the learner's newest weights into its engine."""
+
+    def __init__(self, weights, backend):
+        self.weights, self.backend = weights, backend  # a protocol.weights.WeightSubscriber
+
+    def __call__(self) -> int | None:
+        """The version loaded now, None when there was none newer."""
+        return self.weights.follow(self.backend)
+
+    def close(self) -> None:
+        self.weights.close()  # the engine is the judge's chat model's: it closes it
 
 
 def build_judge_messages(task: Task, traj: Trajectory, max_chars: int = 200) -> list[dict]:

@@ -48,6 +48,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 from environments import Environment, make_env
@@ -689,3 +690,31 @@ class ExperienceExtractor:
     def _counted(self, exps: list[Experience]) -> list[Experience]:
         self.counts.update(e.kind for e in exps)
         return exps
+
+
+# --- for a run -----------------------------------------------------------------------------------
+
+
+def make_extractor(cfg, run_dir: Path | None = None) -> ExperienceExtractor:
+    """The extractor ``experience.extractor`` asks for, for a run config (``RunConfig``)."""
+    choice = cfg.experience.extractor
+    if choice == "auto":
+        choice = "llm" if cfg.llm.url else "rules"
+    if choice == "rules":
+        return ExperienceExtractor()
+    if not cfg.llm.url:
+        raise ValueError("experience.extractor=llm needs llm.url (an OpenAI-compatible endpoint)")
+    from inference.llm import OpenAIChat
+    from protocol.run_dir import RunDir
+
+    replies = RunDir(run_dir).llm_replies("experience") if run_dir is not None else None
+    return ExperienceExtractor(LLMExtractor(OpenAIChat.from_config(cfg.llm, reply_log=replies)))
+
+
+def seed_from_explorations(pool, run_dir: Path, extractor: ExperienceExtractor) -> dict:
+    """Lessons from the explore stage's trajectories; nothing when it did not run."""
+    from questioning.factory import read_explorations
+
+    exps = [e for record in read_explorations(run_dir)
+            for e in extractor.from_exploration(record)]
+    return pool.add(exps) if exps else {"added": 0}

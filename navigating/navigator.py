@@ -49,6 +49,9 @@ class Navigator:
         self.rng = random.Random(seed)
         self.rewriter = rewriter  # a inference.llm.ChatModel, when experiences are rewritten
         self.rewrite_errors = 0
+
+    def close(self) -> None:
+        self.pool.close()
         self._hits: list[int] = []
         self._similarities: list[float] = []
 

@@ -162,6 +162,11 @@ class ControlPlane:
     def connect(cls, url: str, prefix: str, heartbeat_ttl_s: float = 10.0) -> "ControlPlane":
         return cls(connect_redis(url), prefix, heartbeat_ttl_s)
 
+    def close(self) -> None:
+        """Drop the connection pool (the roles of one process may share this plane: only the
+        code that connected it closes it)."""
+        self.r.close()
+
     # --- task queue: FIFO of encoded Task bodies ---
 
     def push_tasks(self, tasks: list[Task]) -> int:

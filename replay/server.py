@@ -35,7 +35,6 @@ import contextlib
 import hmac
 import logging
 import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -65,7 +64,8 @@ from protocol.messages import (
     StepLabels,
     StoredGroups,
 )
-from protocol.run_dir import RunDir, role_token, single_writer_lock
+from protocol.role import StopEvent
+from protocol.run_dir import role_token, single_writer_lock
 from protocol.security import CurveKeys
 from protocol.transport import Incoming, RouterServer, local_address
 from replay.store import (
@@ -144,7 +144,7 @@ class ReplayServer:
         self._released: list[tuple[Incoming, object]] = []  # held ones let go by the open txn
         self._held_stale = True  # something was stored: held requests may be servable now
         self._next_held_try = 0.0
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._next_lease_sweep = 0.0
         self._nothing_evictable: tuple | None = None  # see _evict
         self._last_logged: dict[str, float] = {}
@@ -166,8 +166,8 @@ class ReplayServer:
 
     # --- the loop --------------------------------------------------------------------------
 
-    def run(self, stop_event: threading.Event | None = None) -> None:
-        """Serve until ``stop_event`` (or :meth:`stop`) is set::
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Serve until ``stop`` is set or :meth:`request_stop` is called::
 
             while not stopped:
                 burst = rpc.poll(max_batch=cfg.write_batch)    # frames waiting, decoded
@@ -177,15 +177,16 @@ class ReplayServer:
                     rpc.reply(incoming, reply)                 # servable or out of time
                 self._expire_leases()
         """
-        stop = stop_event or self._stop
-        while not stop.is_set() and not self._stop.is_set():
+        self._stop.use(stop)
+        while not self._stop.is_set():
             timeout_ms = 100 if not self.held else int(HELD_TICK_S * 1000)
             burst = self.rpc.poll(timeout_ms=timeout_ms, max_batch=self.cfg.write_batch)
             for incoming, reply in self.handle(burst) + self.release_held():
                 self.rpc.reply(incoming, reply)
             self._expire_leases()
+        log.info("replay server stopped: %s", self.stats())
 
-    def stop(self) -> None:
+    def request_stop(self, *_) -> None:
         self._stop.set()
 
     def handle(self, burst: list[Incoming]) -> list[tuple[Incoming, object]]:
@@ -712,34 +713,3 @@ class ReplayServer:
             self.store.close()
             os.close(self._lock)  # only now may another server open the store
             self._lock = None
-
-
-def serve(run_dir, cfg: ReplayConfig, address: str | None = None,
-          curve: CurveKeys | None = None) -> None:
-    """Run a replay server until SIGTERM or SIGINT, then close sockets and LMDB cleanly.
-
-    The bound address is written to ``<run_dir>/replay.addr`` (removed again on a clean stop)
-    so other processes on this machine can find the server. With ``curve`` (keys from
-    ``security.keys_dir``) only authorized clients are served, encrypted.
-    """
-    server = ReplayServer(run_dir, cfg, address, curve)
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("replay server: %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    addr_file = RunDir(run_dir).replay_addr
-    tmp = addr_file.with_suffix(".addr.tmp")
-    tmp.write_text(server.address + "\n")
-    os.replace(tmp, addr_file)  # readers never see half an address
-    try:
-        server.run(stop)
-    finally:
-        final = server.stats()
-        server.close()
-        addr_file.unlink(missing_ok=True)
-        log.info("replay server stopped: %s", final)
-

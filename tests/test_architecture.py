@@ -3,7 +3,7 @@
 Layers, bottom to top (``docs/architecture.md`` draws them)::
 
     autodidact                                           application: CLI, launcher, supervisor
-    actor  judge  learner  replay                        roles: never import each other
+    actor  experience  judge  learner  replay            roles: never import each other
     navigating                                           self-navigating (experience pool, ...)
     questioning                                          self-questioning (explorer, tasks, ...)
     episodes                                             rollouts, rewards, held-out evaluation
@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"episodes"},
     {"questioning"},
     {"navigating"},
-    {"actor", "judge", "learner", "replay"},
+    {"actor", "experience", "judge", "learner", "replay"},
     {"autodidact"},
 ]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

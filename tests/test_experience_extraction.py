@@ -379,6 +379,9 @@ class ListPool:
     def size(self) -> int:
         return len(self.added)
 
+    def close(self) -> None:
+        pass  # nothing held: the worker closes its pool, a Redis one has a connection
+
 
 def worker_group(i: int) -> Group:
     """A finished group over a real files task: one solved rollout, one that failed."""
@@ -414,7 +417,7 @@ def test_the_experience_worker_reads_groups_from_the_replay_server(tmp_path, con
     groups an actor pushed, in ingest order, each once, and takes none from the learner."""
     from helpers_replay import push_all
 
-    from judge.experience_worker import ExperienceWorker
+    from autodidact.wiring import build_experience
     from metrics.jsonl import read_metrics
     from protocol.config import RunConfig
     from protocol.replay_client import ReplayClient
@@ -428,7 +431,8 @@ def test_the_experience_worker_reads_groups_from_the_replay_server(tmp_path, con
     worker_dir = tmp_path / "experience-node" / "run"
     worker_dir.mkdir(parents=True)
     pool = ListPool()
-    worker = ExperienceWorker(cfg, worker_dir, control, pool, ExperienceExtractor())
+    worker = build_experience(cfg, worker_dir, control, pool=pool,
+                              extractor=ExperienceExtractor())
     try:
         worker.extract_once(3)
         assert made(pool) == lessons(groups[:3], 3)
@@ -462,7 +466,8 @@ def test_the_experience_worker_pages_skips_evicted_groups_and_resumes(
         tmp_path, control, replay_server, monkeypatch):
     from helpers_replay import push_all
 
-    from judge import experience_worker
+    from autodidact.wiring import build_experience
+    from experience import worker as experience_worker
     from protocol.config import RunConfig
     from protocol.errors import TransportTimeout
     from protocol.replay_client import ReplayClient
@@ -481,8 +486,8 @@ def test_the_experience_worker_pages_skips_evicted_groups_and_resumes(
     def worker(replay):
         run_dir = tmp_path / "worker"
         run_dir.mkdir(exist_ok=True)
-        return experience_worker.ExperienceWorker(RunConfig(), run_dir, control, ListPool(),
-                                                  ExperienceExtractor(), replay=replay)
+        return build_experience(RunConfig(), run_dir, control, replay, pool=ListPool(),
+                                extractor=ExperienceExtractor())
 
     first = worker(ReplayClient(replay_server.address, retry_after_s=0.5, timeout_s=10))
     first.extract_once(1)  # three pages of two

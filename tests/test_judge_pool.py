@@ -16,9 +16,11 @@ import pytest
 from helpers_replay import ROOT, ServerProc, push_all
 from llm_stub import ScriptedChatServer
 
+from autodidact.resolve import judge_settings
+from autodidact.wiring import make_judges
 from environments.files import FilesEnv
 from episodes.rollout import RolloutSettings, scripted_episode, to_groups
-from judge.judge_worker import JudgeWorker, make_judges
+from judge.judge_worker import JudgeWorker
 from judge.step_judges import ReferenceJudge
 from protocol.config import RunConfig
 from protocol.replay_client import ReplayClient
@@ -64,14 +66,22 @@ def run_worker(worker: JudgeWorker, until, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
     worker.request_stop()
     thread.join(10)
+    worker.close()
     assert until(), "the judge did not finish in time"
+
+
+def reference_worker(server, tmp_path, judge_id: str = "judge-0") -> JudgeWorker:
+    """A reference judge in this process, on a client of its own (the worker closes it)."""
+    return JudgeWorker(judge_settings(RunConfig()), tmp_path,
+                       ReplayClient(server.address, retry_after_s=0.5, timeout_s=10),
+                       ReferenceJudge(FilesEnv), judge_id=judge_id)
 
 
 def test_judge_labels_every_step_and_the_learner_gets_the_labels(server, client, files_codec,
                                                                  tmp_path):
     groups = make_groups(files_codec, 3)
     assert set(push_all(client, groups).values()) == {"stored"}
-    worker = JudgeWorker(RunConfig(), tmp_path, client, ReferenceJudge(FilesEnv))
+    worker = reference_worker(server, tmp_path)
     run_worker(worker, lambda: client.stats()["judged"] == 3)
 
     batch = client.request_batch("learner", 3, 0, require_labels=True)
@@ -130,7 +140,7 @@ def test_a_judge_killed_mid_group_loses_no_labels(server, client, files_codec, t
             proc.wait(10)
     assert client.stats()["judged"] == 0 and client.stats()["leased"] == 1
     # A second judge gets the group once the dead one's lease has run out.
-    worker = JudgeWorker(RunConfig(), tmp_path, client, ReferenceJudge(FilesEnv), judge_id="next")
+    worker = reference_worker(server, tmp_path, "next")
     run_worker(worker, lambda: client.stats()["judged"] == 1)
     batch = client.request_batch("learner", 1, 0, require_labels=True)
     assert [lab.group_id for lab in batch.labels] == [group.group_id]

@@ -152,6 +152,6 @@ def test_with_curve_keys_the_sender_key_decides_the_role(tmp_path, keys_dir):
     finally:
         for c in (actor, judge, learner, reader, old):
             c.close()
-        server.stop()
+        server.request_stop()
         thread.join(5)
         server.close()

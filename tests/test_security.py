@@ -33,7 +33,7 @@ def curve_server(tmp_path, keys_dir):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     yield server
-    server.stop()
+    server.request_stop()
     thread.join(5)
     server.close()
 

@@ -18,73 +18,54 @@ groups twice.
 from __future__ import annotations
 
 import logging
-import signal
+import threading
 import time
 from pathlib import Path
 
 from environments.base import env_class
 from metrics.jsonl import MetricsWriter
-from navigating.extraction import ExperienceExtractor, LLMExtractor
-from protocol.config import RunConfig
+from navigating.extraction import ExperienceExtractor
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
 from protocol.replay_client import ReplayClient
-from protocol.run_dir import RunDir
+from protocol.role import StopEvent
+from protocol.role_config import ExperienceSettings
 
 log = logging.getLogger(__name__)
 
 PAGE_GROUPS = 256  # groups asked for per GroupsSince request
 
-def make_extractor(cfg: RunConfig, run_dir: Path | None = None) -> ExperienceExtractor:
-    choice = cfg.experience.extractor
-    if choice == "auto":
-        choice = "llm" if cfg.llm.url else "rules"
-    if choice == "rules":
-        return ExperienceExtractor()
-    if not cfg.llm.url:
-        raise ValueError("experience.extractor=llm needs llm.url (an OpenAI-compatible endpoint)")
-    from inference.llm import OpenAIChat
-
-    replies = RunDir(run_dir).llm_replies("experience") if run_dir is not None else None
-    return ExperienceExtractor(LLMExtractor(OpenAIChat.from_config(cfg.llm, reply_log=replies)))
-
-
-def seed_from_explorations(pool, run_dir: Path, extractor: ExperienceExtractor) -> dict:
-    """Lessons from the explore stage's trajectories; nothing when it did not run."""
-    from questioning.factory import read_explorations
-
-    exps = [e for record in read_explorations(run_dir)
-            for e in extractor.from_exploration(record)]
-    return pool.add(exps) if exps else {"added": 0}
-
-
 class ExperienceWorker:
-    def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane, pool,
-                 extractor: ExperienceExtractor | None = None,
-                 replay: ReplayClient | None = None):
-        self.cfg = cfg
+    """Built from its settings, the run's ``pool``, an ``extractor`` and a replay client
+    (a reader). It owns the pool and the client from here on: :meth:`close` releases them."""
+
+    def __init__(self, settings: ExperienceSettings, run_dir: Path, control: ControlPlane,
+                 pool, extractor: ExperienceExtractor, replay: ReplayClient):
+        self.settings = settings
         self.run_dir = Path(run_dir)
         # Rule extraction replays tasks in their env: a plugin's module must be imported (and
         # its env registered) before a task of the env's own can name it.
-        env_class(cfg.env.name)
+        env_class(settings.env_name)
         self.control = control
         self.pool = pool
-        self.extractor = extractor or make_extractor(cfg, run_dir)
-        self.replay = replay or ReplayClient.for_run(cfg)
+        self.extractor = extractor
+        self.replay = replay
         self.metrics = MetricsWriter(run_dir, "experience", "experience")
         self.malformed = 0
-        self._stop = False
+        self._stop = StopEvent()
+        self._closed = False
 
     def request_stop(self, *_):
-        self._stop = True
+        self._stop.set()
 
-    def run(self, poll_s: float = 1.0) -> None:
-        every = self.cfg.experience.update_every
+    def run(self, stop: threading.Event | None = None, poll_s: float = 1.0) -> None:
+        self._stop.use(stop)
+        every = self.settings.experience.update_every
         if every == 0:
             log.info("experience.update_every=0: the pool stays as initialised")
             return
         done_at = self.control.get_version()
-        while not self._stop:
+        while not self._stop.is_set():
             version = self.control.get_version()
             if version - done_at >= every:
                 try:
@@ -92,7 +73,7 @@ class ExperienceWorker:
                     done_at = version
                 except TransportTimeout as exc:  # replay away: the same pass, next time round
                     log.warning("experience: replay did not answer (%s); retrying", exc)
-            time.sleep(poll_s)
+            self._stop.wait(poll_s)
 
     def extract_once(self, version: int) -> dict:
         """Extract from every group stored since the last pass; returns the pool's counts."""
@@ -126,20 +107,9 @@ class ExperienceWorker:
             next_seq = page.next_seq
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.metrics.close()
         self.replay.close()
-
-
-def main(cfg: RunConfig, run_dir: Path) -> None:
-    from navigating.pool import open_pool
-
-    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    pool = open_pool(cfg, run_dir=run_dir)
-    pool.restore()  # a Redis that lost its data gets the pool back first
-    worker = ExperienceWorker(cfg, run_dir, control, pool)
-    signal.signal(signal.SIGTERM, worker.request_stop)
-    signal.signal(signal.SIGINT, worker.request_stop)
-    try:
-        worker.run()
-    finally:
-        worker.close()
+        self.pool.close()

@@ -1,0 +1,1 @@
+"""The experience role: grows the shared experience pool from finished groups (worker.py)."""
