@@ -156,7 +156,7 @@ def _verify_one(task: Task, cfg, run_env, env_class, verify_task) -> str:
 
 @tasks.command("verify")
 @config_option
-@set_option("env.options.num_worlds=8")
+@set_option("env.options.KEY=VALUE")  # the env's own options, whichever env made the tasks
 @run_dir_option
 def verify(config, sets, run_dir):
     """Replay each task's reference in a fresh env: the goal must hold after it, not before.

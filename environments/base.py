@@ -233,6 +233,23 @@ def clip_words(text: str, limit: int = MAX_OBS_WORDS) -> str:
     return " ".join(words if len(words) <= limit else words[: limit - 1] + ["..."])
 
 
+
+# Every word of the parser's own refusals (the ActionError observations above) and of the mark
+# clip_words leaves where it cuts an observation.
+PARSER_WORDS = ("error", ":", "unknown", "tool", "usage", "bad", "argument", "syntax", "empty",
+                "action", "is", "not", "text", "too", "long", "characters", "...")
+
+
+def parser_words(tools: Sequence[ToolSpec]) -> list[str]:
+    """Every word :meth:`Environment.step` itself can put in an observation, whatever the
+    action: the parser's refusals (``error : bad syntax``), the usage lines and argument names
+    they echo (``error : usage : add name n``, ``error : bad argument n``) and the ``...`` of a
+    clipped observation. A closed :meth:`Environment.vocabulary` includes them all."""
+    words = set(PARSER_WORDS)
+    for tool in tools:
+        words |= set(tool.usage().split()) | {a.name for a in tool.args}
+    return sorted(words)
+
 # --- the interface ----------------------------------------------------------------------------
 
 
@@ -321,7 +338,9 @@ class Environment(ABC):
     @classmethod
     @abstractmethod
     def vocabulary(cls) -> list[str]:
-        """Every whitespace-separated word of any query, observation or action this env makes."""
+        """Every whitespace-separated word of any query, observation or action this env makes,
+        its refusals included (:func:`parser_words` lists the parser's own); ``[]`` for an open
+        vocabulary."""
 
     def goal_from_states(self, before: dict, after: dict) -> dict:
         """A goal that holds exactly where ``after`` differs from ``before`` (hindsight tasks)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,32 +68,6 @@ def test_eval_result_files_have_no_colon_from_a_plugin_name(tmp_path):
     assert path.name == "user_envs_myfiles-test-ground-truth-k4.jsonl"
     assert RunDir(tmp_path).eval_results("files", "test", "policy", 1).name == \
         "files-test-policy-k1.jsonl"
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "examples"), str(REPO)])}
-    return subprocess.run([sys.executable, "-m", "autodidact.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=240, cwd=cwd)
-
-
-@pytest.mark.timeout(600)
-def test_the_documented_checks_pass_on_the_worked_plugin(tmp_path):
-    """docs/environments.md's checks on examples/my_envs/counter.py, as a user runs them."""
-    spec, run_dir = "my_envs.counter:counter", str(tmp_path / "c")
-    truth = cli("eval", "--env", spec, "--policy", "ground-truth", "--run-dir", run_dir,
-                cwd=tmp_path)
-    assert truth.returncode == 0, truth.stderr[-2000:]
-    assert re.search(r"overall\s+5\s+100\.0%\s+100\.0%", truth.stdout), truth.stdout
-    made = cli("explore", "--set", f"env.name={spec}", "--run-dir", run_dir, cwd=tmp_path)
-    assert made.returncode == 0, made.stderr[-2000:]
-    said = made.stdout + made.stderr
-    stored = int(re.search(r"explore: (\d+) tasks stored", said).group(1))
-    assert stored >= 20
-    # Its describe_changes does not word deletions: no task can ask for a drop.
-    assert "gaps: tools ['drop']" in said
-    checked = cli("tasks", "verify", "--run-dir", run_dir, cwd=tmp_path)  # no -c, no config
-    assert checked.returncode == 0 and f"verified {stored}/{stored} tasks" in checked.stdout, \
-        checked.stdout + checked.stderr
 
 
 def test_a_synthesized_task_names_its_plugin_for_every_command_that_replays_it(tmp_path):

@@ -3,10 +3,23 @@
 Run it with ``PYTHONPATH=examples`` and ``--set env.name=my_envs.counter:counter``.
 """
 
-from environments import ArgSpec, Environment, GoalPart, ToolError, ToolSpec, register_env
+from environments import (
+    ArgSpec,
+    Environment,
+    GoalPart,
+    ToolError,
+    ToolSpec,
+    parser_words,
+    register_env,
+)
 from protocol.messages import Task
 
 NAMES = tuple(f"{c}{i}" for c in "ab" for i in range(1, 10))
+MOST = 99  # a counter's largest value: every number it can show is a word of the vocabulary
+TOOLS = (ToolSpec("new", "create a counter", (ArgSpec("name", kind="id"),)),
+         ToolSpec("add", "add to a counter", (ArgSpec("name"),
+                                              ArgSpec("n", "int", bounds=(1, 9)))),
+         ToolSpec("drop", "delete a counter", (ArgSpec("name"),)))
 
 
 @register_env("counter")
@@ -19,13 +32,12 @@ class Counter(Environment):
         return f"counters : a1 {self.counters['a1']}"
 
     def tools(self):
-        return [ToolSpec("new", "create a counter", (ArgSpec("name", kind="id"),)),
-                ToolSpec("add", "add to a counter", (ArgSpec("name"),
-                                                     ArgSpec("n", "int", bounds=(1, 9)))),
-                ToolSpec("drop", "delete a counter", (ArgSpec("name"),))]
+        return list(TOOLS)
 
     def execute(self, call):
         name = call.args[0]
+        if name not in NAMES:  # refusals never echo a word outside the vocabulary
+            raise ToolError("bad_name", "error : not a counter name")
         if call.tool == "new":
             if name in self.counters:
                 raise ToolError("exists", f"error : {name} exists")
@@ -33,7 +45,12 @@ class Counter(Environment):
         elif name not in self.counters:
             raise ToolError("missing", f"error : no counter {name}")
         elif call.tool == "add":
-            self.counters[name] += call.args[1]
+            n = call.args[1]
+            if not 1 <= n <= 9:
+                raise ToolError("bad_n", "error : n must be 1 to 9")
+            if self.counters[name] + n > MOST:
+                raise ToolError("too_big", f"error : {name} would pass {MOST}")
+            self.counters[name] += n
         else:
             del self.counters[name]
         return "ok : " + " ".join(f"{k} {v}" for k, v in sorted(self.counters.items()))
@@ -55,7 +72,7 @@ class Counter(Environment):
 
     def tasks(self, split):
         if split == "train":
-            return []  # no training tasks: self-questioning makes them (from seed 0's world)
+            return []  # no training tasks: self-questioning makes them, in seed 0's world only
         return [Task(f"c/test/{s}", "counter", "make counter b2 4", s,
                      goal={"all": [["b2", 4]]}, reference=["new b2", "add b2 4"],
                      split="test") for s in range(20, 25)]
@@ -63,11 +80,14 @@ class Counter(Environment):
     def candidate_actions(self):
         free = [n for n in NAMES if n not in self.counters]
         return ([f"new {n}" for n in free] + [f"drop {n}" for n in self.counters]
-                + [f"add {n} {k}" for n in self.counters for k in range(1, 10)])
+                + [f"add {n} {k}" for n in self.counters for k in range(1, 10)
+                   if self.counters[n] + k <= MOST])
 
     @classmethod
     def vocabulary(cls):
         # Closed, so the tiny word-level policy can read it; [] for an open one (then use an
-        # instruct model: model.path=smollm2-135m).
-        words = "new add drop ok error : exists no counter counters make".split()
-        return sorted({*words, *NAMES, *map(str, range(100))})
+        # instruct model: model.path=smollm2-135m). Every word of every query ("and" joins the
+        # parts of one), observation and refusal, the parser's own included (parser_words).
+        words = "ok error : exists no counter counters make and not a name must be to would pass"
+        return sorted({*words.split(), *parser_words(TOOLS), *NAMES,
+                       *map(str, range(MOST + 1))})
