@@ -313,8 +313,8 @@ class LearnerConfig:
     """CPU threads for the learner process. On a CPU machine that also runs the actors, more
     threads than the cores the actors leave free oversubscribe them: SmolLM2 with transformers
     actors on 2 cores stepped 2.8x slower at 2 threads beside a generating actor than at 2
-    threads alone, while 1 thread beside it made async 1.62x faster than sync (README,
-    Benchmarks). Sync runs never overlap the roles, so they want every core."""
+    threads alone, while 1 thread beside it made async 1.62x faster than sync
+    (docs/benchmarks.md). Sync runs never overlap the roles, so they want every core."""
 
     probe_every: int = 0
     """Every n updates, score the batch again after the step and log ``learner/step_gain``
@@ -688,8 +688,8 @@ class ExperienceConfig:
 
     top_k: int = 1
     """Experiences retrieved per task. 1 by default: the tiny built-in policy copies what it
-    is shown, and with three items in the block it copies the wrong one (see README,
-    self-navigating); a policy that weighs advice can take 3 or more."""
+    is shown, and with three items in the block it copies the wrong one (see
+    docs/navigating.md); a policy that weighs advice can take 3 or more."""
 
     min_similarity: float = 0.9
     """Cosine similarity below which a retrieved experience is not used. 0.9 by default: only

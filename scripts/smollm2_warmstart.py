@@ -8,7 +8,7 @@ with ``autodidact eval``::
         --set actor.max_action_tokens=32
 
 Settings for a 49,152-token vocabulary on 2 CPU cores: batch 8, the chunked output head and
-activation checkpointing (README, "A real model"); chat-template prompts with the env's tool
+activation checkpointing (docs/smollm2.md); chat-template prompts with the env's tool
 instructions.
 """
 
