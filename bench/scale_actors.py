@@ -260,97 +260,65 @@ def actor_main(cfg: RunConfig, run_dir: Path, actor_id: str, group_seconds: floa
 # --- the fixed-cost learner (runs in the learner process) --------------------------------------
 
 
-def _fixed_learner_class():
-    import torch
+class FixedCostStep:
+    """The learner's step as a fixed ``update_seconds`` wait (the gradient step of a GPU
+    learner), driven by the real :class:`learner.learner.Learner` loop: its hello, draws
+    under the staleness bound, ledger, a new version published every ``publish_every``
+    updates (a small Linear stands for the weights), checkpoints with the ledger committed,
+    metrics under the real learner's names. It also times the loop's ``request_batch``
+    round trips (``learner/draw_rpc_s``), to tell drawing from waiting for groups."""
 
-    from learner.learner import Learner
-    from metrics.jsonl import MetricsWriter
-    from protocol.weights import WeightPublisher
+    adapter = None  # the published "weights" are a whole (tiny) model
+    lr = 0.0
 
-    class FixedCostLearner(Learner):
-        """``Learner.run`` and ``Learner.draw`` as they are; ``update`` waits a fixed time in
-        place of the gradient step, then does the learner's bookkeeping: ledger, a new version
-        published every ``publish_every`` updates, the ledger committed every
-        ``checkpoint_every``, metrics under the real learner's names."""
+    def __init__(self, update_seconds: float, replay: ReplayClient):
+        import torch
 
-        def __init__(self, cfg: RunConfig, run_dir: Path, control: ControlPlane,
-                     replay: ReplayClient, update_seconds: float, learner_id: str = "learner"):
-            # Learner.__init__ loads and trains a model; this sets what run() and draw() use.
-            self.cfg = cfg.learner
-            self.experience = cfg.experience
-            self.judge_deadline_s = cfg.judge.deadline_s
-            self.judge_workers = cfg.judge.workers
-            self.judged = False  # outcome-only: no waiting for judge labels
-            self.run_dir = Path(run_dir)
-            self.control = control
-            self.replay = replay
-            self.learner_id = learner_id
-            self.model = torch.nn.Linear(16, 16)  # the "weights" published each version
-            self.publisher = WeightPublisher.for_run(cfg, self.run_dir, control)
-            self.metrics = MetricsWriter(self.run_dir, "learner", learner_id)
-            self.updates = self.version = 0
-            self.consumed, self._consumed_ids, self._uncommitted = [], set(), []
-            self._stop = False
-            self.judge_timeouts = 0
-            self.update_seconds = update_seconds
-            # Time in request_batch round trips, to tell drawing from waiting for groups.
-            self.draw_rpc_s = 0.0
-            request = self.replay.request_batch
+        self.update_seconds = update_seconds
+        self.weights = torch.nn.Linear(16, 16)
+        self.draw_rpc_s = 0.0  # in request_batch since the last update
+        request = replay.request_batch
 
-            def timed_request(*args, **kw):
-                t = time.monotonic()
-                try:
-                    return request(*args, **kw)
-                finally:
-                    self.draw_rpc_s += time.monotonic() - t
+        def timed_request(*args, **kw):
+            t = time.monotonic()
+            try:
+                return request(*args, **kw)
+            finally:
+                self.draw_rpc_s += time.monotonic() - t
 
-            self.replay.request_batch = timed_request
+        replay.request_batch = timed_request
 
-        def update(self, groups, waited_s: float, labels=None) -> None:
-            t0 = time.monotonic()
-            lags = [self.version - g.policy_versions()[0] for g in groups]
-            time.sleep(self.update_seconds)  # the gradient step of a GPU learner
-            self.updates += 1
-            ids = [g.group_id for g in groups]
-            self.consumed += ids
-            self._consumed_ids.update(ids)
-            self._uncommitted += ids
-            if self.updates % self.cfg.publish_every == 0:
-                self.version += 1
-                self.publisher.publish(self.model.state_dict(), self.version)
-            if self.updates % self.cfg.checkpoint_every == 0:
-                self.checkpoint()
-            step_s = time.monotonic() - t0
-            self.metrics.log({
-                "loss": 0.0, "version": self.version, "updates": self.updates,
-                "groups": len(groups), "lag_mean": float(np.mean(lags)), "lag_max": max(lags),
-                "step_s": step_s, "idle_s": waited_s, "draw_rpc_s": self.draw_rpc_s,
-                "idle_fraction": waited_s / max(waited_s + step_s, 1e-9),
-            }, step=self.updates)
-            self.draw_rpc_s = 0.0
-            self.control.set_state(learner_updates=self.updates, version=self.version)
+    def update(self, groups, labels, alpha: float, probe: bool) -> tuple[dict, dict]:
+        time.sleep(self.update_seconds)  # the gradient step of a GPU learner
+        metrics = {"loss": 0.0, "draw_rpc_s": self.draw_rpc_s}
+        self.draw_rpc_s = 0.0
+        return metrics, {"degenerate_groups": 0, "tokens": 0}
 
-        def checkpoint(self) -> None:
-            # No training state to save: what remains of Learner.checkpoint is the commit.
-            if self._uncommitted:
-                self.replay.commit_ledger(self.learner_id, self._uncommitted, self.version)
-                self._uncommitted = []
+    def trained_state(self) -> dict:
+        return self.weights.state_dict()
 
-    return FixedCostLearner
+    def state(self) -> dict:
+        return {"model": self.trained_state(), "optimizer": {}, "scheduler": {}}
+
+    def load_state(self, state: dict, path: Path) -> None:
+        self.weights.load_state_dict(state["model"])
 
 
 def learner_main(cfg: RunConfig, run_dir: Path, update_seconds: float) -> None:
-    """The fixed-cost learner process (as ``learner.learner.main``)."""
-    control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix, cfg.redis.heartbeat_ttl_s)
-    replay = ReplayClient.for_run(cfg, role="learner", run_dir=run_dir)
-    learner = _fixed_learner_class()(cfg, run_dir, control, replay, update_seconds)
-    signal.signal(signal.SIGTERM, learner.request_stop)
-    signal.signal(signal.SIGINT, learner.request_stop)
-    try:
-        learner.run()
-    finally:
-        replay.close()
-        learner.metrics.close()
+    """The fixed-cost learner process: the real learner loop, built and served as
+    ``autodidact learner`` builds and serves it, around a :class:`FixedCostStep`."""
+    from autodidact.wiring import build_learner, connect_control
+    from protocol.role import serve
+
+    with contextlib.closing(connect_control(cfg)) as control:
+        replay = ReplayClient.for_run(cfg, role="learner", run_dir=run_dir)
+        try:
+            learner = build_learner(cfg, run_dir, control, replay,
+                                    step=FixedCostStep(update_seconds, replay))
+        except BaseException:
+            replay.close()
+            raise
+        serve(learner, signals=True)
 
 
 # --- one measurement ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""One learner update on experience-guided groups: stripping, metrics, minibatches, boosting.
+"""One learner update on experience-guided groups: stripping, metrics, minibatches, boosting;
+and what the learner holds: the model loaded from disk once, everything released by close().
 
 A real tiny model, real rollouts of the files env and a real Redis control plane; the replay
 client is not needed for ``Learner.update`` (groups are handed in directly).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autodidact.wiring import build_learner
 from environments.files import FilesEnv
 from episodes.rollout import (
     Guidance,
@@ -54,18 +56,18 @@ def guided_groups(model_path):
     return to_groups(episodes, 4, "a", 0.0)
 
 
-def _learner(model_path, tmp_path, control, **learner_sets) -> Learner:
+def _learner(model_path, tmp_path, control, replay=None, **learner_sets) -> Learner:
     cfg = RunConfig()
     cfg.model.path = model_path
     cfg.learner.warmup_updates = 1
     for key, value in learner_sets.items():
         section, name = key.split("__") if "__" in key else ("learner", key)
         setattr(getattr(cfg, section), name, value)
-    return Learner(cfg, tmp_path, control, replay=None)
+    return build_learner(cfg, tmp_path, control, replay)
 
 
 def _params(learner: Learner) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in learner.model.parameters()])
+    return torch.cat([p.detach().flatten() for p in learner.step.model.parameters()])
 
 
 def test_update_strips_and_reports_navigation_metrics(model_path, tmp_path, control,
@@ -73,7 +75,7 @@ def test_update_strips_and_reports_navigation_metrics(model_path, tmp_path, cont
     learner = _learner(model_path, tmp_path, control, probe_every=1, minibatches=2)
     before = _params(learner)
     learner.update(guided_groups, 0.0)
-    learner.metrics.close()
+    learner.close()
     row = read_metrics(tmp_path, "learner")[-1]
     assert row["learner/stripped_fraction"] == pytest.approx(0.5)  # 2 of 4 per group
     assert 0 < row["learner/boosted_token_fraction"] < 1
@@ -94,8 +96,61 @@ def test_boosted_clip_acts_only_from_the_second_minibatch(model_path, tmp_path, 
         learner = _learner(model_path, tmp_path, control, minibatches=minibatches, lr=LR,
                            experience__clip_high=boost)
         learner.update(batch, 0.0)
-        learner.metrics.close()
+        learner.close()
         return _params(learner)
 
     assert torch.equal(trained(1, 0.28), trained(1, 0.6))
     assert not torch.equal(trained(2, 0.28), trained(2, 0.6))
+
+
+class _Channel:
+    """A replay client's channel that records being closed."""
+
+    def __init__(self):
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_the_model_is_loaded_once_and_close_releases_what_the_learner_holds(
+        model_path, tmp_path, control, monkeypatch):
+    """With a KL penalty the learner needs the policy, a frozen reference and the pad id: one
+    read of the model from disk (the reference is a copy, the pad id in its config), no
+    tokenizer. close() closes the replay client, the metrics and the publisher; twice is
+    harmless."""
+    from transformers import PreTrainedModel
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from protocol.replay_client import ReplayClient
+
+    loads = []
+
+    def spy(owner):
+        real = owner.from_pretrained.__func__
+
+        def from_pretrained(cls, *args, **kw):
+            loads.append((cls.__name__, args[0] if args else kw))
+            return real(cls, *args, **kw)
+
+        monkeypatch.setattr(owner, "from_pretrained", classmethod(from_pretrained))
+
+    spy(PreTrainedModel)  # every model class's from_pretrained, Auto* ones included
+    spy(PreTrainedTokenizerBase)
+    channel = _Channel()
+    learner = _learner(model_path, tmp_path, control, ReplayClient(channel=channel),
+                       kl_coef=0.1)
+    assert [path for _, path in loads] == [model_path]  # one model, no tokenizer
+    step = learner.step
+    assert step.reference is not None and step.pad_id == 0  # the tiny model's [PAD]
+    reference, policy = step.reference.state_dict(), step.model.state_dict()
+    assert reference.keys() == policy.keys()
+    assert all(torch.equal(reference[k], policy[k]) for k in policy)  # the initial policy...
+    assert not any(p.requires_grad for p in step.reference.parameters())
+    assert all(r.data_ptr() != p.data_ptr()
+               for r, p in zip(step.reference.parameters(), step.model.parameters()))  # ...a copy
+    publisher = learner.publisher
+    learner.close()
+    assert channel.closed == 1 and learner.metrics._fd == -1 and publisher._thread is None
+    learner.close()
+    assert channel.closed == 1

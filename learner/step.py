@@ -1,0 +1,351 @@
+"""The learner's step: what one update does to the policy, apart from the loop around it.
+
+:class:`PolicyStep` owns the model (loaded once), its LoRA adapter, the optimizer and
+scheduler, autocast and the loss; :class:`learner.learner.Learner` is given one and does the
+rest (drawing, the ledger, publishing, checkpoints, metrics)::
+
+    metrics, stats = step.update(groups, labels, alpha, probe)   # one optimizer update
+    step.trained_state()          # what is published: the whole model, or the adapter alone
+    step.state() / step.load_state(state, path)   # its part of a checkpoint
+    step.lr, step.adapter
+
+One update::
+
+    batch = build_batch(groups, labels, α)      # masks, step advantages (or plain GRPO)
+    strip injected experience (experience.train_context=discard)
+    proximal = logprobs under current params    # decoupled PPO
+    per minibatch, per micro-batch:             # learner.accumulation of them
+        backward(policy_loss summed)            # boosted clip on experience-guided rows
+    then gradient /= tokens (or rows) of all ranks, optimizer step
+
+With several ranks each holds a :class:`PolicyStep` of its own on its share of the batch; DDP
+(or FSDP) averages their gradients (learner/distributed.py). A stand-in step (the scaling
+bench's fixed-cost one, bench/scale_actors.py) needs only the methods of :class:`Step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from inference import lora
+from learner.batching import build_batch, token_budget_parts
+from learner.checkpoint import CheckpointError
+from learner.distributed import SINGLE, Ranks
+from learner.logprobs import prepare_for_training, token_logprobs
+from learner.losses import navigation_terms, policy_loss
+from protocol.role_config import LearnerSettings
+from protocol.weights import AdapterMeta
+
+
+class Step(Protocol):
+    """What the learner loop asks of its step."""
+
+    adapter: AdapterMeta | None
+    """The LoRA adapter published weights belong to; None when they are the whole model."""
+
+    @property
+    def lr(self) -> float:
+        """The learning rate now (after the last update)."""
+
+    def update(self, groups, labels, alpha: float, probe: bool) -> tuple[dict, dict]:
+        """One update on this process's ``groups``: (metrics, batch stats). The metrics are
+        the whole batch's (summed over ranks) and include ``grad_norm``; the stats are this
+        process's (``degenerate_groups``, ``tokens``, ``unlabelled_groups`` with labels)."""
+
+    def trained_state(self) -> dict | None:
+        """What is published, on rank 0 (None elsewhere); every rank calls it."""
+
+    def state(self) -> dict | None:
+        """The step's part of a checkpoint, on rank 0 (None elsewhere); every rank calls it."""
+
+    def load_state(self, state: dict, path: Path) -> None:
+        """Restore :meth:`state` from the checkpoint at ``path`` (CheckpointError if it was
+        trained otherwise)."""
+
+
+class PolicyStep:
+    """The clipped off-policy policy-gradient step on the model ``settings.model_path``."""
+
+    def __init__(self, settings: LearnerSettings, ranks: Ranks = SINGLE):
+        self.settings = settings
+        self.cfg = cfg = settings.learner
+        self.ranks = ranks
+        ranks.share(cfg.batch_groups)  # refuses a batch the ranks cannot split, before loading
+        self.device = ranks.device(cfg.device)
+        self.autocast = autocast_dtype(cfg.autocast, self.device, settings.actors_low_precision)
+        torch.manual_seed(settings.seed)
+        # The one load of the model from disk: the KL reference is a copy of it, and the pad
+        # id is in its config.
+        model = AutoModelForCausalLM.from_pretrained(settings.model_path).to(self.device)
+        self.pad_id = pad_token_id(model)
+        # With LoRA only the adapter trains and travels; the frozen base is also the KL
+        # reference (adapters off), so no second copy of the model is kept. Without it, the
+        # reference is a frozen copy of the initial policy, taken before anything is attached
+        # or switched on for training, and only when a KL penalty to it is asked for.
+        self.adapter = adapter_for(settings)
+        reference = None
+        if cfg.kl_coef > 0 and self.adapter is None:
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if self.adapter is not None:
+            lora.attach(model, self.adapter, dropout=cfg.lora_dropout, init_seed=settings.seed)
+        prepare_for_training(model, cfg.logit_chunk_tokens, cfg.gradient_checkpointing)
+        self.model = ranks.wrap(model.train(), cfg.parallel)
+        # After wrapping: under FSDP the optimizer must hold the sharded parameters.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
+                                           betas=(0.9, 0.99), weight_decay=0.0)
+        warmup = max(cfg.warmup_updates, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        self.reference = None if reference is None else ranks.wrap_frozen(reference,
+                                                                          cfg.parallel)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    # --- what the loop calls ----------------------------------------------------------------
+
+    def update(self, groups, labels, alpha: float, probe: bool) -> tuple[dict, dict]:
+        """One update: one optimizer step per minibatch; with ``probe`` the last one's
+        micro-batch is scored again after it (``step_gain``, ``step_kl``)."""
+        batch, stats = build_batch(groups, self.pad_id, labels=labels, alpha=alpha,
+                                   experience=self.settings.experience_context)
+        batch = batch.to(self.device)
+        proximal, reference = self._fixed_logprobs(batch)
+        for rows in self._split(torch.arange(len(batch.input_ids)), self.cfg.minibatches):
+            m, last = self._step(batch, rows, proximal, reference)
+        self.scheduler.step()
+        if probe:
+            m.update(self._probe(*last))
+        return m, stats
+
+    def trained_state(self) -> dict | None:
+        """What this learner trains, on rank 0 (None elsewhere): the whole model's state, or
+        with LoRA only the adapter's. Under FSDP every rank must call it (shards gather)."""
+        return self.ranks.model_state(self.model, trainable_only=self.adapter is not None)
+
+    def state(self) -> dict | None:
+        """Model (or adapter), optimizer and scheduler, with the adapter's description, on
+        rank 0 (None elsewhere). Every rank calls it (FSDP gathers the shards)."""
+        model = self.trained_state()
+        optimizer = self.ranks.optimizer_state(self.model, self.optimizer)
+        if not self.ranks.is_main:
+            return None
+        adapter = {"adapter": self.adapter.to_metadata()} if self.adapter is not None else {}
+        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+                **adapter}
+
+    def load_state(self, state: dict, path: Path) -> None:
+        check_checkpoint_adapter(state, self.adapter, path)
+        self.ranks.load_model_state(self.model, state["model"], partial=self.adapter is not None)
+        self.ranks.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    # --- one update ---------------------------------------------------------------------------
+
+    def _split(self, rows: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        """``rows`` in ``parts`` slices; with several ranks always exactly ``parts`` (some may
+        be empty), since every rank must take as many steps and backward passes as the rest."""
+        out = list(rows.chunk(parts))
+        if self.ranks.active:
+            out += [rows[:0]] * (parts - len(out))
+        return out
+
+    def _step(self, batch, rows, proximal, reference):
+        """One optimizer step on the minibatch ``rows``: (metrics with the grad norm, what the
+        probe needs).
+
+        Each micro-batch backpropagates its loss *summed* over tokens (token-mean) or rows
+        (seq-mean-token-mean), and the gradient is divided once by the number of those in all
+        micro-batches of all ranks, known only after the last one. So the step is the one a
+        single process would take on the whole minibatch, however its rows fell to ranks and
+        micro-batches (a mean per part would weigh a short part's rows more). DDP averages
+        over ranks, hence the factor ``world`` back.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        lengths = batch.lengths().cpu()  # sizes only: one read-back, not one per row
+        parts = self._micro_batches(rows, lengths)
+        totals = dict.fromkeys(("loss", "pg_loss", "denominator", "tokens"), 0.0)
+        seen = []
+        for i, part in enumerate(parts):
+            with self.ranks.sync_grads(self.model, sync=i == len(parts) - 1):
+                mb, index = self._micro(batch, part, lengths)
+                width = mb.input_ids.shape[1]  # trimmed to its longest row
+                with self._autocast():
+                    logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask,
+                                              self.cfg.logit_chunk_tokens, mb.action_mask)
+                # One step per batch: the proximal policy is this very forward pass, detached.
+                prox = logprobs.detach() if proximal is None else proximal[index][:, :width]
+                ref = None if reference is None else reference[index][:, :width]
+                loss, m = self._loss(mb, logprobs, prox, ref, reduction="sum")
+                loss.backward()
+            totals = {k: totals[k] + m[k] for k in totals}
+            if len(part) or not seen:  # a blank micro-batch says nothing about the policy
+                seen.append(m)
+        # The probe re-scores the last micro-batch: its own loss, as a mean, to compare with.
+        probe = (mb, m["loss"] / max(m["denominator"], 1.0), prox, ref)
+        totals = self.ranks.sum(totals)
+        denominator = max(totals["denominator"], 1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(self.ranks.world / denominator)
+        grad_norm = self.ranks.clip_grad_norm(self.model, self.cfg.grad_clip)
+        self.optimizer.step()
+        m = _merge_metrics(seen)
+        del m["denominator"]
+        m.update(loss=totals["loss"] / denominator, pg_loss=totals["pg_loss"] / denominator,
+                 tokens=totals["tokens"], grad_norm=grad_norm)
+        return m, probe
+
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """The minibatch ``rows`` as micro-batches: ``accumulation`` equal slices, or with
+        ``micro_batch_tokens`` as many as that token budget needs (every rank takes as many
+        as the rank that needs most)."""
+        budget = self.cfg.micro_batch_tokens
+        if not budget:
+            return self._split(rows, self.cfg.accumulation)
+        parts = token_budget_parts(rows, lengths, budget)
+        if self.ranks.active:
+            parts += [rows[:0]] * (self.ranks.max_int(len(parts)) - len(parts))
+        return parts
+
+    def _micro(self, batch, part, lengths: torch.Tensor):
+        """The micro-batch of rows ``part``, trimmed to its longest row, and its row index.
+        An empty ``part`` (a rank with fewer rows than slices) gives row 0 with nothing
+        trained: it still runs the forward and backward the other ranks' collectives wait
+        for, and adds zero."""
+        if len(part):
+            return batch.rows(part, int(lengths[part].max())), part
+        index = torch.zeros(1, dtype=torch.long)
+        blank = batch.rows(index)
+        blank.action_mask = torch.zeros_like(blank.action_mask)
+        blank.num_tokens = 0
+        return blank, index
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    @torch.no_grad()
+    def _fixed_logprobs(self, batch):
+        """Proximal log-probs (only needed ahead with several minibatches) and the reference's."""
+        proximal = None
+        with self._autocast():
+            if self.cfg.minibatches > 1:
+                proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                          self.cfg.logit_chunk_tokens, batch.action_mask)
+            reference = None
+            if self.reference is not None:
+                reference = token_logprobs(self.reference, batch.input_ids,
+                                           batch.attention_mask, self.cfg.logit_chunk_tokens,
+                                           batch.action_mask)
+            elif self.adapter is not None and self.cfg.kl_coef > 0:
+                with lora.disabled(self.model):  # the base is the reference
+                    reference = token_logprobs(self.model, batch.input_ids,
+                                               batch.attention_mask, self.cfg.logit_chunk_tokens,
+                                               batch.action_mask)
+        return proximal, reference
+
+    def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
+        behaviour, clip_high, nav = navigation_terms(batch, proximal, self.cfg.clip_high,
+                                                     self.settings.guided_clip_high,
+                                                     self.cfg.iw_cap)
+        loss, m = policy_loss(
+            logprobs, proximal, behaviour, batch.advantages, batch.action_mask,
+            clip_low=self.cfg.clip_low, clip_high=clip_high,
+            dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
+            aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
+            ref_logprobs=reference, reduction=reduction, guided=batch.guided)
+        return loss, {**m, **nav}
+
+    @torch.no_grad()
+    def _probe(self, batch, loss_before: float, proximal, reference) -> dict[str, float]:
+        """Did the (last) step do what it was for? Re-score its (last) micro-batch with the
+        new weights; with several ranks, rank 0's.
+
+        A training-reward curve answers this too, but over a few dozen small batches it is
+        mostly sampling noise; the loss on the batch the step was taken on is not.
+        """
+        with self._autocast():
+            after = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
+                                   self.cfg.logit_chunk_tokens, batch.action_mask)
+        loss_after, _ = self._loss(batch, after, proximal, reference)
+        mask = batch.action_mask.float()
+        log_ratio = proximal - after  # KL(before || after), k1 estimate on the sampled tokens
+        return {"step_gain": loss_before - float(loss_after),
+                "step_kl": float((log_ratio * mask).sum() / mask.sum().clamp(min=1))}
+
+
+def pad_token_id(model) -> int:
+    """The id that pads batch rows: the model config's ``pad_token_id`` (the tiny model and
+    the converted SmolLM2 folder carry their tokenizer's there), else the generation
+    config's, else 0. Rows are right-padded and the loss reads no padding position, so
+    the id only has to be a valid one; it is taken from the loaded model so the tokenizer
+    is not loaded as well."""
+    for config in (model.config, getattr(model, "generation_config", None)):
+        token = getattr(config, "pad_token_id", None)
+        if isinstance(token, int) and 0 <= token < model.config.vocab_size:
+            return token
+    return 0
+
+
+def adapter_for(settings: LearnerSettings) -> AdapterMeta | None:
+    """The LoRA adapter ``learner.lora_*`` asks for, tied to the base it trains on; None for
+    full fine-tuning."""
+    cfg = settings.learner
+    if not cfg.lora_rank:
+        return None
+    return AdapterMeta(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                       targets=",".join(cfg.lora_targets), base_id=settings.model_path,
+                       base_sha256=lora.base_digest(settings.model_path))
+
+
+def check_checkpoint_adapter(state: dict, adapter: AdapterMeta | None, path: Path) -> None:
+    """Refuse to resume a checkpoint trained otherwise than this learner trains: full weights
+    into a LoRA learner or back, another rank or targets, or an adapter of another base."""
+    saved = AdapterMeta.from_metadata(state.get("adapter"))
+    if saved is None and adapter is None:
+        return
+    if saved is None or adapter is None:
+        what = "full fine-tuning" if saved is None else f"a LoRA adapter (rank {saved.rank})"
+        now = "full fine-tuning" if adapter is None else f"LoRA rank {adapter.rank}"
+        raise CheckpointError(f"{path} holds {what}, but this run trains {now}: resume with "
+                              f"the learner.lora_rank it was trained with")
+    for field_name in ("rank", "targets", "base_sha256"):
+        if getattr(saved, field_name) != getattr(adapter, field_name):
+            raise CheckpointError(
+                f"{path} holds an adapter with {field_name}={getattr(saved, field_name)!r}, "
+                f"this run asks for {getattr(adapter, field_name)!r}: resume with the "
+                f"learner.lora_* settings and model.path it was trained with")
+
+
+def autocast_dtype(setting: str, device: torch.device,
+                   actors_low_precision: bool) -> torch.dtype | None:
+    """``learner.autocast``: bf16 on request, or by default on CUDA behind actors that sample
+    in low precision themselves; None for float32."""
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"
+                             and actors_low_precision):
+        return torch.bfloat16
+    return None
+
+
+def _merge_metrics(ms: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its micro-batches': the mean, but the largest ``iw_max``; a
+    metric some micro-batches lack (one of guided rows, say) is the mean over those that have
+    it."""
+    if len(ms) == 1:
+        return dict(ms[0])
+    keys = dict.fromkeys(k for m in ms for k in m)
+    return {k: (max if k == "iw_max" else _mean)([m[k] for m in ms if k in m]) for k in keys}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
