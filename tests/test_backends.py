@@ -4,6 +4,7 @@ in-place weight updates. Everything runs on CPU in a few seconds with a tiny ran
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -140,6 +141,15 @@ def test_logprobs_equal_teacher_forcing(backend, prompts):
         expected = _teacher_forced(backend, prompt, gen)
         assert torch.allclose(torch.tensor(gen.logprobs), expected, atol=1e-4, rtol=0)
 
+
+
+def test_generation_warns_nothing(backend, prompts):
+    """No library deprecation reaches a run's terminal: the KV cache goes to the next forward
+    under the name this transformers takes (``cache``, or ``past_key_values`` before it)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.generate(prompts, SamplingParams(max_new_tokens=4, seed=0, ignore_eos=True))
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
 
 def test_logprobs_use_sampling_temperature(backend, prompts):
     gens = backend.generate(prompts, SamplingParams(temperature=0.5, max_new_tokens=6, seed=2))

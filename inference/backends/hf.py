@@ -71,6 +71,16 @@ class _Batch:
     finished: torch.Tensor  # [B] True once a sequence needs no more tokens
 
 
+def _kv_cache(out) -> dict:
+    """The forward's KV cache as the keyword the next forward takes, named as the output names
+    it: ``cache`` in newer transformers (5.24 in .venv: ``past_key_values=`` still works there
+    but prints a FutureWarning into every run), ``past_key_values`` in older ones (5.19 in
+    .venv-vllm, whose forward would swallow an unknown ``cache=`` in ``**kwargs`` and run
+    without the cache)."""
+    name = "cache" if "cache" in out.keys() else "past_key_values"
+    return {name: out[name]}
+
+
 class TransformersBackend(InferenceBackend):
     """An :class:`InferenceBackend` over a local Hugging Face causal LM.
 
@@ -174,7 +184,7 @@ class TransformersBackend(InferenceBackend):
                 input_ids=token.unsqueeze(1),
                 attention_mask=attention,
                 position_ids=next_pos,
-                past_key_values=out.past_key_values,
+                **_kv_cache(out),
                 use_cache=True,
                 **self._logits_kwarg,
             )
