@@ -145,6 +145,8 @@ def _train_and_finish(cfg: RunConfig, run_dir: Path, coordinator: Coordinator,
         code = 1 if failed else 0
         summary["restarts"] = coordinator.restarts(roles)
         summary["failed_roles"] = failed
+        # Each one's own reason, quoted from its log: the run's output says why, not only who.
+        summary["failure_reasons"] = {name: roles.failure(name) for name in failed}
         summary.pop("success_rl", None)  # an earlier run's, when this one was a resume
         summary.update(after_training(cfg, run_dir, learner_finished=not failed))
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2, default=str))
@@ -167,8 +169,8 @@ def supervise(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, roles: Su
             if roles.exited("learner") == 0:
                 return []
             if failed:
-                console.print(f"[red]roles failed for good: {failed}; see "
-                              f"{RunDir(run_dir).logs}[/]")
+                console.print(f"[red]roles failed for good: {', '.join(failed)}; stopping the "
+                              f"others[/]")
                 return failed
             reporter.tick(roles)
             time.sleep(0.5)

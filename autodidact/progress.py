@@ -11,6 +11,7 @@ from pathlib import Path
 
 import redis
 from rich.console import Console
+from rich.markup import escape
 
 from autodidact.tracking import WandbMirror
 from metrics.jsonl import MetricsTail, MetricsWriter
@@ -59,6 +60,13 @@ class Progress:
         self.tail = MetricsTail(run_dir)
         self.learner: dict = {}
         self.actors: list[dict] = []
+        # (seconds in, groups stored) when this process began counting: the rate is of groups
+        # added since then, not of those a resumed run's earlier processes stored
+        self.start: tuple[float, int] | None = None
+
+    def begin(self, control, elapsed_s: float = 0.0) -> None:
+        """Count groups from now on (``show`` begins at its first line when Redis is away)."""
+        self.start = (elapsed_s, control.counters().get("actor/accepted", 0))
 
     def update(self) -> list[dict]:
         records = self.tail.read_new()
@@ -75,11 +83,15 @@ class Progress:
         counters = control.counters()
         groups = counters.get("actor/accepted", 0)
         judged = counters.get("judge/groups_labelled", 0)
+        if self.start is None:
+            self.start = (elapsed_s, groups)
+        since_s, since_groups = self.start
+        rate = (groups - since_groups) / max(elapsed_s - since_s, 1e-9)
         lr = self.learner
         console.print(
             f"  [{elapsed_s:5.0f}s] update {lr.get('learner/updates', 0):>4}  "
             f"version {lr.get('learner/version', 0):>4}  actor success {success:6.1%}  "
-            f"groups {groups:>6} ({groups / max(elapsed_s, 1e-9):.1f}/s, judged {judged})  "
+            f"groups {groups:>6} ({rate:.1f}/s, judged {judged})  "
             f"lag {lr.get('learner/lag_mean', 0):.2f}  restarts {len(roles.restart_log)}",
             highlight=False)
 
@@ -94,6 +106,8 @@ class Reporter:
         self.replay = ReplayMonitor(run_dir, cfg)
         self.t0 = time.monotonic()
         self._last = 0.0
+        with contextlib.suppress(redis.RedisError):  # Redis is being restarted: show() begins
+            self.progress.begin(coordinator.control)
 
     def tick(self, roles) -> None:
         if time.monotonic() - self._last <= REPORT_EVERY_S:
@@ -120,9 +134,11 @@ def print_summary(summary: dict) -> None:
         return "n/a" if v is None else f"{v:.1%}"
 
     learner = summary.get("learner", {})
-    if summary.get("failed_roles"):
-        console.print(f"[red]run failed: {', '.join(summary['failed_roles'])} failed for good "
-                      f"(their logs are under logs/); no held-out success after RL[/]")
+    reasons = summary.get("failure_reasons") or {}
+    for role in summary.get("failed_roles") or []:
+        why = reasons.get(role) or "no reason in its log"
+        console.print(f"[red]run failed: {role} failed for good ({escape(why)}; its log: "
+                      f"logs/{role}.log); no held-out success after RL[/]", highlight=False)
     console.print(f"[bold]summary[/]  held-out avg@k: base {pct('base')} -> warm-start "
                   f"{pct('warm')} -> RL {pct('rl')}   (greedy: {pct('base', 'greedy')} -> "
                   f"{pct('warm', 'greedy')} -> {pct('rl', 'greedy')})   "

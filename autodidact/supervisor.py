@@ -14,6 +14,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from protocol.errors import EXIT_UNRECOVERABLE
 # Set in every supervised child's environment: the supervisor's pid (see exit_when_orphaned).
 PARENT_ENV = "AUTODIDACT_SUPERVISOR_PID"
 ORPHAN_GRACE_S = 10.0
+REASON_CHARS = 2000  # the most of a role's log line a failure quotes (paths included)
+REASON_TAIL_BYTES = 64 * 1024  # how far back from the end of a role's log the reason is sought
+_LOGGED_ERROR = re.compile(r" (ERROR|CRITICAL) ")  # cli_common's logging format
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,7 @@ class _Running:
     started: float
     restarts: int = 0
     next_start: float = 0.0  # when a dead role may be restarted (back-off)
+    log_start: int = 0  # the log's size when this attempt started: what it wrote follows
 
 
 class Supervisor:
@@ -106,8 +111,9 @@ class Supervisor:
         self.restart_log: list[tuple[str, int]] = []  # (role, exit code) of every restart
 
     def start(self, spec: RoleSpec) -> subprocess.Popen:
+        log_start = _size(spec.log_path)
         proc = self._spawn(spec, spec.argv)
-        self.roles[spec.name] = _Running(spec, proc, time.monotonic())
+        self.roles[spec.name] = _Running(spec, proc, time.monotonic(), log_start=log_start)
         self._write_pids()
         return proc
 
@@ -158,6 +164,7 @@ class Supervisor:
             elif now >= run.next_start:
                 self.restart_log.append((name, code))
                 run.restarts += 1
+                run.log_start = _size(run.spec.log_path)
                 run.proc = self._spawn(run.spec, run.spec.restart_argv or run.spec.argv)
                 run.started, run.next_start = now, 0.0
                 self._write_pids()
@@ -165,6 +172,17 @@ class Supervisor:
 
     def exited(self, name: str) -> int | None:
         return self.roles[name].proc.poll()
+
+    def failure(self, name: str) -> str:
+        """Why role ``name`` stopped, in one line: how it exited and, quoted from its log,
+        what its last attempt said last (see :func:`last_words`)."""
+        run = self.roles[name]
+        code = run.proc.poll()
+        how = ("still running" if code is None
+               else f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}")
+        said = last_words(run.spec.log_path, run.log_start,
+                          one_line_exit=code == EXIT_UNRECOVERABLE)
+        return f"{how}: {said}" if said else how
 
     def stop(self, grace_s: float = 10.0, together: bool = False) -> None:
         """Stop roles in reverse start order, so producers (actors) flush to their consumers
@@ -195,6 +213,50 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def last_words(log_path: Path | None, start: int = 0, one_line_exit: bool = False) -> str | None:
+    """What a role's log says of its failure, from ``start`` (where its last attempt began) to
+    the end: with ``one_line_exit`` (an :data:`EXIT_UNRECOVERABLE` exit, which prints one line
+    naming the file and what to do, last) its last line; else the exception line its last
+    traceback ends with, else its last line logged at ERROR or CRITICAL, else its last line.
+    None without a log or with nothing written."""
+    if log_path is None:
+        return None
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(start, _size(log_path) - REASON_TAIL_BYTES))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return None
+    said = lines[-1]
+    if not one_line_exit:
+        tracebacks = [i for i, line in enumerate(lines)
+                      if line.startswith("Traceback (most recent call last)")]
+        errors = [line for line in lines if _LOGGED_ERROR.search(line)]
+        if tracebacks:  # the first unindented line after the header names the exception
+            said = next((line for line in lines[tracebacks[-1] + 1:]
+                         if not line[:1].isspace()), said)
+        elif errors:
+            said = errors[-1]
+    return said if len(said) <= REASON_CHARS else said[:REASON_CHARS - 3] + "..."
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return os.path.getsize(path) if path is not None else 0
+    except OSError:
+        return 0
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _signal(run: _Running, sig: int) -> None:

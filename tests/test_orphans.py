@@ -224,6 +224,9 @@ def test_launcher_killed_alone_leaves_nothing_and_a_live_run_refuses_a_second(tm
                             text=True, timeout=200)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "run failed: learner failed for good" in failed.stderr
+    # ... and quotes the learner's own reason, not only where its log is.
+    assert "failed for good (exit code 78: learner: no good checkpoint in" in failed.stderr
+    assert "move the directory away" in failed.stderr
     summary = json.loads(rd.summary.read_text())
     assert summary["failed_roles"] == ["learner"] and "success_rl" not in summary
     learner_log = (rd.logs / "learner.log").read_text()
