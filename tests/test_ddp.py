@@ -113,10 +113,10 @@ def state_of(learner) -> dict[str, torch.Tensor]:
     """The full parameters (rank 0 only under FSDP; every rank's own copy otherwise)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(learner.model, FSDPModule):
-        return learner.ranks.model_state(learner.model)
-    return {k: v.detach().clone() for k, v in learner.ranks.unwrap(learner.model)
-            .state_dict().items()}
+    model = learner.step.model
+    if isinstance(model, FSDPModule):
+        return learner.ranks.model_state(model)
+    return {k: v.detach().clone() for k, v in learner.ranks.unwrap(model).state_dict().items()}
 
 
 def update_rows(run_dir: Path) -> list[dict]:
@@ -129,15 +129,16 @@ def update_rows(run_dir: Path) -> list[dict]:
 def run_scenarios(out: Path, model: str, redis_url: str) -> None:
     """Each scenario on this rank's shares; saves the parameters per rank (rank 0's metrics
     land in ``out/<scenario>``)."""
+    from autodidact.wiring import build_learner
     from learner.distributed import Ranks
-    from learner.learner import Learner
     from protocol.control import ControlPlane
 
     ranks = Ranks.from_env().start(torch.device("cpu"))
     control = ControlPlane.connect(redis_url, f"ddp:{uuid.uuid4().hex[:8]}")
     for name, sets in SCENARIOS.items():
         (out / name).mkdir(exist_ok=True)
-        learner = Learner(learner_config(model, **sets), out / name, control, None, ranks=ranks)
+        learner = build_learner(learner_config(model, **sets), out / name, control, None,
+                                ranks=ranks)
         for u in range(UPDATES):
             learner.update(shares(u)[ranks.rank], 0.0)
         state = state_of(learner)
@@ -151,12 +152,12 @@ def run_scenarios(out: Path, model: str, redis_url: str) -> None:
 def check_fsdp_resume(learner, run_dir: Path, model: str, sets: dict, ranks, control):
     """Checkpoint; a new sharded learner resumes from it; both take one more update on the
     same groups; rank 0 saves both results (the test compares them)."""
-    from learner.learner import Learner
+    from autodidact.wiring import build_learner
 
     learner._uncommitted = []  # no replay server to commit to here
     learner.checkpoint()
     ranks.barrier()  # rank 0 has written it
-    resumed = Learner(learner_config(model, **sets), run_dir, control, None, ranks=ranks)
+    resumed = build_learner(learner_config(model, **sets), run_dir, control, None, ranks=ranks)
     assert resumed.resume()
     for each in (learner, resumed):
         each.update(shares(0)[ranks.rank], 0.0)
@@ -258,10 +259,10 @@ def two_ranks(tmp_path_factory, model, redis_url) -> Path:
 
 def one_rank(model, run_dir: Path, control, **sets):
     """The reference: one process, the whole batch of each update."""
-    from learner.learner import Learner
+    from autodidact.wiring import build_learner
 
     torch.manual_seed(0)
-    learner = Learner(learner_config(model, **sets), run_dir, control, None)
+    learner = build_learner(learner_config(model, **sets), run_dir, control, None)
     for u in range(UPDATES):
         learner.update([g for share in shares(u) for g in share], 0.0)
     learner.close()  # its publisher thread announces in Redis, whose client the fixture closes
@@ -307,7 +308,7 @@ def test_two_ranks_step_as_one_rank_on_the_whole_batch(two_ranks, scenario, mode
             assert g[f"learner/{name}"] == pytest.approx(w[f"learner/{name}"], rel=1e-5,
                                                          abs=1e-7), name
     assert_states_close(rank_result(two_ranks, scenario, 0)["state"],
-                        alone.ranks.unwrap(alone.model).state_dict())
+                        alone.ranks.unwrap(alone.step.model).state_dict())
     # The ranks' shares really differ, so the scaling had something to do.
     for u in range(UPDATES):
         rows = [sum(len(g.trajectories) for g in share) for share in shares(u)]
@@ -319,7 +320,8 @@ def test_two_ranks_step_as_one_rank_on_the_whole_batch(two_ranks, scenario, mode
 @pytest.mark.parametrize("scenario", ["fsdp-token-acc2-kl", "fsdp-lora-acc2"])
 def test_fsdp_checkpoint_is_single_process_format_and_resumes(two_ranks, model, tmp_path,
                                                               control, scenario):
-    from learner.learner import Learner, load_checkpoint
+    from autodidact.wiring import build_learner
+    from learner.learner import load_checkpoint
 
     run_dir = two_ranks / scenario
     ckpt = load_checkpoint(run_dir / "checkpoints" / "latest.pt")
@@ -327,13 +329,13 @@ def test_fsdp_checkpoint_is_single_process_format_and_resumes(two_ranks, model, 
     assert all(isinstance(k, int) for k in ckpt["optimizer"]["state"])
     # A one-process learner takes the sharded run's checkpoint as its own.
     sets = {k: v for k, v in SCENARIOS[scenario].items() if k not in ("parallel", "accumulation")}
-    single = Learner(learner_config(model, **sets), run_dir, control, None)
+    single = build_learner(learner_config(model, **sets), run_dir, control, None)
     assert single.resume()
-    single.metrics.close()
-    lora = single.adapter is not None
+    single.close()
+    lora = single.step.adapter is not None
     assert lora == (scenario == "fsdp-lora-acc2")
     # With LoRA the checkpoint holds the adapter alone, and the optimizer only its state.
-    assert_states_close(single.ranks.model_state(single.model, trainable_only=lora),
+    assert_states_close(single.ranks.model_state(single.step.model, trainable_only=lora),
                         ckpt["model"], atol=0)
     assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) if lora else True
     # The resumed sharded learner continued exactly as the one that wrote the checkpoint.
@@ -347,7 +349,7 @@ def test_accumulation_equals_the_unsplit_step(model, tmp_path, control, aggregat
     whole = one_rank(model, tmp_path / "one", control, loss_aggregation=aggregation)
     split = one_rank(model, tmp_path / "three", control, loss_aggregation=aggregation,
                      accumulation=3)
-    assert_states_close(split.model.state_dict(), whole.model.state_dict())
+    assert_states_close(split.step.model.state_dict(), whole.step.model.state_dict())
     for a, b in zip(update_rows(tmp_path / "three"), update_rows(tmp_path / "one")):
         assert a["learner/loss"] == pytest.approx(b["learner/loss"], rel=1e-5)
 
@@ -358,23 +360,23 @@ def test_token_budget_micro_batches_equal_the_unsplit_step(model, tmp_path, cont
                                                            aggregation, monkeypatch):
     """Rows packed by length into micro-batches of at most 60 padded tokens, each trimmed to
     its longest row: more backward passes, the same step."""
-    import learner.learner as learner_module
+    import learner.step as step_module
 
     whole = one_rank(model, tmp_path / "one", control, loss_aggregation=aggregation)
     shapes = []
-    scored = learner_module.token_logprobs
+    scored = step_module.token_logprobs
 
     def recording(model, input_ids, *args):
         shapes.append(tuple(input_ids.shape))
         return scored(model, input_ids, *args)
 
-    monkeypatch.setattr(learner_module, "token_logprobs", recording)
+    monkeypatch.setattr(step_module, "token_logprobs", recording)
     packed = one_rank(model, tmp_path / "packed", control, loss_aggregation=aggregation,
                       micro_batch_tokens=60)
     assert len(shapes) > 2 * UPDATES  # several micro-batches per update...
     assert all(rows * width <= 60 or rows == 1 for rows, width in shapes)  # ...within budget
     assert len({width for _, width in shapes}) > 1  # each trimmed to its own longest row
-    assert_states_close(packed.model.state_dict(), whole.model.state_dict())
+    assert_states_close(packed.step.model.state_dict(), whole.step.model.state_dict())
     for a, b in zip(update_rows(tmp_path / "packed"), update_rows(tmp_path / "one")):
         assert a["learner/loss"] == pytest.approx(b["learner/loss"], rel=1e-5)
 
@@ -383,12 +385,12 @@ def test_token_budget_micro_batches_equal_the_unsplit_step(model, tmp_path, cont
 def test_bf16_autocast_trains_in_float32_parameters(model, tmp_path, control):
     fp32 = one_rank(model, tmp_path / "fp32", control)
     bf16 = one_rank(model, tmp_path / "bf16", control, autocast="bf16")
-    assert bf16.autocast == torch.bfloat16 and fp32.autocast is None  # auto: none on CPU
-    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert bf16.step.autocast == torch.bfloat16 and fp32.step.autocast is None  # auto: CPU none
+    assert all(p.dtype == torch.float32 for p in bf16.step.model.parameters())
     rows = update_rows(tmp_path / "bf16")
     assert all(np.isfinite(r["learner/loss"]) for r in rows)
-    moved = [not torch.equal(a, b) for a, b in zip(bf16.model.parameters(),
-                                                    fp32.model.parameters())]
+    moved = [not torch.equal(a, b) for a, b in zip(bf16.step.model.parameters(),
+                                                    fp32.step.model.parameters())]
     assert any(moved)  # the forward really ran in bfloat16
 
 
@@ -399,7 +401,7 @@ def test_bf16_autocast_trains_in_float32_parameters(model, tmp_path, control):
     ("bf16", "cpu", "float32", torch.bfloat16),
     ("none", "cuda", "bfloat16", None)])
 def test_auto_autocast_follows_the_actors_precision(setting, device, vllm_dtype, want):
-    from learner.learner import autocast_dtype
+    from learner.step import autocast_dtype
 
     cfg = RunConfig()
     cfg.actor.backend, cfg.actor.vllm_dtype = "vllm", vllm_dtype
