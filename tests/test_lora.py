@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from test_ddp import learner_config, shares, state_of, tiny_model, update_rows
 from transformers import AutoModelForCausalLM
 
+from autodidact.wiring import build_learner
 from inference import lora
 from inference.backends.base import SamplingParams
 from inference.backends.hf import TransformersBackend
@@ -32,7 +33,7 @@ def model(tmp_path_factory) -> str:
 
 
 def lora_learner(model, run_dir, control, **sets) -> Learner:
-    return Learner(learner_config(model, **{**LORA, **sets}), run_dir, control, None)
+    return build_learner(learner_config(model, **{**LORA, **sets}), run_dir, control, None)
 
 
 def trained(model, run_dir, control, updates: int = 2, **sets) -> Learner:
@@ -60,7 +61,8 @@ def merged_backend(model, learner, tmp_path) -> TransformersBackend:
     out = tmp_path / "merged"
     shutil.copytree(model, out)
     merged = AutoModelForCausalLM.from_pretrained(model)
-    lora.merge_into(merged, lora.adapter_state(learner.model.state_dict()), learner.adapter)
+    lora.merge_into(merged, lora.adapter_state(learner.step.model.state_dict()),
+                    learner.step.adapter)
     backend = TransformersBackend(out)
     backend.load_weights(merged.state_dict(), version=learner.version)
     return backend
@@ -69,19 +71,20 @@ def merged_backend(model, learner, tmp_path) -> TransformersBackend:
 def test_a_fresh_adapter_is_the_base_and_only_the_adapter_trains(model, tmp_path, control):
     base = AutoModelForCausalLM.from_pretrained(model)
     learner = lora_learner(model, tmp_path, control)
-    torch.testing.assert_close(logits(learner.model, PROMPTS[0]), logits(base, PROMPTS[0]),
+    step = learner.step
+    torch.testing.assert_close(logits(step.model, PROMPTS[0]), logits(base, PROMPTS[0]),
                                rtol=0, atol=0)  # B starts at zero
-    trainable = {n for n, p in learner.model.named_parameters() if p.requires_grad}
+    trainable = {n for n, p in step.model.named_parameters() if p.requires_grad}
     assert trainable and all(lora.is_adapter_key(n) for n in trainable)
-    assert sum(len(g["params"]) for g in learner.optimizer.param_groups) == len(trainable)
+    assert sum(len(g["params"]) for g in step.optimizer.param_groups) == len(trainable)
     for u in range(2):
         learner.update([g for share in shares(u) for g in share], 0.0)
     learner.close()
-    state = learner.model.state_dict()
+    state = step.model.state_dict()
     for name, value in base.state_dict().items():
         assert torch.equal(state[name], value), f"{name} of the frozen base moved"
     assert all(state[n].abs().sum() > 0 for n in trainable if n.endswith("lora_B"))
-    assert not torch.allclose(logits(learner.model, PROMPTS[0]), logits(base, PROMPTS[0]))
+    assert not torch.allclose(logits(step.model, PROMPTS[0]), logits(base, PROMPTS[0]))
 
 
 @pytest.mark.parametrize("mode", ["merge", "layers"])
@@ -90,8 +93,8 @@ def test_an_actor_after_loading_an_adapter_generates_what_the_merged_model_does(
     learner = trained(model, tmp_path / "run", control)
     data = weights_path(tmp_path / "run", learner.version).read_bytes()
     adapter = AdapterMeta.from_metadata(file_metadata(data))
-    assert adapter == learner.adapter and adapter.base_sha256 == lora.base_digest(model)
-    full = sum(p.numel() for p in learner.model.parameters()) * 4
+    assert adapter == learner.step.adapter and adapter.base_sha256 == lora.base_digest(model)
+    full = sum(p.numel() for p in learner.step.model.parameters()) * 4
     assert len(data) < full / 5  # only the adapter travelled (a tiny model's share is big)
     actor = TransformersBackend(model, adapter_mode=mode)
     subscriber = WeightSubscriber(control, "actor-0")
@@ -198,7 +201,7 @@ def test_checkpoint_holds_the_adapter_and_resume_continues_exactly(model, tmp_pa
     assert resumed.resume() and resumed.updates == 2
     for each in (first, resumed):
         each.update([g for share in shares(0) for g in share], 0.0)
-    a, b = first.model.state_dict(), resumed.model.state_dict()
+    a, b = first.step.model.state_dict(), resumed.step.model.state_dict()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6, msg=key)
     first.close()
@@ -206,7 +209,7 @@ def test_checkpoint_holds_the_adapter_and_resume_continues_exactly(model, tmp_pa
     with pytest.raises(CheckpointError, match="rank"):
         lora_learner(model, tmp_path, control, lora_rank=8).resume()
     with pytest.raises(CheckpointError, match="full fine-tuning"):
-        Learner(learner_config(model), tmp_path, control, None).resume()
+        build_learner(learner_config(model), tmp_path, control, None).resume()
 
 
 def test_export_merged_loads_in_plain_transformers(model, tmp_path, control):
@@ -226,7 +229,7 @@ def test_export_merged_loads_in_plain_transformers(model, tmp_path, control):
     plain = AutoModelForCausalLM.from_pretrained(out)
     assert not any(lora.is_adapter_key(k) for k in plain.state_dict())
     for ids in PROMPTS:
-        torch.testing.assert_close(logits(plain, ids), logits(learner.model, ids),
+        torch.testing.assert_close(logits(plain, ids), logits(learner.step.model, ids),
                                    rtol=0, atol=1e-5)
     adapter_out = tmp_path / "adapter"
     result = CliRunner().invoke(main, ["export", "--run-dir", str(tmp_path), "--out",
@@ -241,13 +244,13 @@ def test_final_policy_merges_a_published_adapter(model, tmp_path, control):
     learner = trained(model, tmp_path, control)
     learner.close()
     plain = AutoModelForCausalLM.from_pretrained(final_policy(tmp_path, model))
-    torch.testing.assert_close(logits(plain, PROMPTS[1]), logits(learner.model, PROMPTS[1]),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits(plain, PROMPTS[1]),
+                               logits(learner.step.model, PROMPTS[1]), rtol=0, atol=1e-5)
 
 
 def test_kl_to_the_base_needs_no_reference_copy(model, tmp_path, control):
     learner = lora_learner(model, tmp_path, control, kl_coef=0.1)
-    assert learner.reference is None
+    assert learner.step.reference is None
     learner.update([g for share in shares(0) for g in share], 0.0)
     learner.update([g for share in shares(1) for g in share], 0.0)
     learner.close()
@@ -341,11 +344,11 @@ def test_merged_weights_stay_on_the_engines_device(model, tmp_path, control):
     weights: the merge happens on the weights' device. ``meta`` stands in for a GPU here; the
     CUDA test below is the real thing where a GPU is."""
     learner = trained(model, tmp_path / "run", control, updates=1)
-    state = learner.model.state_dict()
+    state = learner.step.model.state_dict()
     tensors = lora.adapter_state(state)
     base = {f"{m}.weight": torch.empty(state[f"{m}.weight"].shape, device="meta")
             for m in lora.adapted_modules(tensors)}
-    merged = lora.merged_weights(base, tensors, learner.adapter)
+    merged = lora.merged_weights(base, tensors, learner.step.adapter)
     assert merged.keys() == base.keys()
     assert all(w.device.type == "meta" and w.shape == base[n].shape for n, w in merged.items())
     learner.close()
@@ -375,7 +378,8 @@ def test_a_learner_on_cuda_takes_the_step_the_cpu_takes(model, tmp_path, control
     losses = {}
     for device in ("cpu", "cuda"):
         run_dir = tmp_path / device
-        learner = Learner(learner_config(model, device=device, **sets), run_dir, control, None)
+        learner = build_learner(learner_config(model, device=device, **sets), run_dir, control,
+                                None)
         before = state_of(learner)
         learner.update([g for share in shares(0) for g in share], 0.0)
         after = state_of(learner)
