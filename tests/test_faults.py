@@ -538,11 +538,11 @@ def test_a_wall_clock_jump_only_moves_the_judge_deadline(tmp_path, monkeypatch):
 
 
 def tiny_learner(model_path: str, run_dir: Path, control: ControlPlane):
-    from learner.learner import Learner
+    from autodidact.wiring import build_learner
 
     cfg = RunConfig()
     cfg.model.path = model_path
-    return Learner(cfg, run_dir, control, replay=None)
+    return build_learner(cfg, run_dir, control, replay=None)
 
 
 class CreatesAFile:
@@ -563,7 +563,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, control, file
     marker = tmp_path / "pwned"
     path = tmp_path / "checkpoints" / "latest.pt"
     path.parent.mkdir(parents=True)
-    good = learner.model.state_dict()
+    good = learner.step.model.state_dict()
     torch.save({"model": good, "optimizer": CreatesAFile(marker), "updates": 7}, path)
     refused = r"not a plain tensor checkpoint \(it asks to unpickle io\.open\)"
     with pytest.raises(CheckpointError, match=refused):

@@ -15,7 +15,7 @@ import pytest
 from helpers_replay import ServerProc, labels_for, make_group, push_all
 
 from protocol import codec
-from protocol.config import LearnerConfig, ReplayConfig
+from protocol.config import LearnerConfig, ReplayConfig, RunConfig
 from protocol.errors import SchemaError
 from protocol.messages import (
     MAX_BATCH_WAIT_S,
@@ -261,17 +261,19 @@ class _Slots:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_the_learner_draw_waits_on_replay_instead_of_polling(live, monkeypatch):
+def test_the_learner_draw_waits_on_replay_instead_of_polling(live, monkeypatch, tmp_path):
+    from autodidact.resolve import learner_settings
     from learner.learner import BATCH_WAIT_S, Learner
 
     _, client = live
     replay, actor = client(), client()
-    learner = Learner.__new__(Learner)  # the draw alone: no model
-    learner.cfg = LearnerConfig(batch_groups=3, max_staleness=2, advantage="grpo")
-    learner.judged, learner.judge_deadline_s = False, 0.0
-    learner.replay, learner.control, learner.learner_id = replay, _Slots(), "L"
-    learner.version, learner.updates, learner._stop = 10, 0, False
-    learner._consumed_ids = set()
+    cfg = RunConfig()
+    cfg.learner = LearnerConfig(batch_groups=3, max_staleness=2, advantage="grpo")
+    cfg.judge.deadline_s = 0.0
+    # The draw alone: no step (no model), no publisher.
+    learner = Learner(learner_settings(cfg), tmp_path, _Slots(), replay, step=None,
+                      publisher=None, learner_id="L")
+    learner.version = 10
     asked = []
     request = replay.request_batch
 
@@ -297,6 +299,7 @@ def test_the_learner_draw_waits_on_replay_instead_of_polling(live, monkeypatch):
     assert learner.control.freed == [1]
     assert asked and all(t == BATCH_WAIT_S for t in asked)
     assert replay.timeout_s > 0  # the client's own deadline is on top of the wait
+    learner.close()
 
 
 def test_the_client_waits_longer_than_the_server_holds(monkeypatch):
