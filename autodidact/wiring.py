@@ -71,10 +71,9 @@ def build_learner(cfg: RunConfig, run_dir: Path, control: ControlPlane, replay: 
                   max_updates: int | None = None, ranks=None, step=None):
     """The learner, training ``cfg``'s model (or taking ``step`` in place of the policy step);
     rank 0 alone publishes."""
-    from learner.step import PolicyStep
-
     from learner.distributed import SINGLE
     from learner.learner import Learner
+    from learner.step import PolicyStep
     from protocol.weights import WeightPublisher
 
     ranks = ranks or SINGLE
