@@ -66,7 +66,7 @@ def policy_loss(
     ``reduction="sum"`` returns the numerator of either mean (``Σ keep·ℓ``, or the sum of the
     rows' token-means) and adds ``denominator`` to the metrics (kept tokens, or rows with a
     kept token): what micro-batches and ranks sum before dividing once, when the whole batch's
-    count is known (learner/learner.py, ``Learner._step``). ``loss`` and ``pg_loss`` in the
+    count is known (learner/step.py, ``PolicyStep._step``). ``loss`` and ``pg_loss`` in the
     metrics are sums too then.
 
     Metrics (floats): ``loss``; ``pg_loss`` (the surrogate part); ``clip_fraction`` (kept tokens
