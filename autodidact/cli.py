@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from autodidact.ablation import ablation
+from autodidact.ablation_cli import ablation
 from autodidact.cli_common import (
     check_curve,
     check_model,

@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from autodidact.ablation import mean_std
+from autodidact.experiments.page import mean_std
 
 
 def successes(path: Path) -> dict[str, list[bool]]:

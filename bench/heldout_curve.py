@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autodidact.ablation import Records
+from autodidact.experiments.arms import Records
 from autodidact.heldout import curve
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import protocol.messages  # noqa: F401  (registers the message types)
-from autodidact.ablation import run_argv
+from autodidact.experiments.arms import run_argv
 from protocol import codec
 from replay.store import Store
 

@@ -21,13 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
-from autodidact.ablation import (
-    Result,
-    mean_std,
-    run_argv,
-    run_or_reuse,
-    verdict,
-)
+from autodidact.experiments.arms import Result, run_argv, run_or_reuse
+from autodidact.experiments.page import mean_std, verdict
 from protocol.config import load_config, read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,10 +13,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from autodidact.ablation import (
+from autodidact.ablation_cli import ablation, check_sets, parse_arms, parse_seeds, parse_versions
+from autodidact.experiments.arms import (
     ARMS,
-    BEGIN,
-    END,
     LLM_JUDGE_ARM,
     NOT_RUN,
     REFERENCE,
@@ -24,27 +23,26 @@ from autodidact.ablation import (
     Plan,
     Records,
     Result,
-    ablation,
     arm_settings,
     cell_stamp,
-    check_sets,
     lacks_curve,
-    mean_std,
-    paired_change,
-    parse_arms,
-    parse_seeds,
-    parse_versions,
     run_all,
     run_arm,
     run_name,
-    section,
     shared_sets,
     stale_records,
+    zero_shot,
+)
+from autodidact.experiments.page import (
+    BEGIN,
+    END,
+    mean_std,
+    paired_change,
+    section,
     summarize,
     table,
     verdict,
     write_doc,
-    zero_shot,
 )
 from metrics.jsonl import read_metrics
 
@@ -178,7 +176,7 @@ def test_a_record_stands_in_for_its_run_only_with_the_same_stamp(tmp_path):
 
 
 def test_a_narrower_call_keeps_the_records_of_the_cells_it_does_not_ask(tmp_path):
-    from autodidact.ablation import write_outputs
+    from autodidact.experiments.page import write_outputs
 
     doc = tmp_path / "abl.md"
     doc.with_suffix(".json").write_text(json.dumps({"runs": [
@@ -224,7 +222,7 @@ def test_records_are_run_again_for_their_curve_and_never_dropped_meanwhile(tmp_p
     """The order of work and what is published after each run, with runs faked: a recorded
     cell without the asked curve is run again and keeps its record until replaced; a
     re-made warm-start that evaluates otherwise sends the seed's other records back."""
-    import autodidact.ablation as abl
+    import autodidact.experiments.arms as abl
 
     warm, remade = {"avg": 0.3, "best": 0.5, "greedy": 0.3}, {"avg": 0.32, "best": 0.5,
                                                              "greedy": 0.3}
@@ -385,8 +383,6 @@ def test_nav_sets_reach_the_navigating_arms_alone():
 
 
 def test_the_section_names_the_shared_and_the_navigating_settings():
-    from autodidact.ablation import Budget
-
     results = [_result(REFERENCE, 0, 0.4), _result("full", 0, 0.45)]
     text = section(results, summarize(results, 4), 4, "autodidact ablation", "a.png",
                    Budget(15, ("eval.num_tasks=100",)), ["learner.lora_rank=16"],

@@ -2,7 +2,7 @@
 
 import json
 
-from autodidact.ablation import Result, run_argv
+from autodidact.experiments.arms import Result, run_argv
 from bench.run_seeds import run_seed, summarize, table
 from protocol.run_dir import RunDir
 

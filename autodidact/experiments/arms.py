@@ -1,4 +1,5 @@
-"""``autodidact ablation``: AgentEvolver's ablation table at our scale, on the built-in env.
+"""The ablation's arms and their runs (``autodidact ablation``, ``autodidact/ablation_cli.py``):
+AgentEvolver's ablation table at our scale, on the built-in env.
 
 Every arm trains only on synthetic (self-questioned) tasks and is scored on the env's held-out
 *original* tasks, from the same seeds and with the same update budget::
@@ -20,14 +21,14 @@ kept in ``OUT/warmstart/`` and linked into the others', which then skip that sta
 model it is most of a run's set-up), and take its held-out evaluations before RL instead of
 repeating them (``eval.before_rl=false``).
 
-After every run it writes the table (mean ± std over seeds of avg@k and best@k, and each arm's
-change against +questioning paired by seed) with a plot into the doc
-(``docs/results/ablation.md`` by default) between markers, keeping any text outside them, and
-every cell into the doc's json.
+After every run the table is written (``autodidact/experiments/page.py``): mean ± std over
+seeds of avg@k and best@k, and each arm's change against +questioning paired by seed, with a
+plot, into the doc (``docs/results/ablation.md`` by default) between markers, keeping any text
+outside them, and every cell into the doc's json.
 Committed beside the doc, that json is the record a fresh checkout goes on from (``Records``):
 run directories are git-ignored. With ``--curve-versions`` the reference and attributing arms
 also get held-out points at those weight versions (``autodidact/heldout.py``), recorded with the
-cell. At the end it overlays the seed-0 runs in ``OUT/report`` with ``autodidact report``.
+cell. At the end the seed-0 runs are overlaid in ``OUT/report`` with ``autodidact report``.
 """
 
 from __future__ import annotations
@@ -35,14 +36,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 
 import click
@@ -50,7 +49,7 @@ import click
 from autodidact.heldout import curve
 from protocol.run_dir import RunDir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: runs start from there
 
 K = 8  # episodes per held-out task by default: avg@K and best@K, as in AgentEvolver's
 
@@ -409,378 +408,10 @@ def zero_shot(results: list[Result], seed: int) -> Result:
     return Result("zero-shot", seed, None, base=bases[0], final=final)
 
 
-# --- the table -------------------------------------------------------------------------------
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    if not values:
-        return math.nan, math.nan
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-
-
-def paired_change(results: list[Result], arm: str, key: str = "avg") -> list[float]:
-    """``arm`` minus the reference arm on the same seed, for every seed both finished."""
-    ref = {r.seed: r.final[key] for r in results if r.arm == REFERENCE and key in r.final}
-    return [r.final[key] - ref[r.seed] for r in results
-            if r.arm == arm and key in r.final and r.seed in ref]
-
-
-def verdict(changes: list[float]) -> str:
-    """A plain reading of paired changes: a direction is claimed only when every seed agrees
-    and the mean change is larger than its spread."""
-    if len(changes) < 2:
-        return "too few seeds to say"
-    mean, std = mean_std(changes)
-    same_sign = all(c > 0 for c in changes) or all(c < 0 for c in changes)
-    if same_sign and abs(mean) > std:
-        return ("helps" if mean > 0 else "hurts") + f" on all {len(changes)} seeds"
-    return "no consistent effect"
-
-
-def summarize(results: list[Result], k: int) -> list[dict]:
-    """One row per arm: mean ± std over seeds, and the change against the reference arm."""
-    rows = []
-    for arm in dict.fromkeys(r.arm for r in results):
-        done = [r for r in results if r.arm == arm and r.final]
-        row = {"arm": arm, "seeds": len(done)}
-        for key in ("avg", "best", "greedy"):
-            row[key] = mean_std([r.final[key] for r in done if key in r.final])
-        row["warm"] = mean_std([r.warm["avg"] for r in done if "avg" in r.warm])
-        row["rl_gain"] = mean_std([r.final["avg"] - r.warm["avg"] for r in done
-                                   if "avg" in r.warm and "avg" in r.final])
-        row["updates"] = mean_std([float(r.updates) for r in done if r.run_dir])
-        row["minutes"] = mean_std([r.seconds / 60 for r in done if r.seconds])
-        if arm != REFERENCE and arm != "zero-shot":
-            changes = paired_change(results, arm)
-            row["change"] = mean_std(changes)
-            row["verdict"] = verdict(changes)
-        rows.append(row)
-    return rows
-
-
-def _pm(pair: tuple[float, float], scale: float = 100.0, spec: str = ".1f") -> str:
-    mean, std = pair
-    if math.isnan(mean):
-        return "–"
-    return f"{mean * scale:{spec}} ± {std * scale:{spec}}"
-
-
-def _signed(pair: tuple[float, float]) -> str:
-    mean, std = pair
-    return "–" if math.isnan(mean) else f"{mean * 100:+.1f} ± {std * 100:.1f}"
-
-
-def table(rows: list[dict], k: int) -> str:
-    """The markdown table: success in percent, mean ± std over seeds."""
-    lines = [f"| setting | seeds | avg@{k} | best@{k} | greedy | Δ avg@{k} vs {REFERENCE} "
-             f"(paired) | reading | after warm-start avg@{k} | RL gain (after RL − warm-start) "
-             "| RL updates | minutes per run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        trained = row["arm"] != "zero-shot"
-        lines.append(" | ".join([
-            f"| {row['arm']}", str(row["seeds"]), _pm(row["avg"]), _pm(row["best"]),
-            _pm(row["greedy"]), _signed(row["change"]) if "change" in row else "",
-            row.get("verdict", "reference" if row["arm"] == REFERENCE else ""),
-            _pm(row["warm"]) if trained else "",
-            _signed(row["rl_gain"]) if trained else "",
-            _pm(row["updates"], 1.0, ".0f") if trained else "",
-            _pm(row["minutes"], 1.0) if trained else ""]) + " |")
-    return "\n".join(lines)
-
-
-def per_seed_table(results: list[Result], k: int) -> str:
-    seeds = sorted({r.seed for r in results})
-    lines = ["| setting | " + " | ".join(f"seed {s} avg@{k} / best@{k}" for s in seeds) + " |",
-             "|---|" + "---|" * len(seeds)]
-    for arm in dict.fromkeys(r.arm for r in results):
-        cells = []
-        for s in seeds:
-            r = next((r for r in results if r.arm == arm and r.seed == s), None)
-            if r is None or not r.final:
-                cells.append(f"failed: {r.error}" if r and r.error and r.error != NOT_RUN
-                             else "–")
-            else:
-                cells.append(f"{r.final['avg']:.1%} / {r.final['best']:.1%}")
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-# --- the plot --------------------------------------------------------------------------------
-
-
-def plot(results: list[Result], rows: list[dict], k: int, path: Path) -> Path:
-    """Left: held-out avg@k and best@k per arm (bars: mean over seeds, whiskers: std, dots:
-    seeds). Right: avg@k before training, after the warm-start and after RL, per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arms = [row["arm"] for row in rows]
-    fig, (bars, stages) = plt.subplots(1, 2, figsize=(13, 4.8),
-                                       gridspec_kw={"width_ratios": [3, 2]})
-    width = 0.38
-    for offset, key, colour in ((-width / 2, "avg", "tab:blue"), (width / 2, "best", "tab:orange")):
-        means = [row[key][0] * 100 for row in rows]
-        stds = [row[key][1] * 100 for row in rows]
-        xs = [i + offset for i in range(len(arms))]
-        drawn = bars.bar(xs, means, width, yerr=stds, capsize=4, color=colour, alpha=0.75,
-                         label=f"{key}@{k}")
-        bars.bar_label(drawn, fmt="%.1f", fontsize=7, padding=2)
-        for x, arm in zip(xs, arms):
-            ys = [r.final[key] * 100 for r in results if r.arm == arm and key in r.final]
-            bars.scatter([x] * len(ys), ys, color="black", s=10, zorder=3)
-    bars.set_xticks(range(len(arms)), [a.replace("+", "\n+").strip() for a in arms], fontsize=8)
-    bars.set_ylabel("held-out success (%)")
-    bars.set_title("held-out original tasks, mean ± std over seeds (dots: seeds)")
-    bars.legend()
-    for arm in arms[1:] if arms and arms[0] == "zero-shot" else arms:
-        done = [r for r in results if r.arm == arm and r.final and r.warm]
-        if done:
-            ys = [mean_std([r.base.get("avg", math.nan) for r in done])[0] * 100,
-                  mean_std([r.warm["avg"] for r in done])[0] * 100,
-                  mean_std([r.final["avg"] for r in done])[0] * 100]
-            stages.plot([0, 1, 2], ys, marker="o", label=arm)
-    stages.set_xticks([0, 1, 2], ["zero-shot", "warm-start", "after RL"])
-    stages.set_ylabel(f"held-out avg@{k} (%)")
-    stages.set_title("where the gain comes from")
-    if stages.get_legend_handles_labels()[0]:  # nothing finished yet: no lines to name
-        stages.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-# --- the doc ---------------------------------------------------------------------------------
-
-BEGIN = "<!-- ablation:begin (written by `autodidact ablation`; text outside is kept) -->"
-END = "<!-- ablation:end -->"
-
-
-def section(results: list[Result], rows: list[dict], k: int, command: str, plot_name: str,
-            budget: Budget, sets: list[str], nav_sets: tuple[str, ...] = ()) -> str:
-    shared = shared_sets(k, budget, sets)
-    nav_text = f" The arms that navigate also: `{' '.join(nav_sets)}`." if nav_sets else ""
-    seeds = sorted({r.seed for r in results})
-    failed = [r for r in results if r.error and r.error != NOT_RUN]
-    pending = [r for r in results if r.error == NOT_RUN]
-    minutes = sum(r.seconds for r in results) / 60
-    lines = [
-        BEGIN, "",
-        f"Made by `{command}` on {date.today().isoformat()}: {len(seeds)} seed(s) "
-        f"({', '.join(map(str, seeds))}), {budget.updates} RL updates per run, "
-        f"{minutes:.0f} min of runs in all on {_machine()}, one run at a time.",
-        "",
-        "Every arm trains only on tasks the agent wrote itself (`tasks.synthetic_share=1.0`) "
-        "and is scored on the built-in env's held-out original tasks: success in percent, "
-        f"avg@{k} and best@{k} over {k} sampled episodes per task, greedy with temperature 0. "
-        f"Settings shared by every run: `{' '.join(shared)}`.{nav_text}",
-        "", table(rows, k), "",
-        f"The change against {REFERENCE} is paired by seed (the same seed builds the same base "
-        "model, explores the same way and evaluates the same tasks); the reading claims a "
-        "direction only when every seed agrees and the mean change exceeds its spread.",
-        "", "Per seed:", "", per_seed_table(results, k), "",
-        f"![ablation]({plot_name})", ""]
-    if failed:
-        lines += ["Runs that failed: " + "; ".join(f"{r.arm} seed {r.seed} ({r.error})"
-                                                    for r in failed), ""]
-    if pending:
-        lines += [f"Not run yet ({len(pending)} of {len(results)}; the same command without "
-                  "`--no-run` runs them): " + ", ".join(f"{r.arm} seed {r.seed}"
-                                                        for r in pending), ""]
-    return "\n".join([*lines, END])
-
-
-def _machine() -> str:
-    import os
-
-    return f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"
-
-
-def write_doc(doc: Path, body: str) -> None:
-    """Replace the generated section of ``doc`` (or create the doc), keeping the rest."""
-    old = doc.read_text() if doc.exists() else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + body + rest.split(END, 1)[1]
-    else:
-        new = (old.rstrip() + "\n\n" if old else "# Ablation\n\n") + body + "\n"
-    doc.write_text(new)
-
-
-# --- the command -----------------------------------------------------------------------------
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise click.BadParameter("give at least one seed, each once")
-    return seeds
-
-
 def controlled_keys() -> set[str]:
     """Config keys the ablation sets itself: what defines an arm, the score and the seed."""
     keys = {s.split("=", 1)[0] for arm_sets in ARMS.values() if arm_sets for s in arm_sets}
     return keys | {s.split("=", 1)[0] for s in common(K)} | {"seed", "name", "tracking.group"}
-
-
-def check_sets(sets: list[str]) -> None:
-    taken = sorted({s.split("=", 1)[0].strip() for s in sets} & controlled_keys())
-    if taken:
-        raise click.BadParameter(f"the ablation sets {', '.join(taken)} itself (they define "
-                                 "the arms, the score or the seeds)", param_hint="--set")
-
-
-def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
-    known = [*ARMS, LLM_JUDGE_ARM] if llm_judge else list(ARMS)
-    if not text:
-        return known
-    arms = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in known]
-    if unknown:
-        hint = f" ({LLM_JUDGE_ARM} needs --llm-judge MODEL)" if LLM_JUDGE_ARM in unknown else ""
-        raise click.BadParameter(f"unknown arm(s) {', '.join(unknown)}; choose from "
-                                 f"{', '.join(known)}{hint}")
-    return arms
-
-
-@click.command("ablation")
-@click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="Config every run starts from (default: embedded defaults).")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="Override one config value in every run (repeatable).")
-@click.option("--seeds", default=None, metavar="0,1,2",
-              help="Seeds, one run per arm each (default 0,1,2; --quick: 0).")
-@click.option("--arms", default=None, metavar="A,B",
-              help=f"Arms to run (default all: {', '.join(ARMS)}).")
-@click.option("--nav-set", "nav_sets", multiple=True, metavar="KEY=VALUE",
-              help="Override one config value in the arms that navigate only (repeatable): "
-                   "e.g. experience.min_similarity=0.5 where tasks rarely repeat.")
-@click.option("--llm-judge", default=None, metavar="MODEL",
-              help=f"Add the arm {LLM_JUDGE_ARM}: +attributing with MODEL (a local folder or "
-                   "packaged name) served by vllm serve as the step judge.")
-@click.option("--k", "k", type=click.IntRange(min=1), default=K, show_default=True,
-              help="Episodes per held-out task: the table's avg@k and best@k.")
-@click.option("--updates", type=int, default=None,
-              help=f"RL updates per run (default {DEFAULT_BUDGET.updates}; --quick "
-                   f"{QUICK_BUDGET.updates}).")
-@click.option("--quick", is_flag=True,
-              help="A smaller budget and one seed: within 10 minutes on 2 cores.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the runs go (default runs/ablation, --quick runs/ablation-quick).")
-@click.option("--doc", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Markdown file the table goes into, with the plot beside it (default "
-                   "docs/results/ablation.md; --quick: OUT/ablation.md).")
-@click.option("--curve-versions", default="", metavar="5,10",
-              help="Also evaluate these weight versions of the --curve-arms runs on the held-out "
-                   "tasks (needs weights.keep >= --updates): a learning curve per run, recorded "
-                   "in the doc's json for bench/heldout_curve.py --ablation.")
-@click.option("--curve-arms", default=None, metavar="A,B",
-              help=f"Arms whose runs get --curve-versions (default {REFERENCE} and the "
-                   "attributing arms: attribution's data efficiency).")
-@click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
-@click.option("--no-run", "no_run", is_flag=True,
-              help="Run nothing: write the table from the runs finished so far.")
-def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, out, doc,
-             curve_versions, curve_arms, fresh, no_run):
-    """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
-    held-out original tasks, and write it with a plot into docs/results/ablation.md.
-
-    \b
-    autodidact ablation                 3 seeds x 4 trained arms (about an hour on 2 cores)
-    autodidact ablation --quick         1 seed, small budget (under 10 minutes)
-    autodidact ablation --seeds 0,1,2,3,4 --updates 200 --out runs/abl-long
-
-    Finished cells are recorded in the doc's json (committed beside the doc), so the same
-    command on a fresh checkout goes on where the last one stopped.
-    """
-    budget = QUICK_BUDGET if quick else DEFAULT_BUDGET
-    if updates is not None:
-        if updates < 1:
-            raise click.BadParameter("must be at least 1", param_hint="--updates")
-        budget = Budget(updates, budget.sets)
-    seed_list = parse_seeds(seeds or ("0" if quick else "0,1,2"))
-    arm_list = parse_arms(arms, llm_judge)
-    check_sets([*sets, *nav_sets])
-    out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
-    doc = doc or (out / "ablation.md" if quick else Path("docs") / "results" / "ablation.md")
-    attributing = [a for a in arm_list if "attributing" in a]
-    plan = Plan(out, config, budget, list(sets), k, llm_judge, tuple(nav_sets), fresh,
-                Records(doc.with_suffix(".json")), parse_versions(curve_versions),
-                tuple(parse_arms(curve_arms, llm_judge) if curve_arms
-                      else [REFERENCE, *attributing]))
-    command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
-        else "autodidact ablation"
-
-    def publish(results: list[Result]) -> Path:
-        return write_outputs(results, plan, doc, command.strip())
-
-    results = run_all(arm_list, seed_list, plan, may_run=not no_run, publish=publish)
-    click.echo("\n" + table(summarize(results, k), k))
-    plot_path = publish(results)
-    overlay(results, out)
-    click.echo(f"table and plot written to {doc} and {plot_path}")
-    if any(r.error and r.error != NOT_RUN for r in results):
-        raise SystemExit(1)
-
-
-def parse_versions(text: str) -> tuple[int, ...]:
-    try:
-        versions = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}",
-                                 param_hint="--curve-versions") from None
-    if any(v < 1 for v in versions):
-        raise click.BadParameter("versions start at 1 (0 is the warm-start, always on the "
-                                 "curve)", param_hint="--curve-versions")
-    return versions
-
-
-def write_outputs(results: list[Result], plan: Plan, doc: Path, command: str) -> Path:
-    """The doc's generated section, its plot, and its json: the table's rows and every cell,
-    the records a later call reuses. Returns the plot's path."""
-    rows = summarize(results, plan.k)
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    plot_path = plot(results, rows, plan.k, doc.with_suffix(".png"))
-    write_doc(doc, section(results, rows, plan.k, command, plot_path.name, plan.budget,
-                           plan.sets, plan.nav_sets))
-    doc.with_suffix(".json").write_text(json.dumps(
-        {"budget": {"updates": plan.budget.updates,
-                    "sets": shared_sets(plan.k, plan.budget, plan.sets),
-                    "nav_sets": list(plan.nav_sets)},
-         "run_seconds": sum(r.seconds for r in results), "rows": _no_nan(rows),
-         "runs": [{**r.__dict__, "run_dir": _shown_path(r.run_dir)} for r in results],
-         "other_records": plan.records.others(results) if plan.records else []},
-        indent=1, default=str))
-    return plot_path
-
-
-def _no_nan(value):
-    """``value`` with NaN (a statistic of nothing) as None: JSON has no NaN."""
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_no_nan(v) for v in value]
-    return None if isinstance(value, float) and math.isnan(value) else value
-
-
-def _shown_path(path: Path | None) -> str | None:
-    """``path`` relative to the working directory when inside it (for a committed doc)."""
-    if path is None:
-        return None
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
 
 
 def run_all(arms: list[str], seeds: list[int], plan: Plan, may_run: bool = True,
@@ -842,16 +473,3 @@ def shown(results: list[Result], arms: list[str], seeds: list[int]) -> list[Resu
     """The asked arms' results, with zero-shot (read off each seed's runs) first if asked."""
     trained = [r for r in results if r.arm in arms]
     return [zero_shot(results, s) for s in seeds] + trained if "zero-shot" in arms else trained
-
-
-def overlay(results: list[Result], out: Path) -> None:
-    """``autodidact report`` of the first seed's runs, overlaid, in ``OUT/report``."""
-    from autodidact.report import make_report
-
-    first = min((r.seed for r in results), default=None)
-    runs = [r for r in results if r.seed == first and r.run_dir and r.final
-            and RunDir(r.run_dir).summary.exists()]  # a recorded cell's directory may be gone
-    if len(runs) < 1:
-        return
-    path = make_report([r.run_dir for r in runs], [r.arm for r in runs], out / "report")
-    click.echo(f"training curves of seed {first}, overlaid: {path / 'report.md'}")
