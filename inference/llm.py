@@ -56,8 +56,8 @@ class ChatModel(ABC):
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
 
-    def close(self) -> None:
-        """Release what the model holds (an engine); a remote endpoint holds nothing."""
+    def close(self) -> None:  # noqa: B027 - optional hook: a remote endpoint holds nothing
+        """Release what the model holds (an engine)."""
 
     @abstractmethod
     def complete(

@@ -49,11 +49,11 @@ class Navigator:
         self.rng = random.Random(seed)
         self.rewriter = rewriter  # a inference.llm.ChatModel, when experiences are rewritten
         self.rewrite_errors = 0
+        self._hits: list[int] = []
+        self._similarities: list[float] = []
 
     def close(self) -> None:
         self.pool.close()
-        self._hits: list[int] = []
-        self._similarities: list[float] = []
 
     def retrieve(self, task: Task) -> Guidance | None:
         hits = self.pool.retrieve(task.query, self.cfg.top_k, self.cfg.min_similarity,
