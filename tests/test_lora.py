@@ -300,7 +300,7 @@ def test_config_defaults_train_the_whole_model():
 
 
 def test_the_policy_judge_and_proposer_use_the_current_adapter(model, tmp_path, control):
-    from judge.judge_worker import make_judges
+    from autodidact.wiring import make_judges
     from questioning.factory import make_chat
 
     learner = trained(model, tmp_path, control)
