@@ -5,12 +5,17 @@ uses (autodidact.embedded_redis), so the fixture also exercises the embedded def
 
 Every process a test starts inherits ``AUTODIDACT_TEST_SESSION``; one still alive when the
 session ends (an orphaned role, a redis-server a timed-out test left) is killed and fails the
-session, by name.
+session, by name. Under pytest-xdist (``-n``) the workers take the controller's mark and the
+controller alone looks, once every worker has finished: each worker has its own session
+fixtures (redis-server, tmp dirs), so nothing here is shared between workers.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shutil
 import signal
 import time
 import uuid
@@ -29,10 +34,25 @@ os.environ["AUTODIDACT_TEST_SESSION"] = SESSION_MARK.partition("=")[2]
 OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
-def session_processes() -> dict[int, str]:
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist, in the controller: hand each worker this session's mark."""
+    node.workerinput["autodidact_test_session"] = SESSION_MARK
+
+
+def pytest_configure(config):
+    global SESSION_MARK
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller's mark, not its own
+        SESSION_MARK = config.workerinput["autodidact_test_session"]
+        os.environ["AUTODIDACT_TEST_SESSION"] = SESSION_MARK.partition("=")[2]
+
+
+def session_processes(workers: bool = False) -> dict[int, str]:
     """pid -> command line of every live process started under this session (not this one:
-    its own environment is the one it started with; not Python's helpers of this one)."""
-    found = {}
+    its own environment is the one it started with; not Python's helpers of this one; with
+    ``workers``, not this xdist controller's workers, its direct children, nor their helpers)."""
+    me = os.getpid()
+    found, parents = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -46,14 +66,28 @@ def session_processes() -> dict[int, str]:
                 parent = int(f.read().rpartition(")")[2].split()[1])
         except OSError:  # gone meanwhile, or a zombie
             continue
-        if not (parent == os.getpid() and any(h in cmd for h in OWN_HELPERS)):
-            found[int(entry)] = cmd
-    return found
+        found[int(entry)] = cmd
+        parents[int(entry)] = parent
+    own = {me} | ({pid for pid, parent in parents.items() if parent == me} if workers else set())
+    return {pid: cmd for pid, cmd in found.items()
+            if not (workers and parents[pid] == me)
+            and not (parents[pid] in own and any(h in cmd for h in OWN_HELPERS))}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with a test marked ``slow`` (whole runs, real processes) first, each module's
+    tests kept together and in order: pytest-xdist (``--dist loadfile``, scripts/test.sh)
+    hands modules to workers in this order, so no long one starts last."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller looks, after every worker has finished
+    workers = session.config.pluginmanager.hasplugin("dsession")  # an xdist controller
     deadline = time.monotonic() + 10  # processes told to stop a moment ago may still exit
-    while (survivors := session_processes()) and time.monotonic() < deadline:
+    while (survivors := session_processes(workers)) and time.monotonic() < deadline:
         time.sleep(0.2)
     if not survivors:
         return
@@ -66,6 +100,31 @@ def pytest_sessionfinish(session, exitstatus):
     print(f"\nFAILED: {len(survivors)} process(es) the tests started outlived the session "
           f"(killed now):\n{lines}")
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def made_once(tmp_path_factory, name: str, make) -> dict:
+    """``make(folder)``, a JSON-able dict, made once in this test session even across
+    pytest-xdist workers (each has its own session fixtures): the first worker to ask makes it
+    in a folder all of them share, under a file lock the others wait on, then read its result.
+    A failed ``make`` leaves nothing behind, so the next to ask tries again (and fails the
+    same way, in its own test)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's own temp dir, above every worker's
+    folder, done = base / f"made-{name}", base / f"made-{name}.json"
+    with open(base / f"made-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return json.loads(done.read_text())
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        try:
+            result = make(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        done.write_text(json.dumps(result))
+        return result
 
 
 @pytest.fixture(scope="session")
@@ -94,13 +153,17 @@ def embedder():
 
 @pytest.fixture(scope="session")
 def files_policy_path(tmp_path_factory) -> str:
-    """A tiny policy for the files env with the run's vocabulary (advice words, markers)."""
+    """A tiny policy for the files env with the run's vocabulary (advice words, markers), made
+    once for all workers (no test writes into it)."""
     from autodidact.base_model import policy_vocabulary
     from environments.files import FilesEnv
     from inference.tiny_model import make_tiny_model
 
-    words, special = policy_vocabulary(FilesEnv)
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", words, special))
+    def make(folder):
+        words, special = policy_vocabulary(FilesEnv)
+        return {"path": str(make_tiny_model(folder / "model", words, special))}
+
+    return made_once(tmp_path_factory, "files-policy", make)["path"]
 
 
 @pytest.fixture(scope="module")

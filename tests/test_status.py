@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import made_once
 
 from autodidact.status_cli import status
 from metrics.jsonl import read_metrics
@@ -38,11 +39,18 @@ _RUNS: dict[str, dict] = {}
 
 
 def tiny_run(tmp_path_factory) -> dict:
-    """The session's tiny job, run once: ``{"dir", "live", "live_text"}`` where ``live`` is
-    ``status --json`` taken while the learner was training."""
+    """The session's tiny job, run once (for every pytest-xdist worker too, see
+    conftest.made_once): ``{"dir", "live", "live_text"}`` where ``live`` is ``status --json``
+    taken while the learner was training."""
     if "run" not in _RUNS:
-        _RUNS["run"] = _run_and_watch(tmp_path_factory.mktemp("tiny_run"))
+        made = made_once(tmp_path_factory, "tiny_run", _run_in)
+        _RUNS["run"] = {**made, "dir": Path(made["dir"])}
     return _RUNS["run"]
+
+
+def _run_in(folder: Path) -> dict:
+    (run_dir := folder / "tiny_run").mkdir()
+    return _run_and_watch(run_dir)
 
 
 def _learner_updates(run_dir: Path) -> int:
@@ -85,7 +93,7 @@ def _run_and_watch(run_dir: Path) -> dict:
             proc.terminate()
             proc.wait(30)
         log.close()
-    return {"dir": run_dir, "live": live, "live_text": live_text}
+    return {"dir": str(run_dir), "live": live, "live_text": live_text}
 
 
 @pytest.fixture(scope="module")
