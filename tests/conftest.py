@@ -74,12 +74,44 @@ def session_processes(workers: bool = False) -> dict[int, str]:
             and not (parents[pid] in own and any(h in cmd for h in OWN_HELPERS))}
 
 
+# Modules whose tests start whole runs (a launcher, its roles and Redis: most of both cores for
+# a minute or more). Several at once on this 2-core machine each take twice as long or worse
+# and miss their deadlines, so under pytest-xdist they run in two chains, each one after
+# another on one worker (pytest_xdist_make_scheduler): the longest two modules first, beside
+# the other modules on the other worker, then the rest once those are done.
+WHOLE_RUNS_FIRST = frozenset({"test_ablation.py", "test_explore_integration.py"})
+WHOLE_RUNS_LAST = frozenset({
+    "test_bench_scale.py", "test_env_counter_example.py", "test_exactly_once.py",
+    "test_models.py", "test_netns.py", "test_orphans.py", "test_report.py",
+    "test_run_integration.py", "test_single_process.py", "test_status.py"})
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Modules with a test marked ``slow`` (whole runs, real processes) first, each module's
-    tests kept together and in order: pytest-xdist (``--dist loadfile``, scripts/test.sh)
-    hands modules to workers in this order, so no long one starts last."""
+    """Each module's tests kept together and in order; the modules in the order pytest-xdist
+    hands them out (no long one should start last): WHOLE_RUNS_FIRST, then those with a test
+    marked ``slow``, then the others, then WHOLE_RUNS_LAST."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    items.sort(key=lambda item: 0 if item.path.name in WHOLE_RUNS_FIRST else
+               3 if item.path.name in WHOLE_RUNS_LAST else 1 if item.path in slow else 2)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (scripts/test.sh): each module on one worker, so its module-scoped
+    run is made once; and WHOLE_RUNS_FIRST, and WHOLE_RUNS_LAST, each as one unit of work: its
+    modules one after another on one worker."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class WholeRunsInTurn(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            name = module.rpartition("/")[2]
+            return ("whole runs, first" if name in WHOLE_RUNS_FIRST else
+                    "whole runs, last" if name in WHOLE_RUNS_LAST else module)
+
+    return WholeRunsInTurn(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):
