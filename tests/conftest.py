@@ -75,31 +75,32 @@ def session_processes(workers: bool = False) -> dict[int, str]:
 
 
 # Modules whose tests start whole runs (a launcher, its roles and Redis: most of both cores for
-# a minute or more). Several at once on this 2-core machine each take twice as long or worse
-# and miss their deadlines, so under pytest-xdist they run in two chains, each one after
-# another on one worker (pytest_xdist_make_scheduler): the longest two modules first, beside
-# the other modules on the other worker, then the rest once those are done.
-WHOLE_RUNS_FIRST = frozenset({"test_ablation.py", "test_explore_integration.py"})
-WHOLE_RUNS_LAST = frozenset({
-    "test_bench_scale.py", "test_env_counter_example.py", "test_exactly_once.py",
-    "test_models.py", "test_netns.py", "test_orphans.py", "test_report.py",
-    "test_run_integration.py", "test_single_process.py", "test_status.py"})
+# a minute or more). Two of them at once on this 2-core machine each take twice as long or
+# worse and miss their deadlines, so under pytest-xdist they run one after another on one
+# worker (pytest_xdist_make_scheduler) while the other worker takes the other modules.
+# (Measured: this 19 min 16 s, all passing; two such chains at once about 22 min; three
+# workers handing out modules freely 20 min 52 s with three whole runs past their timeouts.)
+WHOLE_RUNS = frozenset({
+    "test_ablation.py", "test_bench_scale.py", "test_env_counter_example.py",
+    "test_exactly_once.py", "test_explore_integration.py", "test_models.py", "test_netns.py",
+    "test_orphans.py", "test_report.py", "test_run_integration.py", "test_single_process.py",
+    "test_status.py"})
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Each module's tests kept together and in order; the modules in the order pytest-xdist
-    hands them out (no long one should start last): WHOLE_RUNS_FIRST, then those with a test
-    marked ``slow``, then the others, then WHOLE_RUNS_LAST."""
+    """The whole-run modules first, then those with a test marked ``slow``, each module's tests
+    kept together and in order: pytest-xdist hands work to its workers in this order, so no
+    long module starts last."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: 0 if item.path.name in WHOLE_RUNS_FIRST else
-               3 if item.path.name in WHOLE_RUNS_LAST else 1 if item.path in slow else 2)
+    items.sort(key=lambda item: 0 if item.path.name in WHOLE_RUNS else
+               1 if item.path in slow else 2)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` (scripts/test.sh): each module on one worker, so its module-scoped
-    run is made once; and WHOLE_RUNS_FIRST, and WHOLE_RUNS_LAST, each as one unit of work: its
-    modules one after another on one worker."""
+    run is made once; and the WHOLE_RUNS modules together as one unit of work, one after
+    another on one worker."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -107,9 +108,7 @@ def pytest_xdist_make_scheduler(config, log):
     class WholeRunsInTurn(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
-            name = module.rpartition("/")[2]
-            return ("whole runs, first" if name in WHOLE_RUNS_FIRST else
-                    "whole runs, last" if name in WHOLE_RUNS_LAST else module)
+            return "whole runs" if module.rpartition("/")[2] in WHOLE_RUNS else module
 
     return WholeRunsInTurn(config, log)
 
