@@ -7,13 +7,13 @@ launch runs the same program on more machines.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from autodidact.ablation_cli import ablation
 from autodidact.cli_common import (
     check_curve,
     check_model,
@@ -27,23 +27,43 @@ from autodidact.cli_common import (
     setup_logging,
 )
 from autodidact.engine_env import ensure_engine
-from autodidact.eval_cli import eval_command
-from autodidact.export_cli import export
-from autodidact.keys_cli import keys
-from autodidact.llm_check import llm_check
-from autodidact.model_cli import model
-from autodidact.node_cli import node
-from autodidact.report import report
 from autodidact.resolve import Flags
-from autodidact.status_cli import status
 from autodidact.supervisor import exit_when_orphaned
-from autodidact.tasks_cli import tasks
 from protocol.config import RunConfig, to_dict
 from protocol.messages import REPLAY_ROLES
 from protocol.run_dir import RunDir, StoreDamaged, role_token
 
+# Commands defined in their own modules, imported when asked for: every role process starts
+# through this group, and the replay server, a judge or `autodidact status` need neither torch
+# nor transformers (importing every command took 2 CPU-seconds a process).
+LAZY_COMMANDS = {
+    "ablation": "autodidact.ablation_cli:ablation",
+    "eval": "autodidact.eval_cli:eval_command",
+    "export": "autodidact.export_cli:export",
+    "keys": "autodidact.keys_cli:keys",
+    "llm-check": "autodidact.llm_check:llm_check",
+    "model": "autodidact.model_cli:model",
+    "node": "autodidact.node_cli:node",
+    "report": "autodidact.report:report",
+    "status": "autodidact.status_cli:status",
+    "tasks": "autodidact.tasks_cli:tasks",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    """A group whose :data:`LAZY_COMMANDS` are imported on first use (help lists them all)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in LAZY_COMMANDS and name not in self.commands:
+            module, _, attr = LAZY_COMMANDS[name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
     """Autodidact: LLM agents that teach themselves in tool-using environments."""
@@ -288,11 +308,6 @@ def _explore_policy(cfg: RunConfig, run_dir: Path) -> str | None:
     from autodidact.base_model import prepare_model
 
     return prepare_model(cfg, run_dir)
-
-
-for command in (tasks, eval_command, keys, model, node, status, report, ablation, llm_check,
-                export):
-    main.add_command(command)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ import contextlib
 import logging
 from pathlib import Path
 
-import torch
-
 from autodidact.resolve import (
     actor_settings,
     experience_settings,
@@ -145,6 +143,8 @@ def build_experience(cfg: RunConfig, run_dir: Path, control: ControlPlane,
 
 
 def actor_process(cfg: RunConfig, run_dir: Path, actor_id: str) -> None:
+    import torch
+
     torch.set_num_threads(cfg.actor.torch_threads)
     with contextlib.closing(connect_control(cfg)) as control:
         replay = ReplayClient.for_run(cfg, role="actor", run_dir=run_dir)
@@ -188,6 +188,8 @@ def learner_process(cfg: RunConfig, run_dir: Path, max_updates: int | None = Non
     """One learner process; under ``torchrun`` (``WORLD_SIZE`` > 1) one rank of several. Rank 0
     holds the run directory's learner lock: a second learner would train the same groups and
     write the same checkpoint."""
+    import torch
+
     from learner.checkpoint import CheckpointError
     from learner.distributed import Ranks
 

@@ -20,11 +20,18 @@ import signal
 import time
 import uuid
 
-import pytest
-import redis
+# One OpenMP thread for every torch in the suite (this process, the runs it starts): tests run
+# two or three at once on two cores, and a process whose two threads wait on each other at
+# every op behind a busy core ran 5 to 8 times slower (a warm-start of 150 steps: 17 s alone,
+# 140 s beside a busy core; 40 s with one thread). Set before anything imports torch; a value
+# the caller exported wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from autodidact.embedded_redis import EmbeddedRedis
-from protocol.control import ControlPlane
+import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from autodidact.embedded_redis import EmbeddedRedis  # noqa: E402
+from protocol.control import ControlPlane  # noqa: E402
 
 SESSION_MARK = f"AUTODIDACT_TEST_SESSION={uuid.uuid4().hex}"
 os.environ["AUTODIDACT_TEST_SESSION"] = SESSION_MARK.partition("=")[2]

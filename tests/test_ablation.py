@@ -296,6 +296,10 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     # warm-start (experience.warmstart_share=0.5 by default), so it makes its own.
     attr = out / "questioning-attributing-s3"
     summaries = {d: json.loads((d / "summary.json").read_text()) for d in (ref, attr, full)}
+    # A run whose mixture needs synthetic tasks and whose store has none explores first
+    # (explore.stage=auto); a run that finds enough stored: tests/test_explore_integration.py.
+    for d in (ref, full):
+        assert summaries[d]["explore"]["tasks_stored"] > 0
     assert [summaries[d]["ablation_shared_warmstart"] for d in (ref, attr, full)] == \
         [False, True, False]
     weights = next((ref / "policy_init").glob("*.safetensors")).name

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -86,8 +87,14 @@ def test_tasks_list_and_export(explored, tmp_path):
     assert len(rows) >= 200 and all(r["reference"] for r in rows)
 
 
-def test_run_on_synthetic_tasks_only_learns_the_original_held_out_tasks(tmp_path):
+def test_run_on_synthetic_tasks_only_learns_the_original_held_out_tasks(explored, tmp_path):
+    """`autodidact explore`, then `autodidact run` in that run directory: the run trains on the
+    tasks already stored instead of exploring again (explore.stage=auto with at least
+    explore.min_tasks stored). A run that explores first: tests/test_ablation.py."""
     run_dir = tmp_path / "synth"
+    shutil.copytree(explored[0], run_dir)
+    with TaskStore(run_dir, readonly=True) as store:
+        stored = {t.task_id for t in store.all()}
     proc = subprocess.run(
         [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir), "-c",
          str(QUICK), "--set", "name=itest-synth", "--set", "tasks.synthetic_share=1.0",
@@ -98,10 +105,11 @@ def test_run_on_synthetic_tasks_only_learns_the_original_held_out_tasks(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["synthetic_share"] == 1.0
-    assert summary["explore"]["tasks_stored"] >= 200
-    # Every group the learner could train on rolled out a synthetic task.
+    assert len(stored) >= 200 and summary["explore"] is None  # reused, not explored again
+    # Every group the learner could train on rolled out a synthetic task, one of those stored.
     groups = stored_groups(run_dir)
     assert groups and all(g.task.source == "synthetic" for g in groups)
+    assert {g.task.task_id for g in groups} <= stored
     # Held-out tasks are the env's own: training on self-made tasks must transfer to them.
     base, final = summary["success_base"], summary["success_rl"]
     assert final["avg"] > base["avg"] + 0.03, (base, final)

@@ -24,19 +24,29 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
 
 
-def test_a_run_with_vllm_actors_trains_on_policy(tmp_path):
+def test_a_run_with_vllm_actors_and_a_served_judge_trains_on_policy_and_on_its_labels(tmp_path):
+    """One run for two things (each a whole run costs minutes on two cores): vLLM actors and
+    ``judge.serve``. The run starts ``vllm serve`` on SmolLM2 for the RL phase, the judge
+    labels every step through it (the format enforced by the server), the learner trains on
+    those labels, on-policy updates have importance weights of 1, and the server is gone when
+    the run ends (conftest fails a test whose processes outlive it)."""
     pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (scripts/test.sh)")
+    updates = 3
     args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(tmp_path),
             "-c", str(QUICK), "--set", "name=vllm-itest", "--set", "actor.backend=vllm",
             "--set", "actor.num_actors=1", "--set", "warmstart.steps=10",
             "--set", "eval.num_tasks=4", "--set", "eval.greedy=false",
-            "--set", "learner.max_updates=3",
-            "--set", "learner.batch_groups=4", "--set", "learner.max_minutes=4"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=540,
+            "--set", "judge.serve=smollm2-135m", "--set", "judge.workers=1",
+            "--set", "judge.deadline_s=120", "--set", "llm.structured_outputs=vllm",
+            "--set", "learner.advantage=composite", "--set", f"learner.max_updates={updates}",
+            "--set", "learner.batch_groups=2", "--set", "learner.max_minutes=6"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=560,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["learner"]["learner/updates"] >= 3
+    assert summary["learner"]["learner/updates"] >= updates
+
+    # vLLM actors: every update sampled by the learner's current weights is on-policy.
     steps = [r for r in read_metrics(tmp_path) if r.get("role") == "learner"
              and "learner/iw_mean" in r]
     on_policy = [r for r in steps if r["learner/lag_max"] == 0]  # sampled by these weights
@@ -47,24 +57,7 @@ def test_a_run_with_vllm_actors_trains_on_policy(tmp_path):
     actor_log = (tmp_path / "logs" / "actor-0.log").read_text()
     assert "vllm" in actor_log.lower()
 
-
-def test_a_run_serves_its_llm_judge_and_trains_on_its_labels(tmp_path):
-    """``judge.serve``: the run starts ``vllm serve`` on SmolLM2 for the RL phase, the judge
-    labels every step through it (the format enforced by the server), the learner trains on
-    those labels, and the server is gone when the run ends (conftest fails a test whose
-    processes outlive it)."""
-    pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (scripts/test.sh)")
-    args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(tmp_path),
-            "-c", str(QUICK), "--set", "name=judge-serve-itest",
-            "--set", "judge.serve=smollm2-135m", "--set", "judge.workers=1",
-            "--set", "judge.deadline_s=120", "--set", "llm.structured_outputs=vllm",
-            "--set", "learner.advantage=composite", "--set", "actor.num_actors=1",
-            "--set", "warmstart.steps=10", "--set", "eval.num_tasks=0",
-            "--set", "learner.max_updates=2", "--set", "learner.batch_groups=2",
-            "--set", "learner.max_minutes=6"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=560,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # judge.serve: the judge asked the served SmolLM2, the learner trained on its labels.
     assert "judge   vllm serve smollm2-135m at http://127.0.0.1:" in proc.stderr + proc.stdout
     replies = [json.loads(line) for line in
                (tmp_path / "llm" / "judge-0.jsonl").read_text().splitlines()]
@@ -72,6 +65,6 @@ def test_a_run_serves_its_llm_judge_and_trains_on_its_labels(tmp_path):
     judged = [r for r in read_metrics(tmp_path, "judge") if r.get("judge/requests_total")]
     assert judged, "the judge logged no LLM request"
     learner = [r for r in read_metrics(tmp_path, "learner") if "learner/loss" in r]
-    assert len(learner) == 2
+    assert len(learner) == updates
     assert sum(r["learner/labelled_groups"] for r in learner) >= 1  # trained on its labels
     assert "smollm2-135m" in (tmp_path / "logs" / "vllm-serve-judge.log").read_text()
