@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from inference.backends.constraint import ActionTrie
 
 MARKERS = ("<task>", "<obs>", "<act>", "<eoa>")
+TRIE_CACHE_SIZE = 1024  # action sets whose trie is kept (see Codec.constraint)
 EXPERIENCE_MARKERS = ("<exp>", "</exp>")  # optional: needed only to inject experience
 _SENTINEL = "\u2063AUTODIDACT-EXPERIENCE\u2063"  # where the experience block goes in a template
 _CONTENT = "\u2063AUTODIDACT-CONTENT\u2063"  # where untrusted text goes in a template
@@ -49,6 +50,10 @@ class Codec(abc.ABC):
         self.tokenizer = tokenizer
         self._cache: dict[str, list[int]] = {}
         self._cache_size = cache_size
+        # The rollouts of a group start from one state and often meet the same action set
+        # again: a trie is built once per set (building one per episode and turn was a fifth
+        # of a tiny-model actor's time). Tries are read-only once built, so they are shared.
+        self._tries: dict[tuple[str, ...], ActionTrie | None] = {}
         vocab = tokenizer.get_vocab()
         self.special = special_tokens(tokenizer)
         # Ids that structure a conversation; text from outside (queries, observations, advice)
@@ -93,8 +98,15 @@ class Codec(abc.ABC):
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
     def constraint(self, actions: Sequence[str]) -> ActionTrie | None:
+        key = tuple(actions)
+        if key in self._tries:
+            return self._tries[key]
         seqs = [ids for ids in (self.encode(a) for a in actions) if ids and self.eoa_id not in ids]
-        return ActionTrie.from_token_ids(seqs, self.eoa_id) if seqs else None
+        trie = ActionTrie.from_token_ids(seqs, self.eoa_id) if seqs else None
+        if len(self._tries) >= TRIE_CACHE_SIZE:
+            self._tries.clear()
+        self._tries[key] = trie
+        return trie
 
 
 class MarkerCodec(Codec):

@@ -81,33 +81,43 @@ def session_processes(workers: bool = False) -> dict[int, str]:
             and not (parents[pid] in own and any(h in cmd for h in OWN_HELPERS))}
 
 
-# Modules whose tests start whole runs (a launcher, its roles and Redis: most of both cores for
-# a minute or more). Two of them at once on this 2-core machine each take twice as long or
-# worse and miss their deadlines, so under pytest-xdist they run one after another on one
-# worker (pytest_xdist_make_scheduler) while the other worker takes the other modules.
-# (Measured: this 19 min 16 s, all passing; two such chains at once about 22 min; three
-# workers handing out modules freely 20 min 52 s with three whole runs past their timeouts.)
-WHOLE_RUNS = frozenset({
-    "test_ablation.py", "test_bench_scale.py", "test_env_counter_example.py",
-    "test_exactly_once.py", "test_explore_integration.py", "test_models.py", "test_netns.py",
-    "test_orphans.py", "test_report.py", "test_run_integration.py", "test_single_process.py",
-    "test_status.py"})
+# Modules whose tests start whole runs (a launcher, its roles and Redis: a minute or more of a
+# core each), in two chains of about equal length (their seconds in one suite run at a98974e:
+# beside each name). Under pytest-xdist each chain is one unit of work, its modules one after
+# another on one worker (pytest_xdist_make_scheduler): never more than two whole runs at once
+# on this 2-core machine, and both chains start first so neither ends last. (With two OpenMP
+# threads a process, before tests/conftest.py set one, two whole runs at once each took twice as
+# long or worse and missed their deadlines: one chain then, 19 min 16 s.)
+WHOLE_RUNS = {
+    "test_ablation.py": 0,  # 221 s
+    "test_single_process.py": 0,  # 75
+    "test_orphans.py": 0,  # 61
+    "test_bench_scale.py": 0,  # 55
+    "test_exactly_once.py": 0,  # 40
+    "test_env_counter_example.py": 0,  # 26
+    "test_explore_integration.py": 1,  # 200
+    "test_run_integration.py": 1,  # 137
+    "test_netns.py": 1,  # 63
+    "test_models.py": 1,  # 44
+    "test_report.py": 1,  # 34, with test_status.py's tiny run (made once, for both)
+    "test_status.py": 1,
+}
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The whole-run modules first, then those with a test marked ``slow``, each module's tests
-    kept together and in order: pytest-xdist hands work to its workers in this order, so no
-    long module starts last."""
+    """The whole-run modules first (chain by chain), then those with a test marked ``slow``,
+    each module's tests kept together and in order: pytest-xdist hands work to its workers in
+    this order, so no long module starts last."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: 0 if item.path.name in WHOLE_RUNS else
-               1 if item.path in slow else 2)
+    items.sort(key=lambda item: WHOLE_RUNS[item.path.name] if item.path.name in WHOLE_RUNS
+               else 2 if item.path in slow else 3)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` (scripts/test.sh): each module on one worker, so its module-scoped
-    run is made once; and the WHOLE_RUNS modules together as one unit of work, one after
-    another on one worker."""
+    run is made once; and each chain of WHOLE_RUNS modules as one unit of work, one module
+    after another on one worker."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -115,7 +125,8 @@ def pytest_xdist_make_scheduler(config, log):
     class WholeRunsInTurn(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
-            return "whole runs" if module.rpartition("/")[2] in WHOLE_RUNS else module
+            chain = WHOLE_RUNS.get(module.rpartition("/")[2])
+            return module if chain is None else f"whole runs {chain}"
 
     return WholeRunsInTurn(config, log)
 

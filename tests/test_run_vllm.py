@@ -31,11 +31,14 @@ def test_a_run_with_vllm_actors_and_a_served_judge_trains_on_policy_and_on_its_l
     those labels, on-policy updates have importance weights of 1, and the server is gone when
     the run ends (conftest fails a test whose processes outlive it)."""
     pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (scripts/test.sh)")
-    updates = 3
+    updates = 2
     args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(tmp_path),
             "-c", str(QUICK), "--set", "name=vllm-itest", "--set", "actor.backend=vllm",
-            "--set", "actor.num_actors=1", "--set", "warmstart.steps=10",
-            "--set", "eval.num_tasks=4", "--set", "eval.greedy=false",
+            # Groups of 4: the served judge labels every step of every rollout with SmolLM2 on
+            # the CPU, most of this run's time.
+            "--set", "actor.num_actors=1", "--set", "actor.group_size=4",
+            "--set", "warmstart.steps=10", "--set", "eval.num_tasks=4",
+            "--set", "eval.greedy=false",
             "--set", "judge.serve=smollm2-135m", "--set", "judge.workers=1",
             "--set", "judge.deadline_s=120", "--set", "llm.structured_outputs=vllm",
             "--set", "learner.advantage=composite", "--set", f"learner.max_updates={updates}",
