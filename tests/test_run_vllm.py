@@ -24,15 +24,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
 
 
-def test_a_run_with_vllm_actors_and_a_served_judge_trains_on_policy_and_on_its_labels(tmp_path):
-    """One run for two things (each a whole run costs minutes on two cores): vLLM actors and
-    ``judge.serve``. The run starts ``vllm serve`` on SmolLM2 for the RL phase, the judge
-    labels every step through it (the format enforced by the server), the learner trains on
-    those labels, on-policy updates have importance weights of 1, and the server is gone when
-    the run ends (conftest fails a test whose processes outlive it)."""
+UPDATES = 2
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One run for two things (each whole run costs minutes on two cores): vLLM actors and
+    ``judge.serve``, which starts ``vllm serve`` on SmolLM2 for the RL phase; the server is gone
+    when the run ends (conftest fails a session whose processes outlive it)."""
     pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (scripts/test.sh)")
-    updates = 2
-    args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(tmp_path),
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
             "-c", str(QUICK), "--set", "name=vllm-itest", "--set", "actor.backend=vllm",
             # Groups of 4: the served judge labels every step of every rollout with SmolLM2 on
             # the CPU, most of this run's time.
@@ -41,33 +43,40 @@ def test_a_run_with_vllm_actors_and_a_served_judge_trains_on_policy_and_on_its_l
             "--set", "eval.greedy=false",
             "--set", "judge.serve=smollm2-135m", "--set", "judge.workers=1",
             "--set", "judge.deadline_s=120", "--set", "llm.structured_outputs=vllm",
-            "--set", "learner.advantage=composite", "--set", f"learner.max_updates={updates}",
+            "--set", "learner.advantage=composite", "--set", f"learner.max_updates={UPDATES}",
             "--set", "learner.batch_groups=2", "--set", "learner.max_minutes=6"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=560,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["learner"]["learner/updates"] >= updates
+    return run_dir, proc
 
-    # vLLM actors: every update sampled by the learner's current weights is on-policy.
-    steps = [r for r in read_metrics(tmp_path) if r.get("role") == "learner"
+
+def test_a_run_with_vllm_actors_trains_on_policy(finished_run):
+    run_dir, _ = finished_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["learner"]["learner/updates"] >= UPDATES
+    steps = [r for r in read_metrics(run_dir) if r.get("role") == "learner"
              and "learner/iw_mean" in r]
     on_policy = [r for r in steps if r["learner/lag_max"] == 0]  # sampled by these weights
     assert on_policy and min(r["step"] for r in on_policy) == 1
     for record in on_policy:
         assert abs(record["learner/iw_mean"] - 1.0) < 1e-3, record
         assert abs(record["learner/kl_behaviour"]) < 1e-3, record
-    actor_log = (tmp_path / "logs" / "actor-0.log").read_text()
+    actor_log = (run_dir / "logs" / "actor-0.log").read_text()
     assert "vllm" in actor_log.lower()
 
-    # judge.serve: the judge asked the served SmolLM2, the learner trained on its labels.
+
+def test_a_run_serves_its_llm_judge_and_trains_on_its_labels(finished_run):
+    """The judge labels every step through the served SmolLM2 (the format enforced by the
+    server) and the learner trains on those labels."""
+    run_dir, proc = finished_run
     assert "judge   vllm serve smollm2-135m at http://127.0.0.1:" in proc.stderr + proc.stdout
     replies = [json.loads(line) for line in
-               (tmp_path / "llm" / "judge-0.jsonl").read_text().splitlines()]
+               (run_dir / "llm" / "judge-0.jsonl").read_text().splitlines()]
     assert replies and all("Step 1:" in json.dumps(r) for r in replies)
-    judged = [r for r in read_metrics(tmp_path, "judge") if r.get("judge/requests_total")]
+    judged = [r for r in read_metrics(run_dir, "judge") if r.get("judge/requests_total")]
     assert judged, "the judge logged no LLM request"
-    learner = [r for r in read_metrics(tmp_path, "learner") if "learner/loss" in r]
-    assert len(learner) == updates
+    learner = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
+    assert len(learner) == UPDATES
     assert sum(r["learner/labelled_groups"] for r in learner) >= 1  # trained on its labels
-    assert "smollm2-135m" in (tmp_path / "logs" / "vllm-serve-judge.log").read_text()
+    assert "smollm2-135m" in (run_dir / "logs" / "vllm-serve-judge.log").read_text()
