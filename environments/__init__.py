@@ -17,6 +17,7 @@ from environments.base import (
     ToolError,
     ToolSpec,
     check_env_options,
+    check_split,
     env_class,
     env_maker,
     env_names,
@@ -26,6 +27,7 @@ from environments.base import (
     register_env,
     verify_reference,
     verify_task,
+    world_split,
 )
 from environments.files import FilesEnv  # noqa: F401  (registers "files")
 from environments.shop import ShopEnv  # noqa: F401  (registers "shop")
@@ -43,6 +45,7 @@ __all__ = [
     "ToolError",
     "ToolSpec",
     "check_env_options",
+    "check_split",
     "env_class",
     "env_maker",
     "env_names",
@@ -52,4 +55,5 @@ __all__ = [
     "register_env",
     "verify_reference",
     "verify_task",
+    "world_split",
 ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from protocol.config import EnvConfig, coerce
 from protocol.errors import ConfigError
-from protocol.messages import Task
+from protocol.messages import SPLITS, Task
 
 MAX_ACTION_CHARS = 256  # longer text is rejected before tokenizing: bounds parser work
 MAX_OBS_WORDS = 40  # safety net on what step() returns; environments truncate sooner
@@ -329,7 +329,10 @@ class Environment(ABC):
 
     @abstractmethod
     def tasks(self, split: str) -> list[Task]:
-        """The environment's own tasks for ``"train"`` or ``"test"`` (held out)."""
+        """The environment's own tasks of ``split``: ``"train"`` (trained on and explored),
+        ``"validation"`` (held out; settings are chosen on it) or ``"test"`` (held out; looked
+        at once, when asked). Held-out splits should be whole worlds (seeds) no training task
+        uses (:func:`world_split` does it by seed); :func:`check_split` refuses other names."""
 
     @abstractmethod
     def candidate_actions(self) -> list[str]:
@@ -401,6 +404,25 @@ class Environment(ABC):
 
 
 VERIFY_REASONS = ("ok", "no_reference", "satisfied_at_start", "invalid_step", "goal_not_reached")
+
+
+SPLIT_PERIOD = 5  # of every 5 consecutive worlds: 3 train, 1 validation, 1 test
+
+
+def world_split(seed: int, period: int = SPLIT_PERIOD) -> str:
+    """The split of world ``seed`` when whole worlds are held out: of every ``period``
+    consecutive seeds the last is ``test``, the one before it ``validation``, the rest
+    ``train``. Adding worlds never moves an existing one to another split."""
+    position = seed % period
+    return "test" if position == period - 1 else "validation" if position == period - 2 \
+        else "train"
+
+
+def check_split(split: str) -> str:
+    """``split`` itself, or a ValueError naming the splits there are."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+    return split
 
 
 def described_only(goal) -> bool:

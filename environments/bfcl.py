@@ -43,10 +43,11 @@ from environments.base import (
     GoalPart,
     ToolCall,
     ToolSpec,
+    check_split,
     parse_action,
     register_env,
 )
-from protocol.messages import Task
+from protocol.messages import SPLITS, Task
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,17 @@ def _load() -> _Data:
 
 @functools.lru_cache(maxsize=1)
 def _splits() -> dict[str, str]:
-    """id -> "train" / "test": per category, ids by id shuffled with a fixed seed, halved."""
+    """id -> split: per category, ids shuffled with a fixed seed; the second half is test (as
+    it was before there was a validation split, so test numbers stay comparable), the first
+    half two thirds train and one third validation. Each entry is its own world."""
     data, out = _data(), {}
     for cat in CATEGORIES:
         ids = [i for i in data.order if data.category[i] == cat]
         random.Random(SPLIT_SEED).shuffle(ids)  # one rng per category: categories independent
         half = len(ids) // 2
-        out.update({i: "train" for i in ids[:half]})
+        train = half * 2 // 3
+        out.update({i: "train" for i in ids[:train]})
+        out.update({i: "validation" for i in ids[train:half]})
         out.update({i: "test" for i in ids[half:]})
     return out
 
@@ -157,7 +162,7 @@ def _splits() -> dict[str, str]:
 def split_ids() -> dict[str, list[str]]:
     """The entry ids of each split, in global (seed) order."""
     splits = _splits()
-    return {s: [i for i in _data().order if splits[i] == s] for s in ("train", "test")}
+    return {s: [i for i in _data().order if splits[i] == s] for s in SPLITS}
 
 
 def _turn_texts(entry: dict) -> list[str]:
@@ -804,8 +809,7 @@ class BFCLEnv(Environment):
     # -- tasks --
 
     def tasks(self, split: str) -> list[Task]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        check_split(split)
         return [t for t in _tasks(self.categories) if t.split == split]
 
     @classmethod

@@ -28,8 +28,10 @@ from environments.base import (
     ToolCall,
     ToolError,
     ToolSpec,
+    check_split,
     register_env,
     verify_reference,
+    world_split,
 )
 from protocol.messages import Task
 
@@ -46,8 +48,8 @@ CONTENT_WORDS = tuple(
 )
 UP, ROOT = "..", "/"
 MAX_LIST = 30  # entries/words shown by ls, cat and grep before "..."
-NUM_WORLDS = 40
-TEST_EVERY = 5  # one task (holdout="task") or one world (holdout="world") in 5 is held out
+NUM_WORLDS = 50  # 30 train, 10 validation, 10 test worlds under hold-out by world
+HOLDOUTS = ("world", "task")
 
 TOOLS = (
     ToolSpec(
@@ -223,7 +225,7 @@ class FilesEnv(Environment):
     valid world for synthetic tasks.
     """
 
-    def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "task"):
+    def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "world"):
         super().__init__()
         self.num_worlds = num_worlds
         self.holdout = holdout
@@ -278,8 +280,7 @@ class FilesEnv(Environment):
         return language.entities(state)
 
     def tasks(self, split: str) -> list[Task]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+        check_split(split)
         return [t for t in _cached_tasks(self.num_worlds, self.holdout) if t.split == split]
 
     @classmethod
@@ -750,11 +751,12 @@ TEMPLATES = {
 }
 
 
-def _held_out(seed: int, task_id: str, holdout: str) -> bool:
+def _split_of(seed: int, task_id: str, holdout: str) -> str:
     if holdout == "world":
-        return seed % TEST_EVERY == TEST_EVERY - 1
-    # "task": a stable 1-in-TEST_EVERY sample of tasks, their worlds shared with training tasks
-    return zlib.crc32(task_id.encode()) % TEST_EVERY == TEST_EVERY - 1
+        return world_split(seed)
+    # "task": a stable sample of tasks, their worlds shared with training tasks (kept to show
+    # what held-out tasks in seen worlds measure; decontamination matters most here)
+    return world_split(zlib.crc32(task_id.encode()))
 
 
 @functools.lru_cache(maxsize=8)
@@ -762,15 +764,15 @@ def _cached_tasks(num_worlds: int, holdout: str) -> tuple[Task, ...]:
     return tuple(build_tasks(num_worlds, holdout))
 
 
-def build_tasks(num_worlds: int = NUM_WORLDS, holdout: str = "task") -> list[Task]:
+def build_tasks(num_worlds: int = NUM_WORLDS, holdout: str = "world") -> list[Task]:
     """Every template over worlds ``0 .. num_worlds-1``, in a fixed order with stable ids.
 
-    ``holdout="world"``: test tasks live in worlds never seen in training (every 5th seed);
-    ``holdout="task"``: every 5th task (by a stable hash of its id) is held out, in the same
-    worlds as the training tasks.
+    ``holdout="world"``: validation and test tasks live in worlds no training task uses
+    (:func:`~environments.base.world_split` of the seed); ``holdout="task"``: the same shares
+    of tasks, drawn by a stable hash of the id, in the worlds of the training tasks.
     """
-    if holdout not in ("world", "task"):
-        raise ValueError(f"holdout must be 'world' or 'task', not {holdout!r}")
+    if holdout not in HOLDOUTS:
+        raise ValueError(f"holdout must be one of {', '.join(HOLDOUTS)}, not {holdout!r}")
     tasks = []
     for seed in range(num_worlds):
         for index, (name, template) in enumerate(TEMPLATES.items()):
@@ -780,7 +782,7 @@ def build_tasks(num_worlds: int = NUM_WORLDS, holdout: str = "task") -> list[Tas
                 continue
             query, reference, conditions = made
             task_id = f"files/{seed:04d}/{name}"
-            split = "test" if _held_out(seed, task_id, holdout) else "train"
+            split = _split_of(seed, task_id, holdout)
             tasks.append(
                 Task(
                     task_id=task_id,

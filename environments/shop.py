@@ -30,15 +30,16 @@ from environments.base import (
     ToolCall,
     ToolError,
     ToolSpec,
+    check_split,
     register_env,
+    world_split,
 )
 from protocol.messages import Task
 
 ITEMS = tuple("pipe valve bolt hose pump gear nut washer".split())
 ORDER_IDS = tuple(f"o{i}" for i in range(1, 13))
 MAX_QTY = 20
-NUM_WORLDS = 40
-TEST_EVERY = 5  # every 5th world's tasks are held out
+NUM_WORLDS = 50  # 30 train, 10 validation, 10 test worlds (environments.base.world_split)
 
 TOOLS = (
     ToolSpec("stock", "show the stock of every item or of one item",
@@ -266,6 +267,7 @@ class ShopEnv(Environment):
         return out
 
     def tasks(self, split: str) -> list[Task]:
+        check_split(split)
         return [t for t in _cached_tasks(self.num_worlds) if t.split == split]
 
     def candidate_actions(self) -> list[str]:
@@ -379,7 +381,8 @@ def _cached_tasks(num_worlds: int) -> tuple[Task, ...]:
 
 
 def build_tasks(num_worlds: int = NUM_WORLDS) -> list[Task]:
-    """Every template over worlds ``0 .. num_worlds-1``; every 5th world is held out."""
+    """Every template over worlds ``0 .. num_worlds-1``; whole worlds are held out for
+    validation and test (:func:`~environments.base.world_split`)."""
     tasks = []
     for seed in range(num_worlds):
         world = make_world(seed)
@@ -392,6 +395,6 @@ def build_tasks(num_worlds: int = NUM_WORLDS) -> list[Task]:
             tasks.append(Task(
                 task_id=f"shop/{seed:04d}/{name}", env="shop", query=query, seed=seed,
                 goal={"all": conditions}, reference=reference, source="original",
-                split="test" if seed % TEST_EVERY == TEST_EVERY - 1 else "train",
+                split=world_split(seed),
                 difficulty=float(len(reference)), meta={"template": name, "category": name}))
     return tasks

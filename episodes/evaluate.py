@@ -33,7 +33,7 @@ from protocol.messages import Task
 POLICIES = ("model", "ground-truth")
 
 
-def select_tasks(cfg: RunConfig, split: str = "test", limit: int = 0,
+def select_tasks(cfg: RunConfig, split: str = "validation", limit: int = 0,
                  env: Environment | None = None, per_category: int = 0) -> list[Task]:
     """The ``split`` tasks of the config's env (or of ``env``, one already made); with
     ``per_category``, the first that many of each category in an order shuffled with the seed
@@ -60,7 +60,7 @@ def task_category(task: Task) -> str:
     return task.meta.get("category", task.env)
 
 
-def evaluate_model(cfg: RunConfig, model_path: str, split: str = "test", k: int = 1,
+def evaluate_model(cfg: RunConfig, model_path: str, split: str = "validation", k: int = 1,
                    temperature: float = 0.0, *, limit: int = 0, tasks: list[Task] | None = None,
                    greedy: bool = False, policy: str = "model", batch_tasks: int = 64,
                    on_batch: Callable[[list[dict]], None] | None = None) -> dict:

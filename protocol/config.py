@@ -138,7 +138,8 @@ class EnvConfig:
 
     options: dict = field(default_factory=dict)
     """Keyword arguments for the environment's constructor (``files``: ``num_worlds``,
-    ``holdout`` = ``task`` or ``world``)."""
+    ``holdout`` = ``world``, the default: validation and test worlds unseen in training, or
+    ``task``: held-out tasks in training worlds)."""
 
     def check(self):
         _positive(self, "max_turns")
@@ -485,7 +486,8 @@ class WarmstartConfig:
 @dataclass
 class EvalConfig:
     num_tasks: int = 200
-    """Held-out tasks evaluated before and after RL (at most all of them; 0 = skip)."""
+    """Validation tasks evaluated before and after RL (at most all of them; 0 = skip); the
+    final test evaluation, when asked, uses the same number of test tasks."""
 
     k: int = 4
     """Sampled episodes per task: success is reported as avg@k and best@k."""
@@ -499,6 +501,11 @@ class EvalConfig:
     before_rl: bool = True
     """Evaluate the base model and the warm-started policy before RL too; false skips both
     (a run starting from a policy evaluated before: the ablation's shared warm-start)."""
+
+    final_test: bool = False
+    """After RL, evaluate the base, warm-started and final policies once on the env's test
+    split too (``autodidact run --final-test``). Off, a run never looks at test; the summary
+    records whether it did (``looked_at_test``)."""
 
     def check(self):
         if self.num_tasks < 0:

@@ -53,6 +53,10 @@ def _check_sha256(value: str, name: str) -> None:
 # --- tasks -------------------------------------------------------------------------------------
 
 
+SPLITS = ("train", "validation", "test")  # a task's split; the last two are held out
+HELD_OUT_SPLITS = ("validation", "test")
+
+
 @message("task")
 class Task:
     task_id: str  # stable id; many groups may roll out the same task
@@ -62,7 +66,9 @@ class Task:
     goal: dict = field(default_factory=dict)  # env-specific checkable condition on the state
     reference: list[str] = field(default_factory=list)  # verified reference actions, may be empty
     source: str = "original"  # "original" (the env's own) or "synthetic" (self-questioning)
-    split: str = "train"  # "train" or "test" (held out for evaluation)
+    # one of SPLITS: "train" (trained on), "validation" (held out, for choosing settings) or
+    # "test" (held out, looked at once); held-out splits are whole worlds unless an env says
+    split: str = "train"
     difficulty: float = 0.0  # estimate: steps, entities, dependent operations
     meta: dict = field(default_factory=dict)  # free-form provenance (explorer id, template...)
 

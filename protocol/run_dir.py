@@ -47,6 +47,11 @@ never by spelling a name itself, so the layout below is the whole contract::
         wandb/                      the offline wandb run; wandb/mirrored counts mirrored records
         eval/<env>-<split>-<policy>-k<k>.jsonl   autodidact eval: one line per task,
                                     and .summary.json beside it
+        eval/test_looks.jsonl       one line each time the run's policies were evaluated on
+                                    the test split (run --final-test, eval --split test)
+        eval/heldout-<split>-<stage>.jsonl  a run's own held-out evaluations (stage base,
+                                    warm or rl; split validation, or test when asked), one
+                                    line per task: what paired intervals are read from
         report/                     autodidact report's plots, report.md, series.json
         ablation-argv.json          the command an ablation arm ran (autodidact ablation)
 
@@ -291,6 +296,16 @@ class RunDir:
         name (Windows and some shells refuse or misread it)."""
         parts = (_file_safe(p) for p in (env, split, policy))
         return self.eval / ("-".join(parts) + f"-k{k}.jsonl")
+
+    def heldout_records(self, split: str, stage: str) -> Path:
+        """Per-task records of the run's own evaluation of ``stage`` ("base", "warm",
+        "rl") on ``split`` ("validation", or "test" when the run was asked to look)."""
+        return self.eval / f"heldout-{split}-{stage}.jsonl"
+
+    @property
+    def test_looks(self) -> Path:
+        """Every evaluation on the test split made for this run: who, when, which model."""
+        return self.eval / "test_looks.jsonl"
 
     @property
     def report(self) -> Path:

@@ -23,12 +23,12 @@ pytest.importorskip("bfcl_eval")
 from environments import make_env, verify_task  # noqa: E402
 from environments.base import ARG_TYPES  # noqa: E402
 from environments.bfcl import CATEGORIES, BFCLEnv, _data, split_ids  # noqa: E402
-from protocol.messages import Task  # noqa: E402
+from protocol.messages import SPLITS, Task  # noqa: E402
 from questioning.explorer import Explorer, ExploreSettings, seed_tasks  # noqa: E402
 from questioning.synthesis import HindsightSynthesizer, Preferences  # noqa: E402
 
 ENV = BFCLEnv()
-ALL_TASKS = ENV.tasks("train") + ENV.tasks("test")
+ALL_TASKS = [t for split in SPLITS for t in ENV.tasks(split)]
 BY_ID = {t.task_id: t for t in ALL_TASKS}
 BASE0 = BY_ID["multi_turn_base_0"]  # TwitterAPI + GorillaFileSystem; workspace/document/...
 MISS0 = BY_ID["multi_turn_miss_func_0"]  # ``sort`` is held out until turn 3
@@ -285,22 +285,28 @@ def test_positional_and_keyword_arguments_are_the_same_call():
 # --- 6. the split -------------------------------------------------------------------------------
 
 
-def test_split_is_half_per_category_deterministic_and_disjoint():
-    train, test = BFCLEnv().tasks("train"), BFCLEnv().tasks("test")
-    per = Counter((t.meta["category"], t.split) for t in train + test)
-    assert per == {(c, s): 100 for c in CATEGORIES for s in ("train", "test")}
+def test_split_is_half_test_per_category_deterministic_and_disjoint():
+    env = BFCLEnv()
+    train, validation, test = (env.tasks(s) for s in ("train", "validation", "test"))
+    per = Counter((t.meta["category"], t.split) for t in train + validation + test)
+    sizes = {"train": 66, "validation": 34, "test": 100}
+    assert per == {(c, s): n for c in CATEGORIES for s, n in sizes.items()}
     ids = split_ids()
     assert ids == split_ids()
     assert [t.task_id for t in train] == ids["train"] and [t.task_id for t in test] == ids["test"]
+    assert [t.task_id for t in validation] == ids["validation"]
     assert not set(ids["train"]) & set(ids["test"])
-    assert sorted(t.seed for t in train + test) == list(range(800))
+    assert not (set(ids["train"]) | set(ids["test"])) & set(ids["validation"])
+    assert sorted(t.seed for t in train + validation + test) == list(range(800))
     again = BFCLEnv(categories=list(reversed(CATEGORIES)))  # option order changes nothing
     assert [(t.task_id, t.seed) for t in again.tasks("train")] == [
         (t.task_id, t.seed) for t in train]
     # pinned: a change of the split would silently move tasks between train and test
     assert ids["train"][:3] == ["multi_turn_base_0", "multi_turn_base_2", "multi_turn_base_3"]
-    digest = hashlib.sha256(" ".join(ids["train"]).encode()).hexdigest()[:16]
-    assert digest == "5ab8d9a2d6f237be"
+    digests = {s: hashlib.sha256(" ".join(ids[s]).encode()).hexdigest()[:16] for s in ids}
+    # the test half is the one published results were measured on before validation existed
+    assert digests == {"train": "9e7ee8241f418908", "validation": "0b489701ab6fed5a",
+                       "test": "acc8e204e259f8e7"}
     base_only = BFCLEnv(categories=["multi_turn_base"])
     assert {t.meta["category"] for t in base_only.tasks("test")} == {"multi_turn_base"}
     assert {t.seed for t in base_only.tasks("test")} <= set(range(200))

@@ -24,7 +24,7 @@ from environments import (
     verify_reference,
 )
 from environments.files import build_tasks, goal_holds, make_world
-from protocol.messages import Task
+from protocol.messages import HELD_OUT_SPLITS, SPLITS, Task
 
 VOCAB = set(FilesEnv.vocabulary())
 ALL_TASKS = build_tasks()
@@ -327,20 +327,19 @@ def test_goal_from_states_relabels_what_changed():
 @pytest.mark.parametrize("holdout", ["task", "world"])
 def test_task_set_size_ids_and_splits(holdout):
     env = FilesEnv(holdout=holdout)
-    train, test = env.tasks("train"), env.tasks("test")
-    ids = [t.task_id for t in train + test]
-    assert len(ids) >= 500 and len(set(ids)) == len(ids)
-    assert train and test and not {t.task_id for t in train} & {t.task_id for t in test}
-    shared_worlds = {t.seed for t in train} & {t.seed for t in test}
-    assert bool(shared_worlds) == (holdout == "task")  # "world": test worlds are unseen
-    assert 0.15 < len(test) / len(ids) < 0.25
-    assert all(
-        t.env == "files" and t.split == s
-        for s, ts in (("train", train), ("test", test))
-        for t in ts
-    )
-    assert FilesEnv(holdout=holdout).tasks("train") == train  # stable across constructions
-    assert len({(t.seed, t.query) for t in train + test}) == len(ids)
+    by_split = {s: env.tasks(s) for s in SPLITS}
+    every = [t for ts in by_split.values() for t in ts]
+    ids = [t.task_id for t in every]
+    assert len(ids) >= 500 and len(set(ids)) == len(ids)  # the three splits are disjoint
+    train_worlds = {t.seed for t in by_split["train"]}
+    for split in HELD_OUT_SPLITS:
+        held = by_split[split]
+        assert 0.15 < len(held) / len(ids) < 0.25
+        # "world" (the default): held-out worlds are unseen in training
+        assert bool(train_worlds & {t.seed for t in held}) == (holdout == "task")
+    assert all(t.env == "files" and t.split == s for s, ts in by_split.items() for t in ts)
+    assert FilesEnv(holdout=holdout).tasks("train") == by_split["train"]  # stable
+    assert len({(t.seed, t.query) for t in every}) == len(ids)
     with pytest.raises(ValueError):
         env.tasks("valid")
 

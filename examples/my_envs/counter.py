@@ -73,9 +73,11 @@ class Counter(Environment):
     def tasks(self, split):
         if split == "train":
             return []  # no training tasks: self-questioning makes them, in seed 0's world only
-        return [Task(f"c/test/{s}", "counter", "make counter b2 4", s,
+        # held out: worlds (seeds) no training task or exploration uses
+        seeds = {"validation": range(15, 20), "test": range(20, 25)}[split]
+        return [Task(f"c/{split}/{s}", "counter", "make counter b2 4", s,
                      goal={"all": [["b2", 4]]}, reference=["new b2", "add b2 4"],
-                     split="test") for s in range(20, 25)]
+                     split=split) for s in seeds]
 
     def candidate_actions(self):
         free = [n for n in NAMES if n not in self.counters]
