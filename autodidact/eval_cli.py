@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from autodidact.engine_env import ensure_engine
 from autodidact.resolve import Flags
 from autodidact.stages import write_split
 from inference.models import model_folder
+from metrics.intervals import format_rate, rate_interval
 from protocol.config import RunConfig
 from protocol.run_dir import RunDir
 
@@ -122,12 +124,27 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     if todo:
         evaluate_model(cfg, model_path, split, k=k, temperature=temperature, tasks=todo,
                        policy=policy, batch_tasks=batch_tasks, on_batch=on_batch)
-    result = summarize(kept + new)
     summary = {**settings, "complete": True, "seconds": time.monotonic() - t0,
-               "kept_from_before": len(kept),
-               **{key: v for key, v in result.items() if key != "per_task"}}
+               "kept_from_before": len(kept), **with_intervals(summarize(kept + new))}
     results.finish(summary)
     return summary
+
+
+def with_intervals(result: dict) -> dict:
+    """:func:`episodes.evaluate.summarize`'s result without its per-task records, and with
+    95% intervals beside avg@k and best@k, overall and per category."""
+    records = result["per_task"]
+    categories = {name: {**stats, **intervals([r for r in records if r["category"] == name])}
+                  for name, stats in result["categories"].items()}
+    return {**{key: v for key, v in result.items() if key != "per_task"}, **intervals(records),
+            "categories": categories}
+
+
+def intervals(records: list[dict]) -> dict:
+    """``avg_ci``: avg@k's interval over tasks and their k samples; ``best_ci``: best@k's over
+    tasks (:mod:`metrics.intervals`)."""
+    return {"avg_ci": list(rate_interval([r["rewards"] for r in records])),
+            "best_ci": list(rate_interval([[r["best"]] for r in records]))}
 
 
 class EvalResults:
@@ -190,16 +207,18 @@ class EvalResults:
 
 
 def render_table(summary: dict) -> str:
+    """avg@k with its 95% interval, best@k and the valid-action rate, per category and
+    overall."""
     k = summary["k"]
-    rows = [(name, s["tasks"], s["avg"], s["best"], s.get("valid_action_rate", 0.0))
-            for name, s in summary["categories"].items()]
-    rows.append(("overall", summary["tasks"], summary["avg"], summary["best"],
-                 summary.get("valid_action_rate", 0.0)))
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'category':<{width}}  {'tasks':>5}  {f'avg@{k}':>7}  {f'best@{k}':>7}  "
-             f"{'valid actions':>13}"]
-    lines += [f"{name:<{width}}  {n:>5}  {avg:>7.1%}  {best:>7.1%}  {valid:>13.1%}"
-              for name, n, avg, best, valid in rows]
+    rows = [(name, s) for name, s in summary["categories"].items()] + [("overall", summary)]
+    width = max(len(name) for name, _ in rows)
+    avg_width = len("100.0% (95% 100.0–100.0)")
+    lines = [f"{'category':<{width}}  {'tasks':>5}  {f'avg@{k} (95% interval)':>{avg_width}}  "
+             f"{f'best@{k}':>7}  {'valid actions':>13}"]
+    lines += [f"{name:<{width}}  {s['tasks']:>5}  "
+              f"{format_rate(s['avg'], s.get('avg_ci', (math.nan, math.nan))):>{avg_width}}  "
+              f"{s['best']:>7.1%}  {s.get('valid_action_rate', 0.0):>13.1%}"
+              for name, s in rows]
     return "\n".join(lines)
 
 

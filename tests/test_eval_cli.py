@@ -25,6 +25,8 @@ def test_ground_truth_policy_scores_everything(tmp_path, files_policy_path):
     assert "overall" in result.output and "100.0%" in result.output
     summary = json.loads(out.with_suffix(".summary.json").read_text())
     assert summary["avg"] == summary["best"] == 1.0 and summary["k"] == 2
+    assert summary["avg_ci"] == summary["best_ci"] == [1.0, 1.0]  # nothing left to vary
+    assert all(c["avg_ci"] == [1.0, 1.0] for c in summary["categories"].values())
     assert summary["valid_action_rate"] == 1.0  # every reference action is a tool call
     assert sum(r["valid_steps"] for r in records) == sum(r["total_steps"] for r in records) > 0
     split = json.loads((tmp_path / "split.json").read_text())
@@ -86,6 +88,28 @@ def test_results_land_batch_by_batch_and_resume_runs_only_the_missing_tasks(
                                         "--temperature", "0.5"])
     assert refused.exit_code == 1 and "temperature" in refused.output
     assert "drop --resume" in refused.output and out.read_text() == before
+
+
+def test_the_summary_and_table_carry_intervals_overall_and_per_category():
+    from autodidact.eval_cli import render_table, with_intervals
+    from episodes.evaluate import summarize
+
+    records = [{"task_id": f"{c}{i}", "category": c, "rewards": r, "avg": sum(r) / 2,
+                "best": float(any(r))}
+               for c, r in [("a", [1.0, 1.0]), ("a", [0.0, 0.0]), ("b", [1.0, 0.0])]
+               for i in range(2)]
+    summary = {"k": 2, **with_intervals(summarize(records))}
+    assert "per_task" not in summary
+    low, high = summary["avg_ci"]
+    assert low < summary["avg"] == 0.5 < high
+    assert summary["categories"]["a"]["avg_ci"] == [0.0, 1.0]  # two solved, two failed tasks
+    b_low, b_high = summary["categories"]["b"]["avg_ci"]  # [1, 0] twice: only samples vary
+    assert b_low < 0.5 < b_high and summary["categories"]["b"]["best_ci"] == [1.0, 1.0]
+    lines = render_table(summary).splitlines()
+    assert "avg@2 (95% interval)" in lines[0]
+    assert lines[1].split()[:3] == ["a", "4", "50.0%"] and "(95% 0.0–100.0)" in lines[1]
+    assert lines[3].startswith("overall") and f"(95% {100 * low:.1f}–{100 * high:.1f})" \
+        in lines[3]
 
 
 def test_bad_k_is_a_usage_error(tmp_path):
