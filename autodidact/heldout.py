@@ -7,6 +7,11 @@ eval`` on the run's own held-out tasks (its config: the same tasks, k and temper
 run's evaluations), kept in ``RUN/heldout_curve.json`` so a second call evaluates only what is
 missing. Version 0 and the last version are the run's own evaluations after warm-start and after
 RL (``summary.json``).
+
+The per-task records of held-out evaluations (one JSON line per task with ``task_id`` and the
+k ``rewards``: ``autodidact eval --out`` and a run's own ``eval/heldout-<split>-<stage>.jsonl``)
+are read here too (:func:`read_records`, :func:`run_records`): paired intervals
+(``metrics/intervals.py``) are taken from them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,35 @@ from protocol.config import load_config
 from protocol.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+STAGES = ("base", "warm", "rl")  # a run's own held-out evaluations, in the order they happen
+
+
+def read_records(path: Path) -> dict[str, list[float]]:
+    """``{task_id: rewards}`` from a file of per-task records; ValueError naming the file and
+    line of anything else (a summary passed instead, a line cut short)."""
+    rows = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows[row["task_id"]] = [float(r) for r in row["rewards"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: not a per-task record of a held-out evaluation "
+                             f"({exc}); pass the .jsonl, not its summary") from None
+    if not rows:
+        raise ValueError(f"{path}: no per-task records")
+    return rows
+
+
+def run_records(run_dir: Path, split: str) -> dict[str, dict[str, list[float]]]:
+    """The run's own held-out evaluations on ``split`` that kept per-task records, by stage
+    (``base``, ``warm``, ``rl``; a run made before records were kept has none)."""
+    rd = RunDir(run_dir)
+    return {stage: read_records(rd.heldout_records(split, stage)) for stage in STAGES
+            if rd.heldout_records(split, stage).exists()}
 
 
 def run_points(run_dir: Path) -> dict[int, float]:

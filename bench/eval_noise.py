@@ -7,8 +7,12 @@ For each file: avg@k, its standard error across tasks (what another draw of task
 and its sampling standard error alone (what another draw of episodes on the same tasks would
 give: the binomial variance of k samples per task). For a pair evaluated on the same tasks,
 as the ablation's arms of one seed are: the difference B - A, its paired standard error across
-tasks, and its sampling standard error. A difference within about two paired standard errors
-of zero is not a measured effect.
+tasks, and its sampling standard error.
+
+Beside the standard errors, each number's 95% interval from ``metrics/intervals.py``: avg@k's
+bootstrap over tasks and their samples, and the paired bootstrap of B - A (the same task draw
+for both), with the label read off it ("helps", "hurts", "no change"). A difference whose
+paired interval holds zero is not a measured effect.
 """
 
 from __future__ import annotations
@@ -19,23 +23,23 @@ import math
 from pathlib import Path
 
 from autodidact.experiments.page import mean_std
+from autodidact.heldout import read_records
+from metrics.intervals import (
+    effect_label,
+    format_diff,
+    format_rate,
+    paired_interval,
+    rate_interval,
+)
 
 
 def successes(path: Path) -> dict[str, list[bool]]:
     """``{task_id: [solved?] * k}`` from an ``autodidact eval`` per-task JSONL."""
-    rows = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            rows[row["task_id"]] = [r >= 1.0 for r in row["rewards"]]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"{path}:{n}: not a per-task record of `autodidact eval --out` "
-                             f"({exc}); pass the .jsonl it wrote, not its summary") from None
-    if not rows:
-        raise SystemExit(f"{path}: no per-task records")
-    return rows
+    try:
+        rows = read_records(path)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    return {task: [r >= 1.0 for r in rewards] for task, rewards in rows.items()}
 
 
 def _sampling_var(solved: list[bool]) -> float:
@@ -51,34 +55,39 @@ def noise(rows: dict[str, list[bool]]) -> dict:
     avg, sd = mean_std(rates)
     n = len(rates)
     return {"tasks": n, "k": len(next(iter(rows.values()))), "avg": avg,
+            "ci": list(rate_interval(list(rows.values()))),
             "se_tasks": sd / math.sqrt(n),
             "se_sampling": math.sqrt(sum(_sampling_var(s) for s in rows.values())) / n}
 
 
 def paired(a: dict[str, list[bool]], b: dict[str, list[bool]]) -> dict:
-    """B - A on the tasks both evaluated: the difference, its standard error across tasks
-    (paired by task) and its sampling standard error (the two evaluations' samples apart)."""
+    """B - A on the tasks both evaluated: the difference with its paired 95% interval and the
+    label read off it, its standard error across tasks (paired by task) and its sampling
+    standard error (the two evaluations' samples apart)."""
+    try:
+        interval = paired_interval(a, b)
+    except ValueError as exc:
+        raise SystemExit(f"{exc}: evaluate both with the same config (seed, "
+                         "eval.num_tasks) so they draw the same tasks") from None
     common = sorted(set(a) & set(b))
-    if not common:
-        raise SystemExit("the two evaluations share no task: evaluate both with the same "
-                         "config (seed, eval.num_tasks) so they draw the same tasks")
     diffs = [sum(b[t]) / len(b[t]) - sum(a[t]) / len(a[t]) for t in common]
-    diff, sd = mean_std(diffs)
     n = len(common)
     sampling = sum(_sampling_var(a[t]) + _sampling_var(b[t]) for t in common)
-    return {"tasks": n, "diff": diff, "se_paired": sd / math.sqrt(n),
+    return {"tasks": n, "diff": interval["diff"], "ci": [interval["low"], interval["high"]],
+            "label": effect_label(interval["low"], interval["high"]),
+            "se_paired": mean_std(diffs)[1] / math.sqrt(n),
             "se_sampling": math.sqrt(sampling) / n,
             "tasks_that_differ": sum(d != 0 for d in diffs)}
 
 
 def show(name: str, stats: dict) -> str:
     if "diff" in stats:
-        return (f"{name}: B - A {100 * stats['diff']:+.2f} points on {stats['tasks']} tasks "
-                f"({stats['tasks_that_differ']} differ); paired s.e. "
+        return (f"{name}: B - A {format_diff(stats['diff'], stats['ci'])} on {stats['tasks']} "
+                f"tasks ({stats['tasks_that_differ']} differ): {stats['label']}; paired s.e. "
                 f"{100 * stats['se_paired']:.2f}, sampling s.e. {100 * stats['se_sampling']:.2f}")
-    return (f"{name}: avg@{stats['k']} {100 * stats['avg']:.2f}% on {stats['tasks']} tasks; "
-            f"s.e. across tasks {100 * stats['se_tasks']:.2f}, sampling s.e. "
-            f"{100 * stats['se_sampling']:.2f} points")
+    return (f"{name}: avg@{stats['k']} {format_rate(stats['avg'], stats['ci'])} on "
+            f"{stats['tasks']} tasks; s.e. across tasks {100 * stats['se_tasks']:.2f}, sampling "
+            f"s.e. {100 * stats['se_sampling']:.2f} points")
 
 
 def main() -> None:
