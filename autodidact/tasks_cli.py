@@ -1,4 +1,5 @@
-"""``autodidact tasks ...``: inspect, export and re-verify the synthesized tasks of a run.
+"""``autodidact tasks ...``: inspect, count, export, re-verify and check for held-out tasks in
+disguise the synthesized tasks of a run.
 
 Every command opens ``<run-dir>/tasks.lmdb`` read-only, so it is safe while the explorer is
 still writing to it.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -154,6 +156,13 @@ def _verify_one(task: Task, cfg, run_env, env_class, verify_task) -> str:
     return "ok" if ok else reason
 
 
+def _run_config(config, sets, run_dir):
+    """The config -c names, else the run's own config.yaml (which env, with which options,
+    made its tasks), else the defaults; ``--set`` on top."""
+    run_config = RunDir(run_dir).config
+    return load(config or (str(run_config) if run_config.exists() else None), sets)
+
+
 @tasks.command("verify")
 @config_option
 @set_option("env.options.KEY=VALUE")  # the env's own options, whichever env made the tasks
@@ -165,8 +174,7 @@ def verify(config, sets, run_dir):
     (a plugin module included, imported here) and with which options the tasks were made.
     Exits 1 when any task fails.
     """
-    run_config = RunDir(run_dir).config
-    cfg = load(config or (str(run_config) if run_config.exists() else None), sets)
+    cfg = _run_config(config, sets, run_dir)
     stored = _read_all(run_dir)
     env_class, verify_task = _verifier()
     try:
@@ -185,3 +193,87 @@ def verify(config, sets, run_dir):
         click.echo(f"  {reason}: {len(ids)} ({', '.join(ids[:SHOW_FAILED])}{more})")
     if failed:
         sys.exit(1)
+
+
+# --- stats -------------------------------------------------------------------------------------
+
+
+def _counts(counter: Counter, order=None) -> str:
+    keys = sorted(counter, key=order) if order else sorted(counter, key=lambda k: -counter[k])
+    return ", ".join(f"{k} {counter[k]}" for k in keys) or "none"
+
+
+@tasks.command("stats")
+@run_dir_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead.")
+def stats(run_dir, as_json):
+    """How many tasks are stored, in how many worlds, by method and by steps; and how many
+    candidates explore refused, by reason (duplicate, contaminated, ...: the explore report,
+    explore/coverage.json)."""
+    from questioning.coverage import read_refused
+
+    stored = _read_all(run_dir)
+    refused = read_refused(run_dir)
+    report = {"tasks": len(stored), "worlds": len({t.seed for t in stored}),
+              "methods": dict(Counter(str(t.meta.get("method", "")) for t in stored)),
+              "steps": dict(sorted(Counter(len(t.reference) for t in stored).items())),
+              "refused": refused}
+    if as_json:
+        click.echo(_json(report))
+        return
+    click.echo(f"{report['tasks']} tasks in {report['worlds']} worlds")
+    click.echo(f"  by method: {_counts(Counter(report['methods']))}")
+    click.echo(f"  by steps:  {_counts(Counter(report['steps']), order=int)}")
+    if refused is None:
+        click.echo(f"refused at synthesis: not recorded ({RunDir(run_dir).coverage} is "
+                   "missing or older than the counts; explore again to record them)")
+    else:
+        click.echo(f"refused at synthesis: {_counts(Counter(refused))}")
+
+
+# --- check-contamination -----------------------------------------------------------------------
+
+
+def _heldout_index(cfg):
+    """The held-out tasks of the env ``cfg`` names, indexed (questioning/decontamination.py)."""
+    from environments.base import env_maker
+    from questioning.decontamination import HeldOutIndex
+
+    try:
+        env = env_maker(cfg.env)()  # imports a plugin module, which registers its env
+    except (KeyError, ImportError, TypeError) as exc:
+        raise click.ClickException(f"env.name={cfg.env.name}: {exc}") from None
+    try:
+        return HeldOutIndex.of_env(env)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@tasks.command("check-contamination")
+@config_option
+@set_option("env.options.KEY=VALUE")
+@run_dir_option
+def check_contamination(config, sets, run_dir):
+    """Look for held-out tasks in disguise among the stored ones: in the same world (seed),
+    the same query, or goals one of which contains the other (docs/questioning.md).
+
+    Held out are the validation and test tasks of the env the run's own config.yaml names
+    (or -c). Prints one line per overlap (stored task, held-out task, split, why) and exits 1
+    when there is any.
+    """
+    from protocol.messages import HELD_OUT_SPLITS
+
+    cfg = _run_config(config, sets, run_dir)
+    stored = _read_all(run_dir)
+    index = _heldout_index(cfg)
+    found = [(task, index.find(task)) for task in stored]
+    overlaps = [(task, o) for task, o in found if o is not None]
+    for task, o in overlaps:
+        click.echo(f"{task.task_id}  {o.heldout_id}  {o.split}  {o.why}")
+    checked = (f"{len(stored)} stored tasks against {index.size} held-out tasks "
+               f"({', '.join(HELD_OUT_SPLITS)}) of {cfg.env.name}")
+    if overlaps:
+        click.echo(f"{len(overlaps)} of {checked} overlap one; explore into a fresh run "
+                   "directory, which refuses them (reason contaminated)")
+        sys.exit(1)
+    click.echo(f"checked {checked}: no overlap")

@@ -4,17 +4,21 @@ Per tool: how many calls succeeded during exploration and what share of the stor
 it in their reference. Per argument: how many distinct values were tried, and per argument
 type the same summed. A tool no stored task uses, or an argument never given a value, is a
 *gap*; the explorer favours tools by how few stored tasks use them, gaps most
-(``SchemaSampler.task_share``).
+(``SchemaSampler.task_share``). The saved report also counts the candidates synthesis refused,
+by reason (``refused``: ``duplicate``, ``contaminated``, ``goal_not_reached`` ...), summed over
+every explore of the run directory.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from environments.base import ToolSpec
 from protocol.messages import Task
+from protocol.run_dir import RunDir
 
 _TOOL_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")  # "mv a b" and "mod.f(x=1)" alike
 
@@ -48,6 +52,19 @@ def coverage(tools: Sequence[ToolSpec], ok_calls: Mapping[str, int],
             "values_by_type": dict(per_type),
             "gaps": {"tools": [name for name in per_tool if not uses.get(name)],
                      "args": [name for name, n_values in per_arg.items() if not n_values]}}
+
+
+def read_refused(run_dir) -> dict[str, int] | None:
+    """The candidates explore refused by reason, as its report (``explore/coverage.json``)
+    keeps them; None when there is no report or it predates the counts."""
+    try:
+        report = json.loads(RunDir(run_dir).coverage.read_text())
+    except (OSError, ValueError):  # no explore yet, or a report cut short
+        return None
+    refused = report.get("refused") if isinstance(report, dict) else None
+    if not isinstance(refused, dict):
+        return None
+    return {k: v for k, v in refused.items() if isinstance(v, int)}
 
 
 def render(report: dict) -> str:

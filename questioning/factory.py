@@ -20,8 +20,9 @@ from environments.base import env_class, env_maker, verify_task
 from protocol.config import RunConfig
 from protocol.messages import Task
 from protocol.run_dir import RunDir
-from questioning.coverage import coverage, tools_used
+from questioning.coverage import coverage, read_refused, tools_used
 from questioning.coverage import render as render_coverage
+from questioning.decontamination import CONTAMINATED, HeldOutIndex
 from questioning.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
 from questioning.profile import ProfileBuilder, build_profile, render_toc, save_json
 from questioning.synthesis import (
@@ -132,7 +133,8 @@ class TaskFactory:
             exploration = explorer.explore(seed)                 -> explorations.jsonl
             profile.add(exploration)
             candidates = hindsight(exploration) + llm(exploration, tasks of this seed)
-            keep, best first: verified in a fresh env, within the preferences, not a duplicate
+            keep, best first: verified in a fresh env, within the preferences, no held-out
+            task in disguise (decontamination.py), not a duplicate
             store.put_many(keep); redis synthetic pool += keep
             explorer favours tools few stored tasks use, gaps above all (coverage)
         save profile.json and coverage.json; log explore/... metrics
@@ -155,6 +157,8 @@ class TaskFactory:
             self._index(task)
         past = read_explorations(self.run_dir)
         self.profile = ProfileBuilder(self.make_env())
+        self.heldout = HeldOutIndex.of_env(self.profile.env)
+        self.refused_before = Counter(read_refused(self.run_dir) or {})
         self.next_index: Counter = Counter()
         for exp in past:
             self.profile.add(exp)
@@ -198,7 +202,7 @@ class TaskFactory:
                     self._progress(t0, done_rounds, i + 1)
             done_rounds += 1
         save_json(self.profile.to_dict(), profile_path(self.run_dir))
-        save_json(self.coverage(), RunDir(self.run_dir).coverage)
+        save_json({**self.coverage(), "refused": self.refused()}, RunDir(self.run_dir).coverage)
         return self.summary(time.monotonic() - t0)
 
     def coverage(self) -> dict:
@@ -207,6 +211,13 @@ class TaskFactory:
         stored = sum(map(len, self.by_seed.values()))
         return coverage(self.profile.env.tools(), sampler.tool_ok, sampler.drafter.tried,
                         self.tool_uses, stored)
+
+    def refused(self) -> dict[str, int]:
+        """Candidates refused by reason, over every explore of this run directory (the
+        explore report keeps them: a resumed explore adds to what the last one counted)."""
+        now = Counter({k.removeprefix("rejected_"): v for k, v in self.counts.items()
+                       if k.startswith("rejected_")})
+        return dict(sorted((self.refused_before + now).items()))
 
     def _probe_policy(self) -> None:
         """Ask the policy for ``explore.probe_calls`` actions on the first seed before any
@@ -272,6 +283,9 @@ class TaskFactory:
             if not self.prefs.accepts(task):
                 self.counts["rejected_preferences"] += 1
                 continue
+            if self._contaminated(task):
+                self.counts[f"rejected_{CONTAMINATED}"] += 1
+                continue
             if task.meta.get("method") == "llm" and self.cfg.explore.llm_verify and not \
                     llm_solves(self.chat, self.make_env, task, self.toc(), self.cfg.env.max_turns):
                 self.counts["rejected_llm_unsolved"] += 1
@@ -287,12 +301,20 @@ class TaskFactory:
             kept.append(task)
         return kept
 
+    def _contaminated(self, task: Task) -> bool:
+        """Whether ``task`` is a held-out task in disguise (questioning/decontamination.py)."""
+        found = self.heldout.find(task)
+        if found is not None:
+            log.debug("refused %s (%r): %s of held-out %s", task.task_id, task.query,
+                      found.why, found.heldout_id)
+        return found is not None
+
     def summary(self, seconds: float) -> dict:
         stats = {**self.counts, **self.explorer.counts}
         for source in (self.hindsight.stats, getattr(self.llm_synth, "stats", {})):
             stats.update({f"synth_{k}": v for k, v in source.items()})
         return {"seconds": seconds, "tasks_stored": self.store.count(), **stats,
-                "coverage": self.coverage()}
+                "refused": self.refused(), "coverage": self.coverage()}
 
     def _progress(self, t0: float, done_rounds: int, seeds_done: int) -> None:
         elapsed = time.monotonic() - t0
@@ -334,7 +356,9 @@ def run_explore(cfg: RunConfig, run_dir: Path, rounds: int | None = None,
             chat.backend.close()
     say(f"explore: {summary['tasks_stored']} tasks stored (+{summary.get('tasks', 0)} in "
         f"{summary['seconds']:.1f}s); profile in {profile_path(run_dir)}")
-    say(render_coverage(summary["coverage"]) + f"\n  (in {RunDir(run_dir).coverage})")
+    refused = ", ".join(f"{reason} {n}" for reason, n in summary["refused"].items())
+    say(render_coverage(summary["coverage"]) + f"\n  candidates refused: {refused or 'none'}"
+        f"\n  (in {RunDir(run_dir).coverage})")
     return summary
 
 
