@@ -547,6 +547,7 @@ def test_task_factory_end_to_end_and_resume(tmp_path, control):
         factory = TaskFactory(cfg, tmp_path, store, control=control, say=said.append)
         summary = factory.run(rounds=1)
         first = store.all()
+    seeds = [t.seed for t in seed_tasks(FilesEnv(), 5)]  # training worlds: not 0..4
     assert summary["tasks_stored"] == len(first) > 0
     assert summary["explorations"] == 5 * n
     assert said and "5 seeds" in said[0]
@@ -559,7 +560,7 @@ def test_task_factory_end_to_end_and_resume(tmp_path, control):
     profile = json.loads(profile_path(tmp_path).read_text())
     assert profile["explorations"] == 5 * n
     ids = [e.exploration_id for e in read_explorations(tmp_path)]
-    assert sorted(ids) == sorted(f"{s}/{i}" for s in range(5) for i in range(n))
+    assert sorted(ids) == sorted(f"{s}/{i}" for s in seeds for i in range(n))
 
     with TaskStore(tmp_path) as store:  # reopened by a second factory: it resumes
         again = TaskFactory(cfg, tmp_path, store, control=control, say=said.append)
@@ -571,7 +572,7 @@ def test_task_factory_end_to_end_and_resume(tmp_path, control):
         second = store.all()
     ids = [e.exploration_id for e in read_explorations(tmp_path)]
     assert len(ids) == len(set(ids)) == 10 * n
-    assert set(ids) == {f"{s}/{i}" for s in range(5) for i in range(2 * n)}
+    assert set(ids) == {f"{s}/{i}" for s in seeds for i in range(2 * n)}
     assert [t.task_id for t in second[:len(first)]] == [t.task_id for t in first]
     assert len({t.task_id for t in second}) == len(second)
     assert len({(t.seed, goal_key(t.goal)) for t in second}) == len(second)
