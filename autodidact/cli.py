@@ -79,12 +79,17 @@ def main(verbose: bool) -> None:
 @click.option("--redis-url", default=None, help="Use this Redis; none is started.")
 @click.option("--max-updates", type=int, default=None, help="Stop after this many learner updates.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in the run dir.")
+@click.option("--final-test", is_flag=True,
+              help="After RL, evaluate the base, warm-start and final policies once on the "
+                   "test split (eval.final_test); without it the run looks at validation only.")
 @click.option("--single-process", is_flag=True,
               help="Replay, one actor, the judge, the experience extractor and the learner as "
                    "threads of this process (the same classes; Redis stays a server): the "
                    "loop to read and step through in a debugger.")
-def run(config, run_dir, sets, redis_url, max_updates, resume, single_process):
+def run(config, run_dir, sets, redis_url, max_updates, resume, final_test, single_process):
     """Run the whole job on one machine: Redis, replay, actors, learner."""
+    if final_test:
+        sets = (*sets, "eval.final_test=true")
     cfg, path = load_run(config, sets, run_dir,
                          Flags(redis_url=redis_url, redis_prefix=True, local_services=True),
                          make=False)

@@ -23,10 +23,11 @@ from autodidact.base_model import prepare_model
 from autodidact.cli_common import check_model, config_option, load_run, set_option
 from autodidact.engine_env import ensure_engine
 from autodidact.resolve import Flags
-from autodidact.stages import write_split
+from autodidact.stages import record_test_look, write_split
 from inference.models import model_folder
 from metrics.intervals import format_rate, rate_interval
 from protocol.config import RunConfig
+from protocol.messages import SPLITS
 from protocol.run_dir import RunDir
 
 
@@ -36,7 +37,9 @@ from protocol.run_dir import RunDir
 @click.option("--env", "env_name", default=None,
               help="Environment (default: the config's env.name). Without -c, the env's own "
                    "rollout limits apply (bfcl: long contexts and actions).")
-@click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True)
+@click.option("--split", type=click.Choice(SPLITS), default="validation", show_default=True,
+              help="validation: where settings are chosen; test: look once, at the end (the "
+                   "look is recorded in the run directory's eval/test_looks.jsonl).")
 @click.option("--model", "model_path", default=None,
               help="Local Hugging Face model folder, or a named model (smollm2-135m) "
                    "(default: the run's model.path, else its tiny model, made from the env's "
@@ -127,6 +130,8 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     summary = {**settings, "complete": True, "seconds": time.monotonic() - t0,
                "kept_from_before": len(kept), **with_intervals(summarize(kept + new))}
     results.finish(summary)
+    if split == "test":
+        record_test_look(run_dir, "autodidact eval --split test", model_path)
     return summary
 
 

@@ -147,8 +147,10 @@ def _train_and_finish(cfg: RunConfig, run_dir: Path, coordinator: Coordinator,
         summary["failed_roles"] = failed
         # Each one's own reason, quoted from its log: the run's output says why, not only who.
         summary["failure_reasons"] = {name: roles.failure(name) for name in failed}
-        summary.pop("success_rl", None)  # an earlier run's, when this one was a resume
-        summary.update(after_training(cfg, run_dir, learner_finished=not failed))
+        for key in ("success_rl", "test"):  # an earlier run's, when this one was a resume
+            summary.pop(key, None)
+        summary.update(after_training(cfg, run_dir, learner_finished=not failed,
+                                      base=start.base))
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2, default=str))
     finally:
         mirror.close(summary)  # after the final evaluation, so wandb's summary has it

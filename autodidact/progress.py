@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autodidact.tracking import WandbMirror
+from metrics.intervals import format_rate
 from metrics.jsonl import MetricsTail, MetricsWriter
 from protocol.config import RunConfig
 from protocol.errors import RemoteError, TransportTimeout
@@ -129,9 +130,17 @@ class Reporter:
 
 
 def print_summary(summary: dict) -> None:
-    def pct(stage, key="avg"):
-        v = (summary.get(f"success_{stage}") or {}).get(key)
-        return "n/a" if v is None else f"{v:.1%}"
+    def pct(results, stage, key="avg"):
+        v = ((results or {}).get(f"success_{stage}") or (results or {}).get(stage) or {})
+        if v.get(key) is None:
+            return "n/a"
+        return format_rate(v[key], v["avg_ci"]) if key == "avg" and "avg_ci" in v \
+            else f"{v[key]:.1%}"
+
+    def line(results) -> str:
+        return (f"avg@k: base {pct(results, 'base')} -> warm-start {pct(results, 'warm')} -> "
+                f"RL {pct(results, 'rl')}   (greedy: {pct(results, 'base', 'greedy')} -> "
+                f"{pct(results, 'warm', 'greedy')} -> {pct(results, 'rl', 'greedy')})")
 
     learner = summary.get("learner", {})
     reasons = summary.get("failure_reasons") or {}
@@ -139,8 +148,10 @@ def print_summary(summary: dict) -> None:
         why = reasons.get(role) or "no reason in its log"
         console.print(f"[red]run failed: {role} failed for good ({escape(why)}; its log: "
                       f"logs/{role}.log); no held-out success after RL[/]", highlight=False)
-    console.print(f"[bold]summary[/]  held-out avg@k: base {pct('base')} -> warm-start "
-                  f"{pct('warm')} -> RL {pct('rl')}   (greedy: {pct('base', 'greedy')} -> "
-                  f"{pct('warm', 'greedy')} -> {pct('rl', 'greedy')})   "
+    split = summary.get("eval_split", "held-out")
+    console.print(f"[bold]summary[/]  {split} {line(summary)}   "
                   f"{learner.get('learner/updates', 0)} updates, "
-                  f"version {learner.get('learner/version', 0)}")
+                  f"version {learner.get('learner/version', 0)}", highlight=False)
+    if summary.get("test"):
+        console.print(f"[bold]test[/]     {line(summary['test'])}   (looked at once)",
+                      highlight=False)

@@ -298,5 +298,6 @@ def train(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, replay: InPro
         code = 1
     summary["restarts"] = {"redis": coordinator.redis_restarts}
     summary["replay"] = replay.stats()
-    summary.update(after_training(cfg, run_dir, learner_finished=code == 0))
+    summary.update(after_training(cfg, run_dir, learner_finished=code == 0,
+                                  base=start.base))
     return code

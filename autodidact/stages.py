@@ -5,13 +5,17 @@ returns what it made (and says what it does through ``say``, a rich console line
 
     prepare_model        the base model (autodidact/base_model.py): model.path, or the
                          tiny model made from the env
-    write_split          split.json: which env tasks train, which are held out
+    write_split          split.json: which env tasks train, which are validation and test
     before_training      explore_stage -> experience_stage -> held_out_eval (base)
                          -> warm_start_stage -> held_out_eval (warm-start)
     resumed_policy       on --resume: the policy the run started RL from
     up_to_training       the above in order: what RL starts from (model, split, stages)
     after_training       the learner's last record; final_policy (the newest published
-                         weights as a model folder), then held_out_eval once more
+                         weights as a model folder), then held_out_eval once more, and with
+                         eval.final_test, final_test_eval: base, warm-start and RL on test
+
+Held-out evaluations during a run are on the validation split: settings are chosen there, and
+the test split is looked at only when asked (each look is a line of ``eval/test_looks.jsonl``).
 
 None of them assigns to ``cfg``: the launcher makes the config with the model they return.
 """
@@ -19,6 +23,7 @@ None of them assigns to ``cfg``: the launcher makes the config with the model th
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +33,11 @@ from rich.console import Console
 from autodidact.base_model import prepare_model
 from autodidact.resolve import with_model
 from autodidact.task_mix import synthetic_share, warmstart_tasks
+from metrics.intervals import format_rate, rate_interval
 from metrics.jsonl import MetricsWriter, read_metrics
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
-from protocol.messages import Task
+from protocol.messages import SPLITS, Task
 from protocol.run_dir import RunDir
 
 console = Console(stderr=True, soft_wrap=True)
@@ -52,7 +58,7 @@ def write_split(run_dir: Path, env) -> Path:
     """``split.json``: which of the env's own tasks train and which are held out, by id, so a
     later run or evaluation can show it used the same split."""
     path = RunDir(run_dir).split
-    split = {"env": env.name, **{s: [t.task_id for t in env.tasks(s)] for s in ("train", "test")}}
+    split = {"env": env.name, **{s: [t.task_id for t in env.tasks(s)] for s in SPLITS}}
     path.write_text(json.dumps(split, indent=1))
     return path
 
@@ -136,7 +142,7 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
     ``explore``, ``experience_init``, ``success_base``, ``success_warm``. Raises
     :class:`NoSyntheticTasks` when the mixture needs synthetic tasks and none exist.
     """
-    summary: dict = {"synthetic_share": share}
+    summary: dict = {"synthetic_share": share, "eval_split": "validation"}
     summary["explore"] = explore_stage(cfg, run_dir, control, base_path, share, say)
     synthetic = control.synthetic_since(0)
     if share > 0 and not synthetic:
@@ -144,11 +150,11 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
                                "run `autodidact explore` or set explore.stage")
     summary["experience_init"] = experience_stage(cfg, run_dir, say)
     before_rl = cfg.eval.before_rl
-    summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "before warm-start", 0,
+    summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "base", 0,
                                             say) if before_rl else None
     policy = warm_start_stage(cfg, run_dir, base_path,
                               warmstart_tasks(cfg, original, synthetic, share), say)
-    summary["success_warm"] = held_out_eval(cfg, run_dir, policy, "after warm-start", 0,
+    summary["success_warm"] = held_out_eval(cfg, run_dir, policy, "warm", 0,
                                             say) if before_rl else None
     return policy, summary
 
@@ -160,6 +166,7 @@ class Training:
     cfg: RunConfig  # the config the roles read: model.path is the policy RL starts from
     original: list[Task]  # the env's own training tasks
     share: float  # the share of synthetic tasks in the mixture
+    base: str  # the base model's folder (the final test evaluation measures it too)
 
 
 def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary: dict,
@@ -180,19 +187,25 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
         policy, entries = before_training(cfg, run_dir, control, base, original, share, say)
         summary.update(entries)
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2))
-    return Training(with_model(cfg, policy), original, share)
+    return Training(with_model(cfg, policy), original, share, base)
 
 
-def after_training(cfg: RunConfig, run_dir: Path, learner_finished: bool,
+def after_training(cfg: RunConfig, run_dir: Path, learner_finished: bool, base: str,
                    say: Say = show) -> dict:
     """Summary entries once the roles have stopped: the learner's last record and, when it
-    finished and published, held-out success of the final weights (``success_rl``)."""
+    finished and published, validation success of the final weights (``success_rl``); with
+    ``eval.final_test``, test success of the base, warm-start and final policies (``test``).
+    ``looked_at_test`` says whether this run has ever been evaluated on test."""
     rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
     out: dict = {"learner": rows[-1] if rows else {}}
     final = final_policy(run_dir, cfg.model.path)
     if learner_finished and final is not None:
-        out["success_rl"] = held_out_eval(cfg, run_dir, final, "after RL",
+        out["success_rl"] = held_out_eval(cfg, run_dir, final, "rl",
                                           out["learner"].get("learner/updates", 0), say)
+        if cfg.eval.final_test:
+            out["test"] = final_test_eval(cfg, run_dir, {"base": base, "warm": cfg.model.path,
+                                                         "rl": final}, say)
+    out["looked_at_test"] = test_looks(run_dir) > 0
     return out
 
 
@@ -205,29 +218,89 @@ def resumed_policy(cfg: RunConfig, run_dir: Path, base_path: str) -> str:
 # --- evaluation and export ----------------------------------------------------------------------
 
 
-def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, label: str, updates: int,
-                  say: Say = show) -> dict | None:
-    """avg@k and best@k (sampled, ``eval.temperature``) and greedy success of ``model_path``
-    on ``eval.num_tasks`` held-out tasks (:func:`episodes.evaluate.evaluate_model`), also
-    logged as ``eval/...`` at learner update ``updates`` so reports can put held-out success
-    on the update and wall-time axes. Returns ``{"avg", "best", "tasks"[, "greedy"]}``, None
-    with ``eval.num_tasks=0``."""
+STAGE_LABELS = {"base": "base", "warm": "after warm-start", "rl": "after RL"}
+
+
+def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, stage: str, updates: int,
+                  say: Say = show, split: str = "validation") -> dict | None:
+    """avg@k and best@k (sampled, ``eval.temperature``) with 95% intervals, and greedy
+    success, of ``model_path`` on ``eval.num_tasks`` tasks of ``split``
+    (:func:`episodes.evaluate.evaluate_model`); ``stage`` is ``base``, ``warm`` or ``rl``.
+    The per-task records go to ``eval/heldout-<split>-<stage>.jsonl`` (paired comparisons
+    read them); a validation result is also logged as ``eval/...`` at learner update
+    ``updates``, so reports put it on the update and wall-time axes. Returns ``{"avg",
+    "avg_ci", "best", "best_ci", "tasks", "split"[, "greedy"]}``, None with
+    ``eval.num_tasks=0``."""
     if cfg.eval.num_tasks == 0:
         return None
     from episodes.evaluate import evaluate_model
 
     e = cfg.eval
-    found = evaluate_model(cfg, model_path, "test", k=e.k, temperature=e.temperature,
+    found = evaluate_model(cfg, model_path, split, k=e.k, temperature=e.temperature,
                            limit=e.num_tasks, greedy=e.greedy)
-    result = {key: found[key] for key in ("avg", "best", "tasks", "greedy") if key in found}
+    records = found["per_task"]
+    write_records(RunDir(run_dir).heldout_records(split, stage), records)
+    result = {"split": split, **{key: found[key] for key in ("avg", "best", "tasks", "greedy")
+                                 if key in found}, **success_intervals(records)}
     greedy_text = f", greedy {result['greedy']:.1%}" if "greedy" in result else ""
-    say(f"  held-out success {label}: [bold]avg@{e.k} {result['avg']:.1%}[/] "
+    say(f"  {split} success {STAGE_LABELS.get(stage, stage)}: "
+        f"[bold]avg@{e.k} {format_rate(result['avg'], result['avg_ci'])}[/] "
         f"(best@{e.k} {result['best']:.1%}{greedy_text}; {result['tasks']} tasks)")
-    writer = MetricsWriter(run_dir, "eval")
-    writer.log({"success_avg": result["avg"], "success_best": result["best"],
-                "success_greedy": result.get("greedy"), "tasks": result["tasks"]}, step=updates)
-    writer.close()
+    if split == "validation":
+        writer = MetricsWriter(run_dir, "eval")
+        writer.log({"success_avg": result["avg"], "success_best": result["best"],
+                    "success_greedy": result.get("greedy"), "tasks": result["tasks"]},
+                   step=updates)
+        writer.close()
     return result
+
+
+def success_intervals(records: list[dict]) -> dict:
+    """95% bootstrap intervals of avg@k (over tasks and their k samples) and best@k (over
+    tasks) from per-task records."""
+    outcomes = [[float(r >= 1.0) for r in rec["rewards"]] for rec in records]
+    return {"avg_ci": list(rate_interval(outcomes)),
+            "best_ci": list(rate_interval([[rec["best"]] for rec in records]))}
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+
+
+def final_test_eval(cfg: RunConfig, run_dir: Path, policies: dict[str, str],
+                    say: Say = show) -> dict:
+    """The run's one look at the test split: each of ``policies`` (stage -> model folder;
+    a stage whose folder repeats an earlier one's is measured once) evaluated as
+    :func:`held_out_eval` does on validation, the look recorded in ``eval/test_looks.jsonl``."""
+    say("  final test evaluation (the test split is looked at once, now)")
+    out: dict = {}
+    seen: dict[str, str] = {}
+    for stage, model in policies.items():
+        if model in seen:
+            out[stage] = out[seen[model]]
+            continue
+        seen[model] = stage
+        out[stage] = held_out_eval(cfg, run_dir, model, stage, 0, say, split="test")
+        record_test_look(run_dir, "autodidact run --final-test", model, stage)
+    return out
+
+
+def record_test_look(run_dir: Path, who: str, model: str, stage: str = "") -> None:
+    """One line in ``eval/test_looks.jsonl``: a result on the test split was seen."""
+    path = RunDir(run_dir).test_looks
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps({"time": time.time(), "who": who, "model": model,
+                            "stage": stage}) + "\n")
+
+
+def test_looks(run_dir: Path) -> int:
+    """How many times this run's policies were evaluated on the test split."""
+    path = RunDir(run_dir).test_looks
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def final_policy(run_dir: Path, init: str) -> str | None:

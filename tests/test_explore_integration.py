@@ -16,6 +16,8 @@ import pytest
 from test_run_integration import QUICK, stored_groups
 
 from environments import FilesEnv
+from protocol.messages import HELD_OUT_SPLITS
+from protocol.run_dir import RunDir
 from questioning.task_store import TaskStore
 
 pytestmark = pytest.mark.slow
@@ -47,6 +49,19 @@ def test_explore_makes_200_distinct_verified_tasks_covering_every_tool(explored)
     # The untrained tiny policy cannot write calls: one log line must say it fell back.
     assert proc.stderr.count("valid calls in the probe; exploring with schema sampling") == 1
     assert "valid calls; sampling" not in proc.stderr  # the explorer's own line stays quiet
+
+
+def test_a_default_explore_never_enters_a_held_out_world(explored):
+    run_dir, _ = explored
+    env = FilesEnv()
+    train = {t.seed for t in env.tasks("train")}
+    held = {t.seed for split in HELD_OUT_SPLITS for t in env.tasks(split)}
+    lines = RunDir(run_dir).explorations.read_text().splitlines()
+    visited = {json.loads(line)["seed"] for line in lines if line.strip()}
+    with TaskStore(run_dir, readonly=True) as store:
+        stored = {t.seed for t in store.all()}
+    assert visited and stored <= visited <= train
+    assert not (visited | stored) & held
 
 
 def test_stored_tasks_reverify_in_fresh_environments(explored):

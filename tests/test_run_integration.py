@@ -22,10 +22,12 @@ import pytest
 import torch
 
 from autodidact.embedded_redis import EmbeddedRedis
+from environments import FilesEnv
 from metrics.jsonl import read_metrics
 from protocol import codec
 from protocol.control import ControlPlane, default_prefix
 from protocol.messages import Group
+from protocol.run_dir import RunDir
 from replay.store import Store, read_stats
 
 pytestmark = pytest.mark.slow
@@ -193,3 +195,20 @@ def test_resume_continues_version_step_and_ledger(finished_run):
     assert len(new) == 4 * 8 and not set(new) & set(before["consumed"])
     steps = [s["step"] for s in after["optimizer"]["state"].values()]
     assert all(int(s) == 34 for s in steps)
+
+
+def test_the_run_evaluates_on_validation_and_never_looks_at_test_unasked(finished_run):
+    run_dir, _ = finished_run
+    rd = RunDir(run_dir)
+    summary = json.loads(rd.summary.read_text())
+    assert summary["eval_split"] == "validation" and summary["looked_at_test"] is False
+    assert "test" not in summary and not rd.test_looks.exists()
+    validation = {t.task_id for t in FilesEnv().tasks("validation")}
+    for stage in ("base", "warm", "rl"):
+        result = summary[f"success_{stage}"]
+        assert result["split"] == "validation"
+        assert result["avg_ci"][0] <= result["avg"] <= result["avg_ci"][1]
+        lines = rd.heldout_records("validation", stage).read_text().splitlines()
+        assert len(lines) == result["tasks"]
+        assert {json.loads(line)["task_id"] for line in lines} <= validation
+    assert not list(rd.eval.glob("heldout-test-*"))

@@ -26,7 +26,9 @@ import torch
 
 from autodidact.resolve import Flags, resolve_config
 from autodidact.single_process import run_single_process
+from environments import FilesEnv
 from metrics.jsonl import read_metrics
+from protocol.run_dir import RunDir
 from replay.store import Store, read_stats
 
 pytestmark = pytest.mark.slow
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "configs" / "quick.yaml"  # default.yaml with a short warm-start and RL phase
 UPDATES = 30
+TEST_IDS = {t.task_id for t in FilesEnv().tasks("test")}
 LIBRARY_THREADS = ("tqdm_monitor",)  # tqdm's progress-bar monitor (model loading), not ours
 
 
@@ -73,7 +76,8 @@ def finished(tmp_path_factory):
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
     try:
-        summary = run_single_process(quick_config(run_dir), run_dir, max_updates=UPDATES)
+        summary = run_single_process(quick_config(run_dir, "eval.final_test=true"), run_dir,
+                                     max_updates=UPDATES)
     finally:
         seconds = time.monotonic() - t0
         left = [t for t in threading.enumerate()
@@ -85,6 +89,25 @@ def finished(tmp_path_factory):
           f"{summary['success_base']['avg']:.3f} -> warm {summary['success_warm']['avg']:.3f} "
           f"-> RL {summary['success_rl']['avg']:.3f}")
     return run_dir, summary, left, children
+
+
+def test_asked_for_a_final_test_the_run_looks_once_at_each_stage(finished):
+    run_dir, summary, _, _ = finished
+    rd = RunDir(run_dir)
+    assert summary["eval_split"] == "validation" and summary["looked_at_test"] is True
+    test = summary["test"]
+    assert set(test) == {"base", "warm", "rl"}
+    for stage, result in test.items():
+        assert result["split"] == "test" and result["tasks"] > 0
+        low, high = result["avg_ci"]
+        assert low <= result["avg"] <= high
+        ids = {json.loads(line)["task_id"] for line in
+               rd.heldout_records("test", stage).read_text().splitlines()}
+        assert ids and all(i in TEST_IDS for i in ids)
+        validation = rd.heldout_records("validation", stage).read_text().splitlines()
+        assert not ids & {json.loads(line)["task_id"] for line in validation}
+    looks = [json.loads(line) for line in rd.test_looks.read_text().splitlines()]
+    assert [look["stage"] for look in looks] == ["base", "warm", "rl"]
 
 
 @pytest.mark.timeout(600)

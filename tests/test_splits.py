@@ -1,0 +1,61 @@
+"""Held-out splits are whole worlds: no built-in env's validation or test world is a training
+world, and exploration (which visits the training tasks' worlds) never enters one. The
+explorations of a real default `autodidact explore` are checked in test_explore_integration.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from environments import env_names, make_env, world_split
+from environments.base import check_split
+from protocol.messages import HELD_OUT_SPLITS, SPLITS
+from questioning.explorer import seed_tasks
+
+BUILT_IN = [n for n in env_names() if n != "bfcl" or importlib.util.find_spec("bfcl_eval")]
+
+
+def worlds(env, split: str) -> set[int]:
+    return {t.seed for t in env.tasks(split)}
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_held_out_worlds_are_never_training_worlds(name):
+    env = make_env(name)
+    train = worlds(env, "train")
+    assert train, f"{name} has no training worlds"
+    for split in HELD_OUT_SPLITS:
+        held = worlds(env, split)
+        assert held, f"{name} has no {split} tasks"
+        assert not held & train, f"{name}: {split} worlds {sorted(held & train)} also train"
+        assert all(t.split == split for t in env.tasks(split))
+    assert not worlds(env, "validation") & worlds(env, "test")
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_exploration_starts_only_in_training_worlds(name):
+    env = make_env(name)
+    explored = {t.seed for t in seed_tasks(env)}
+    assert explored == worlds(env, "train")
+    assert not explored & (worlds(env, "validation") | worlds(env, "test"))
+
+
+def test_world_split_keeps_three_in_five_for_training_and_never_moves_a_world():
+    assert [world_split(s) for s in range(10)] == ["train"] * 3 + ["validation", "test"] + [
+        "train"] * 3 + ["validation", "test"]
+    assert all(world_split(s) == world_split(s + 5 * 37) for s in range(5))
+
+
+def test_task_holdout_shares_worlds_so_only_world_holdout_is_the_default():
+    by_task = make_env("files", holdout="task")
+    assert worlds(by_task, "test") & worlds(by_task, "train")  # what decontamination is for
+    assert make_env("files").holdout == "world"
+
+
+def test_an_unknown_split_is_refused_with_the_names_there_are():
+    for split in SPLITS:
+        assert check_split(split) == split
+    with pytest.raises(ValueError, match="train, validation, test.*'held_out'"):
+        make_env("files").tasks("held_out")
