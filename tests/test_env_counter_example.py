@@ -135,7 +135,8 @@ def test_the_pages_checks_run_as_written(tmp_path, counter):
     assert set(said) == {"eval --env", "explore --set", "explore --profile-only",
                          "tasks verify"}, list(said)
 
-    assert re.search(r"overall\s+5\s+100\.0%\s+100\.0%", said["eval --env"])
+    assert re.search(r"overall\s+5\s+100\.0% \(95% 100\.0–100\.0\)\s+100\.0%",
+                     said["eval --env"])
     stored = int(re.search(r"explore: (\d+) tasks stored", said["explore --set"]).group(1))
     assert stored >= 20
     # Its describe_changes does not word deletions: no task can ask for a drop (the page says).
