@@ -24,6 +24,14 @@ def test_every_shipped_config_parses(path):
     assert isinstance(resolve_config(path), RunConfig)
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_says_which_validation_comparison_chose_it(path):
+    # Settings are chosen on validation, never on test; a config that was not says so.
+    said = [line for line in path.read_text().splitlines()
+            if line.startswith("# Chosen on validation:")]
+    assert len(said) == 1, f"{path.name}: no '# Chosen on validation:' line"
+
+
 def test_default_yaml_matches_embedded_defaults():
     assert resolve_config(ROOT / "configs" / "default.yaml") == RunConfig()
 
