@@ -51,7 +51,8 @@ def show(message: str) -> None:
 
 
 class NoSyntheticTasks(RuntimeError):
-    """The task mixture asks for synthetic tasks and none exist."""
+    """The task mixture asks for synthetic tasks and none exist, or some of those there are
+    repeat a held-out task (a pool made before decontamination, or under another split)."""
 
 
 def write_split(run_dir: Path, env) -> Path:
@@ -86,6 +87,26 @@ def explore_stage(cfg: RunConfig, run_dir: Path, control: ControlPlane, policy_p
         f"({cfg.explore.rounds or 1} round(s))")
     return run_explore(cfg, run_dir, cfg.explore.rounds or 1, policy_path=policy_path,
                        say=lambda m: say(f"  {m}"))
+
+
+def refuse_contaminated(cfg: RunConfig, run_dir: Path, synthetic: list[Task]) -> None:
+    """Raise :class:`NoSyntheticTasks` when a synthetic task repeats a validation or test
+    task in its world: synthesis refuses those, but a pool stored before decontamination,
+    or under another split, can still hold some, and training on them would score the run
+    on what it trained on."""
+    from environments.base import env_maker
+    from questioning.decontamination import HeldOutIndex
+
+    index = HeldOutIndex.of_env(env_maker(cfg.env)())
+    overlaps = [(task.task_id, found) for task in synthetic
+                if (found := index.find(task)) is not None]
+    if overlaps:
+        task_id, first = overlaps[0]
+        raise NoSyntheticTasks(
+            f"{len(overlaps)} of {len(synthetic)} synthetic tasks in {run_dir} repeat a "
+            f"held-out task (first: {task_id} ~ {first.heldout_id}, {first.split}: "
+            f"{first.why}); list them with `autodidact tasks check-contamination --run-dir "
+            f"{run_dir}` and explore into a fresh run directory")
 
 
 def experience_stage(cfg: RunConfig, run_dir: Path, say: Say = show) -> dict | None:
@@ -148,6 +169,8 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
     if share > 0 and not synthetic:
         raise NoSyntheticTasks("tasks.synthetic_share > 0 but there are no synthetic tasks: "
                                "run `autodidact explore` or set explore.stage")
+    if share > 0:
+        refuse_contaminated(cfg, run_dir, synthetic)
     summary["experience_init"] = experience_stage(cfg, run_dir, say)
     before_rl = cfg.eval.before_rl
     summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "base", 0,

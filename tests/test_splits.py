@@ -59,3 +59,21 @@ def test_an_unknown_split_is_refused_with_the_names_there_are():
         assert check_split(split) == split
     with pytest.raises(ValueError, match="train, validation, test.*'held_out'"):
         make_env("files").tasks("held_out")
+
+
+def test_a_run_refuses_a_synthetic_pool_holding_a_held_out_task(tmp_path):
+    from dataclasses import replace
+
+    from autodidact.stages import NoSyntheticTasks, refuse_contaminated
+    from protocol.config import RunConfig
+
+    cfg = RunConfig()
+    env = make_env("files")
+    held_out = env.tasks("validation")[0]
+    clean = [replace(t, task_id=f"synthetic/{t.task_id}", source="synthetic", split="train")
+             for t in env.tasks("train")[:20]]
+    refuse_contaminated(cfg, tmp_path, clean)  # training worlds only: nothing to refuse
+    planted = replace(held_out, task_id="synthetic/planted", source="synthetic", split="train")
+    with pytest.raises(NoSyntheticTasks, match=r"1 of 21 .*synthetic/planted ~ "
+                       + held_out.task_id + ".*check-contamination"):
+        refuse_contaminated(cfg, tmp_path, [*clean, planted])
