@@ -25,7 +25,13 @@ from autodidact.experiments.arms import (
     controlled_keys,
     run_all,
 )
-from autodidact.experiments.page import overlay, summarize, table, write_outputs
+from autodidact.experiments.page import (
+    overlay,
+    rewrite_from_json,
+    summarize,
+    table,
+    write_outputs,
+)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -95,8 +101,12 @@ def parse_arms(text: str | None, llm_judge: str | None = None) -> list[str]:
 @click.option("--fresh", is_flag=True, help="Run again even where a finished run exists.")
 @click.option("--no-run", "no_run", is_flag=True,
               help="Run nothing: write the table from the runs finished so far.")
+@click.option("--from-json", "from_json", is_flag=True,
+              help="Run and read nothing but the doc's json: write the doc's table, plot and "
+                   "json again from the cells it records (the runs may be gone), e.g. after "
+                   "the table's reading changed. Only --doc (or --quick/--out) applies.")
 def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, out, doc,
-             curve_versions, curve_arms, fresh, no_run):
+             curve_versions, curve_arms, fresh, no_run, from_json):
     """Run the ablation table (zero-shot, +questioning, +navigating, +attributing, full) on
     held-out original tasks, and write it with a plot into docs/results/ablation.md.
 
@@ -104,10 +114,16 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     autodidact ablation                 3 seeds x 4 trained arms (about an hour on 2 cores)
     autodidact ablation --quick         1 seed, small budget (under 10 minutes)
     autodidact ablation --seeds 0,1,2,3,4 --updates 200 --out runs/abl-long
+    autodidact ablation --from-json --doc docs/results/ablation_smollm2.md   rewrite, run nothing
 
     Finished cells are recorded in the doc's json (committed beside the doc), so the same
     command on a fresh checkout goes on where the last one stopped.
     """
+    command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
+        else "autodidact ablation"
+    if from_json:
+        rewrite(doc or default_doc(out, quick), command.strip())
+        return
     budget = QUICK_BUDGET if quick else DEFAULT_BUDGET
     if updates is not None:
         if updates < 1:
@@ -116,15 +132,13 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     seed_list = parse_seeds(seeds or ("0" if quick else "0,1,2"))
     arm_list = parse_arms(arms, llm_judge)
     check_sets([*sets, *nav_sets])
-    out = out or Path("runs") / ("ablation-quick" if quick else "ablation")
-    doc = doc or (out / "ablation.md" if quick else Path("docs") / "results" / "ablation.md")
+    out = out or default_out(quick)
+    doc = doc or default_doc(out, quick)
     attributing = [a for a in arm_list if "attributing" in a]
     plan = Plan(out, config, budget, list(sets), k, llm_judge, tuple(nav_sets), fresh,
                 Records(doc.with_suffix(".json")), parse_versions(curve_versions),
                 tuple(parse_arms(curve_arms, llm_judge) if curve_arms
                       else [REFERENCE, *attributing]))
-    command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
-        else "autodidact ablation"
 
     def publish(results: list[Result]) -> Path:
         return write_outputs(results, plan, doc, command.strip())
@@ -136,6 +150,27 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     click.echo(f"table and plot written to {doc} and {plot_path}")
     if any(r.error and r.error != NOT_RUN for r in results):
         raise SystemExit(1)
+
+
+def default_out(quick: bool) -> Path:
+    return Path("runs") / ("ablation-quick" if quick else "ablation")
+
+
+def default_doc(out: Path | None, quick: bool) -> Path:
+    if quick:
+        return (out or default_out(quick)) / "ablation.md"
+    return Path("docs") / "results" / "ablation.md"
+
+
+def rewrite(doc: Path, command: str) -> None:
+    """``--from-json``: the doc's table, plot and json again from its json's cells."""
+    if not doc.with_suffix(".json").exists():
+        raise click.ClickException(f"{doc.with_suffix('.json')} does not exist: --from-json "
+                                   "writes a doc again from the json an ablation wrote")
+    plot_path, text = rewrite_from_json(doc, command)
+    click.echo(text)
+    click.echo(f"table and plot written again to {doc} and {plot_path} from "
+               f"{doc.with_suffix('.json')}")
 
 
 def parse_versions(text: str) -> tuple[int, ...]:

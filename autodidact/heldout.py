@@ -5,8 +5,9 @@ A run keeps its published versions when made with ``weights.keep`` at least its 
 asked version is merged into the run's warm-started policy and evaluated with ``autodidact
 eval`` on the run's own held-out tasks (its config: the same tasks, k and temperature as the
 run's evaluations), kept in ``RUN/heldout_curve.json`` so a second call evaluates only what is
-missing. Version 0 and the last version are the run's own evaluations after warm-start and after
-RL (``summary.json``).
+missing, with its per-task records in ``RUN/eval/`` (the version named as the policy), so each
+point has a 95% interval (:func:`curve_intervals`). Version 0 and the last version are the
+run's own evaluations after warm-start and after RL (``summary.json``).
 
 The per-task records of held-out evaluations (one JSON line per task with ``task_id`` and the
 k ``rewards``: ``autodidact eval --out`` and a run's own ``eval/heldout-<split>-<stage>.jsonl``)
@@ -17,11 +18,13 @@ are read here too (:func:`read_records`, :func:`run_records`): paired intervals
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from metrics.intervals import rate_interval
 from protocol.config import load_config
 from protocol.run_dir import RunDir
 
@@ -90,7 +93,36 @@ def evaluate_version(run_dir: Path, version: int) -> float:
                         "--model", str(model), "-k", str(cfg.eval.k),
                         "--limit", str(cfg.eval.num_tasks), "--run-dir", str(Path(tmp) / "run"),
                         "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        return json.loads(out.with_suffix(".summary.json").read_text())["avg"]
+        summary = json.loads(out.with_suffix(".summary.json").read_text())
+        kept = version_records_path(run_dir, version, summary["split"])
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, kept)  # the version's per-task records: its interval
+        return summary["avg"]
+
+
+def version_records_path(run_dir: Path, version: int, split: str) -> Path:
+    """Where an evaluated weight version's per-task records are kept: ``autodidact eval``'s
+    file of the run's env, ``split`` and k, the version named as its policy."""
+    cfg = load_config(RunDir(run_dir).config)
+    return RunDir(run_dir).eval_results(cfg.env.name, split, f"version-{version}", cfg.eval.k)
+
+
+def curve_intervals(run_dir: Path, points: dict[int, float]) -> dict[int, list[float]]:
+    """The 95% interval of every point of ``points`` (a curve of the run) whose per-task
+    records were kept: version 0 and the last from the run's own evaluations, the others from
+    :func:`evaluate_version`'s files (none for a run made before records were kept)."""
+    summary = json.loads(RunDir(run_dir).summary.read_text())
+    split = (summary.get("success_rl") or {}).get("split")
+    if not split or not points:
+        return {}
+    own = run_records(run_dir, split)
+    found = {0: own.get("warm"), max(points): own.get("rl")}
+    for version in points:
+        path = version_records_path(run_dir, version, split)
+        if version not in found and path.exists():
+            found[version] = read_records(path)
+    return {v: list(rate_interval(list(records.values())))
+            for v, records in sorted(found.items()) if records and v in points}
 
 
 def curve(run_dir: Path, versions: list[int], evaluate: bool = True) -> dict[int, float]:

@@ -26,6 +26,7 @@ from autodidact.experiments.arms import (
     arm_settings,
     cell_stamp,
     lacks_curve,
+    recorded_result,
     run_all,
     run_arm,
     run_name,
@@ -36,12 +37,14 @@ from autodidact.experiments.arms import (
 from autodidact.experiments.page import (
     BEGIN,
     END,
+    change_over_seeds,
     mean_std,
     paired_change,
+    reference_pairs,
+    rewrite_from_json,
     section,
     summarize,
     table,
-    verdict,
     write_doc,
 )
 from metrics.jsonl import read_metrics
@@ -65,17 +68,57 @@ def test_changes_are_paired_by_seed_and_skip_unfinished_seeds():
                _result("full", 0, 0.45), _result("full", 1, 0.30), _result("full", 2, 0.9)]
     # Seed 2 has no reference run: it is left out rather than compared with another seed.
     assert paired_change(results, "full") == pytest.approx([0.05, 0.10])
+    assert [(a.seed, b.seed) for a, b in reference_pairs(results, "full")] == [(0, 0), (1, 1)]
 
 
-@pytest.mark.parametrize("changes, expected", [
-    ([0.05, 0.04, 0.06], "helps on all 3 seeds"),
-    ([-0.05, -0.04, -0.06], "hurts on all 3 seeds"),
-    ([0.05, -0.04, 0.06], "no consistent effect"),
-    ([0.10, 0.001, 0.002], "no consistent effect"),  # same sign, but spread > mean
-    ([0.05], "too few seeds to say"),
+def _pairs(ref_avgs, arm_avgs):
+    """Per-seed results of the reference and an arm, with per-seed numbers only."""
+    return [(_result(REFERENCE, s, a), _result("full", s, b))
+            for s, (a, b) in enumerate(zip(ref_avgs, arm_avgs))]
+
+
+@pytest.mark.parametrize("ref, arm, expected", [
+    ([0.40, 0.50, 0.60], [0.45, 0.54, 0.66], "helps"),      # +5, +4, +6: t-interval above 0
+    ([0.40, 0.50, 0.60], [0.35, 0.46, 0.54], "hurts"),
+    ([0.40, 0.50, 0.60], [0.45, 0.46, 0.66], "no change"),  # signs disagree
+    # SmolLM2's +attributing: every seed's mean rises (+1.0, +0.25, +1.25), yet the
+    # interval over three seeds holds 0; the old reading said "helps on all 3 seeds"
+    ([0.34, 0.3975, 0.4325], [0.35, 0.40, 0.445], "no change"),
+    ([0.40], [0.45], "no interval (one seed, no per-task records)"),
 ])
-def test_verdict_claims_a_direction_only_when_every_seed_agrees(changes, expected):
-    assert verdict(changes) == expected
+def test_without_per_task_records_the_reading_is_the_t_interval_over_seeds(ref, arm, expected):
+    change = change_over_seeds(_pairs(ref, arm))
+    assert change["label"] == expected and change["over"] == "seeds"
+
+
+def _outcomes(solved_by_task, k=4):
+    return {"split": "validation",
+            "final": {t: f"{n}/{k}" for t, n in solved_by_task.items()}}
+
+
+def test_with_per_task_records_the_change_is_paired_task_by_task():
+    # Every seed's mean rises by one sample on one task of 40 (+0.6 points), below the noise
+    # of the pairs' own samples: no change. Three tasks of every four one sample better on
+    # every seed: helps.
+    tasks = {f"t{i}": i % 5 for i in range(40)}
+    pairs, clear = [], []
+    for seed in range(3):
+        ref = _result(REFERENCE, seed, 0.40)
+        ref.outcomes = _outcomes(tasks)
+        one_better = _result("full", seed, 0.406)
+        one_better.outcomes = _outcomes({**tasks, "t0": 1})
+        pairs.append((ref, one_better))
+        many_better = _result("full", seed, 0.6)
+        many_better.outcomes = _outcomes({t: n + (i % 4 != 0) if n < 4 else n
+                                          for i, (t, n) in enumerate(tasks.items())})
+        clear.append((ref, many_better))
+    change = change_over_seeds(pairs)
+    assert change["over"] == "tasks" and change["value"] == pytest.approx(0.25 / 40)
+    assert change["low"] < 0 < change["high"] and change["label"] == "no change"
+    assert change_over_seeds(clear)["label"] == "helps"
+    # one seed without records: the whole change falls back to the seeds' numbers
+    pairs[1][1].outcomes = {}
+    assert change_over_seeds(pairs)["over"] == "seeds"
 
 
 def test_summary_rows_and_table():
@@ -86,16 +129,17 @@ def test_summary_rows_and_table():
     assert list(rows) == ["zero-shot", REFERENCE, "full"]
     assert rows["zero-shot"]["avg"] == (pytest.approx(0.02), 0.0)
     assert rows[REFERENCE]["avg"][0] == pytest.approx(0.30)
-    assert rows["full"]["change"][0] == pytest.approx(0.075)
-    assert rows["full"]["verdict"] == "helps on all 2 seeds"
-    assert rows["full"]["rl_gain"][0] == pytest.approx(0.075)  # from 0.30 warm-start
+    assert rows["full"]["change"]["value"] == pytest.approx(0.075)
+    # +5 and +10 on two seeds: same sign, but t over 2 seeds (12.7) spans 0
+    assert rows["full"]["verdict"] == "no change" and rows["full"]["change"]["low"] < 0
+    assert rows["full"]["rl_gain"]["value"] == pytest.approx(0.075)  # from 0.30 warm-start
     assert "change" not in rows[REFERENCE] and "change" not in rows["zero-shot"]
     text = table(list(rows.values()), 8)
     lines = text.splitlines()
-    assert lines[0].startswith("| setting | seeds | avg@8 | best@8 |")
-    assert "| full | 2 | 37.5 ± 10.6 | 47.5 ± 10.6 |" in text
-    assert "+7.5 ± 3.5" in text and "| reference |" in text
-    assert lines[2].startswith("| zero-shot | 2 | 2.0 ± 0.0 | 10.0 ± 0.0 |")
+    assert lines[0].startswith("| setting | seeds | avg@8 | avg@8 95% interval | best@8 |")
+    assert "| full | 2 | 37.5 ± 10.6 | " in text and "| 47.5 ± 10.6 |" in text
+    assert "+7.5 points (95% -24.3 to +39.3) †" in text and "| reference |" in text
+    assert lines[2].startswith("| zero-shot | 2 | 2.0 ± 0.0 | 2.0–2.0 † | 10.0 ± 0.0 |")
 
 
 def test_zero_shot_is_the_base_model_of_the_seeds_runs():
@@ -155,6 +199,50 @@ def _record(arm, seed, stamp, warm=0.3, curve=None):
 
 def _stamp(arm, seed):
     return cell_stamp(None, 15, shared_sets(4, Budget(15), []), arm_settings(arm), seed)
+
+
+def _write_run(run_dir, split="validation", stages=("base", "warm", "rl")):
+    """A finished run's summary and its per-task held-out records."""
+    from protocol.run_dir import RunDir
+
+    rd = RunDir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stage in stages:
+        rd.heldout_records(split, stage).parent.mkdir(parents=True, exist_ok=True)
+        rd.heldout_records(split, stage).write_text(
+            json.dumps({"task_id": "a", "rewards": [1.0, 0.0, 1.0, 1.0]}) + "\n"
+            + json.dumps({"task_id": "b", "rewards": [0.0, 0.0, 0.0, 0.5]}) + "\n")
+    evaluation = {"avg": 0.375, "best": 0.5, "tasks": 2, "split": split}
+    rd.summary.write_text(json.dumps({"success_base": evaluation, "success_warm": evaluation,
+                                      "success_rl": evaluation,
+                                      "learner": {"learner/updates": 3}}))
+
+
+def test_a_runs_per_task_outcomes_are_read_compactly_and_handed_on(tmp_path):
+    from autodidact.experiments.arms import copy_before_rl, read_result
+
+    run = tmp_path / "questioning-s0"
+    _write_run(run)
+    result = read_result(REFERENCE, 0, run)
+    assert result.outcomes == {"split": "validation", "base": {"a": "3/4", "b": "0/4"},
+                               "warm": {"a": "3/4", "b": "0/4"},
+                               "final": {"a": "3/4", "b": "0/4"}}
+    assert result.per_task("final") == {"a": [1.0, 1.0, 1.0, 0.0], "b": [0.0] * 4}
+    # zero-shot takes the base evaluation's outcomes as its own
+    assert zero_shot([result], 0).per_task("final") == result.per_task("base")
+    # through the doc's json and back
+    again = recorded_result(json.loads(json.dumps({**result.__dict__, "run_dir": str(run)})))
+    assert again.per_task("warm") == result.per_task("warm")
+    # an arm starting from a kept warm-start takes the records of the stages before RL
+    later = tmp_path / "attributing-s0"
+    copy_before_rl(run, later, json.loads((run / "summary.json").read_text()))
+    assert sorted(p.name for p in (later / "eval").iterdir()) == [
+        "heldout-validation-base.jsonl", "heldout-validation-warm.jsonl"]
+    # a run made before records were kept has none, and pairs over seeds
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text(json.dumps({"success_rl": {"avg": 0.4, "best": 0.5}}))
+    assert read_result(REFERENCE, 0, old).outcomes == {}
 
 
 def test_a_record_stands_in_for_its_run_only_with_the_same_stamp(tmp_path):
@@ -327,9 +415,20 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     # Same seed, same base model, same tasks: zero-shot is both runs' first evaluation.
     assert runs["zero-shot"]["base"] == runs[REFERENCE]["base"] == runs["full"]["base"]
     assert runs["zero-shot"]["final"]["avg"] == runs[REFERENCE]["base"]["avg"]
+    # Every cell keeps its per-task outcomes for paired intervals; +attributing, which started
+    # from the reference's warm-start, took that warm-start's records with its evaluations.
+    for arm in (REFERENCE, "+questioning+attributing", "full"):
+        assert set(runs[arm]["outcomes"]) == {"split", "base", "warm", "final"}
+        assert len(runs[arm]["outcomes"]["final"]) == 4
+    attr_outcomes = runs["+questioning+attributing"]["outcomes"]
+    assert attr_outcomes["warm"] == runs[REFERENCE]["outcomes"]["warm"]
+    assert runs["zero-shot"]["outcomes"]["final"] == runs[REFERENCE]["outcomes"]["base"]
 
     text = doc.read_text()
     assert BEGIN in text and END in text and "![ablation](ablation.png)" in text
+    # the intervals are over the runs' tasks (no † over seeds), the changes paired per seed too
+    assert "marks an interval over seeds" not in text
+    assert f"| Δ avg@2 vs {REFERENCE} | seed 3 (paired, 95% interval) |" in text
     for arm in ("zero-shot", REFERENCE, "full"):
         assert f"| {arm} | 1 |" in text
     assert doc.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
@@ -351,8 +450,9 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     assert curves[REFERENCE]["3"] == runs[REFERENCE]["final"]["avg"]
     from bench.heldout_curve import ablation_curves
 
-    read = ablation_curves(doc.with_suffix(".json"), {"grpo": REFERENCE})
+    read, intervals = ablation_curves(doc.with_suffix(".json"), {"grpo": REFERENCE})
     assert read == {"grpo": {"seed 3": {int(v): a for v, a in curves[REFERENCE].items()}}}
+    assert set(intervals["grpo"]["seed 3"]) == {0, 3}  # the run's own evaluations kept records
 
     # A fresh checkout has the doc and its json but no runs: nothing runs again, and the
     # table is the same.
@@ -388,12 +488,51 @@ def test_nav_sets_reach_the_navigating_arms_alone():
 
 def test_the_section_names_the_shared_and_the_navigating_settings():
     results = [_result(REFERENCE, 0, 0.4), _result("full", 0, 0.45)]
-    text = section(results, summarize(results, 4), 4, "autodidact ablation", "a.png",
-                   Budget(15, ("eval.num_tasks=100",)), ["learner.lora_rank=16"],
-                   ("experience.min_similarity=0.5",))
+    setup = {"updates": 15, "sets": shared_sets(4, Budget(15, ("eval.num_tasks=100",)),
+                                                ["learner.lora_rank=16"]),
+             "nav_sets": ["experience.min_similarity=0.5"]}
+    made = {"command": "autodidact ablation", "date": "2026-11-26", "machine": "2 CPU cores"}
+    text = section(results, summarize(results, 4), 4, "a.png", setup, made)
     assert "`tasks.synthetic_share=1.0 eval.k=4 eval.num_tasks=100 learner.lora_rank=16`" in text
     assert "The arms that navigate also: `experience.min_similarity=0.5`." in text
     assert "avg@4" in text and text.startswith(BEGIN) and text.endswith(END)
+    assert "Made by `autodidact ablation` on 2026-11-26" in text and "on 2 CPU cores" in text
+    # cells without a named split held out tasks of the training worlds, and say so
+    assert "held out tasks, not worlds" in text and "† marks an interval over seeds" in text
+    assert "written again" not in text
+
+
+def test_from_json_the_page_is_written_again_with_the_new_reading_and_nothing_run(tmp_path):
+    """A page whose json holds per-seed numbers only (its runs gone) is read again: the old
+    "helps on all 3 seeds" becomes the label of the t-interval over seeds."""
+    doc = tmp_path / "abl.md"
+    doc.write_text(f"# Ablation\n\nby hand\n\n{BEGIN}\nold table: helps on all 3 seeds\n{END}\n")
+    ref, arm = [0.34, 0.3975, 0.4325], [0.35, 0.40, 0.445]
+    runs = [{**_record(REFERENCE, s, [], warm=0.3), "final": {"avg": a, "best": 0.6}}
+            for s, a in enumerate(ref)]
+    runs += [{**_record("+questioning+attributing", s, [], warm=0.3),
+              "final": {"avg": a, "best": 0.6}} for s, a in enumerate(arm)]
+    made = {"command": "autodidact ablation -c configs/smollm2.yaml", "date": "2026-11-26",
+            "machine": "2 CPU cores"}
+    doc.with_suffix(".json").write_text(json.dumps({
+        "budget": {"updates": 15, "sets": ["tasks.synthetic_share=1.0", "eval.k=4"],
+                   "nav_sets": []}, "made": made, "rows": [], "runs": runs}))
+    result = CliRunner().invoke(ablation, ["--from-json", "--doc", str(doc)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    text = doc.read_text()
+    assert "by hand" in text and "helps on all 3 seeds" not in text
+    assert "| +questioning+attributing | 3 |" in text
+    assert "+0.8 points (95% -0.5 to +2.1) † | no change |" in text
+    assert "Made by `autodidact ablation -c configs/smollm2.yaml` on 2026-11-26" in text
+    assert "written again on" in text and "nothing was run again" in text
+    data = json.loads(doc.with_suffix(".json").read_text())
+    assert data["made"] == made and data["rewritten"]["command"] == "autodidact ablation"
+    assert [r["final"] for r in data["runs"]] == [r["final"] for r in runs]
+    assert data["rows"][1]["verdict"] == "no change"
+    assert rewrite_from_json(doc, "again")[1] == table(summarize(
+        [recorded_result(r) for r in runs], 4), 4)
+    missing = CliRunner().invoke(ablation, ["--from-json", "--doc", str(tmp_path / "x.md")])
+    assert missing.exit_code == 1 and "does not exist" in missing.output
 
 
 def test_no_run_writes_the_table_of_what_finished_and_runs_nothing(tmp_path):

@@ -22,9 +22,11 @@ model it is most of a run's set-up), and take its held-out evaluations before RL
 repeating them (``eval.before_rl=false``).
 
 After every run the table is written (``autodidact/experiments/page.py``): mean ± std over
-seeds of avg@k and best@k, and each arm's change against +questioning paired by seed, with a
-plot, into the doc (``docs/results/ablation.md`` by default) between markers, keeping any text
-outside them, and every cell into the doc's json.
+seeds of avg@k and best@k with 95% intervals, and each arm's change against +questioning with
+its paired interval, with a plot, into the doc (``docs/results/ablation.md`` by default)
+between markers, keeping any text outside them, and every cell into the doc's json, with the
+per-task outcomes of its held-out evaluations (``Result.outcomes``) that the paired intervals
+are taken from.
 Committed beside the doc, that json is the record a fresh checkout goes on from (``Records``):
 run directories are git-ignored. With ``--curve-versions`` the reference and attributing arms
 also get held-out points at those weight versions (``autodidact/heldout.py``), recorded with the
@@ -41,12 +43,12 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import click
 
-from autodidact.heldout import curve
+from autodidact.heldout import curve, run_records
 from protocol.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: runs start from there
@@ -131,6 +133,41 @@ class Result:
     stamp: list[str] = field(default_factory=list)  # what defines the cell (cell_stamp)
     curve: dict[int, float] = field(default_factory=dict)  # held-out avg@k by weight version
     from_record: bool = False  # read from the doc's json, the run directory being gone
+    outcomes: dict = field(default_factory=dict)
+    """Per-task outcomes of the held-out evaluations, for paired intervals: ``{"split": ...,
+    "base" | "warm" | "final": {task_id: "solved/k"}}`` (none for runs made before per-task
+    records were kept)."""
+
+    def per_task(self, stage: str) -> dict[str, list[float]] | None:
+        """``{task_id: per-sample outcomes}`` of the evaluation ``stage`` ("base", "warm",
+        "final"), None when not kept."""
+        kept = self.outcomes.get(stage)
+        if not kept:
+            return None
+        return {task: _expand(count) for task, count in kept.items()}
+
+
+RECORD_STAGES = {"base": "base", "warm": "warm", "final": "rl"}  # Result's -> the run's names
+
+
+def held_out_outcomes(run_dir: Path, summary: dict) -> dict:
+    """:attr:`Result.outcomes` from the run's own per-task records, on the split its summary
+    evaluated (empty for a run made before they were kept)."""
+    split = (summary.get("success_rl") or summary.get("success_warm") or {}).get("split")
+    records = run_records(run_dir, split) if split else {}
+    kept = {ours: {task: _compact(rewards) for task, rewards in records[theirs].items()}
+            for ours, theirs in RECORD_STAGES.items() if theirs in records}
+    return {"split": split, **kept} if kept else {}
+
+
+def _compact(rewards: list[float]) -> str:
+    """One task's samples as ``"solved/k"``: all a bootstrap needs, a line of the doc's json."""
+    return f"{sum(r >= 1.0 for r in rewards)}/{len(rewards)}"
+
+
+def _expand(count: str) -> list[float]:
+    solved, k = (int(x) for x in count.split("/"))
+    return [1.0] * solved + [0.0] * (k - solved)
 
 
 # --- running ---------------------------------------------------------------------------------
@@ -176,7 +213,8 @@ def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None)
     return Result(arm, seed, run_dir, base=summary.get("success_base") or {},
                   warm=summary.get("success_warm") or {}, final=summary.get("success_rl") or {},
                   updates=int(learner.get("learner/updates", 0)),
-                  seconds=float(summary.get("ablation_seconds", 0.0)))
+                  seconds=float(summary.get("ablation_seconds", 0.0)),
+                  outcomes=held_out_outcomes(run_dir, summary))
 
 
 def cell_stamp(config: Path | None, updates: int, shared: list[str],
@@ -266,12 +304,18 @@ class Records:
         record = self.by_cell.get((arm, seed))
         if record is None or record["stamp"] != stamp:
             return None
-        points = {int(v): s for v, s in (record.get("curve") or {}).items()}
-        run_dir = Path(record["run_dir"]) if record.get("run_dir") else None
-        return Result(arm, seed, run_dir, base=record["base"], warm=record["warm"],
-                      final=record["final"], updates=record["updates"],
-                      seconds=record["seconds"], reused=True, stamp=stamp, curve=points,
-                      from_record=True)
+        result = recorded_result(record)
+        result.reused, result.from_record = True, True
+        return result
+
+
+def recorded_result(record: dict) -> Result:
+    """A cell as the doc's json records it (``Result``'s fields; the curve's versions and the
+    run directory as JSON spells them)."""
+    known = {f.name: record[f.name] for f in fields(Result) if f.name in record}
+    return Result(**{**known, "run_dir": Path(record["run_dir"]) if record.get("run_dir")
+                     else None,
+                     "curve": {int(v): s for v, s in (record.get("curve") or {}).items()}})
 
 
 def lacks_curve(result: Result, plan: Plan) -> bool:
@@ -353,10 +397,24 @@ class SharedWarmStart:
             return
         shutil.rmtree(self.folder, ignore_errors=True)
         shutil.copytree(policy, self.folder / "policy_init", copy_function=os.link)
+        copy_before_rl(run_dir, self.folder, summary)
         (self.folder / "record.json").write_text(json.dumps({
             "stamp": self.stamp, "source": str(run_dir),
             "success_base": summary.get("success_base"),
             "success_warm": summary.get("success_warm")}, indent=1))
+
+
+def copy_before_rl(source: Path, target: Path, summary: dict) -> None:
+    """The per-task records of ``source``'s evaluations before RL (base and warm-start, on the
+    split ``summary`` names) into ``target``'s ``eval/``, laid out as in a run directory: a run
+    that starts from a kept warm-start takes them with its evaluations."""
+    split = (summary.get("success_warm") or {}).get("split")
+    for stage in ("base", "warm") if split else ():
+        kept = RunDir(source).heldout_records(split, stage)
+        if kept.exists():
+            copy = RunDir(target).heldout_records(split, stage)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(kept, copy)
 
 
 def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path: Path,
@@ -388,6 +446,7 @@ def run_or_reuse(label: str, seed: int, run_dir: Path, argv: list[str], log_path
     if kept is not None:  # the same policy's evaluations, made by the run that warm-started
         for key in ("success_base", "success_warm"):
             data[key] = data.get(key) or kept[key]
+        copy_before_rl(warm.folder, run_dir, kept)
     summary.write_text(json.dumps(data, indent=2, default=str))
     RunDir(run_dir).ablation_argv.write_text(json.dumps(argv[1:]))
     if warm is not None and kept is None:
@@ -400,12 +459,16 @@ def zero_shot(results: list[Result], seed: int) -> Result:
 
     Every run of a seed builds the same base model and evaluates it on the same tasks with the
     same sampling seed, so the runs agree; should they not, their mean is taken."""
-    bases = [r.base for r in results if r.seed == seed and r.base]
-    if not bases:
+    runs = [r for r in results if r.seed == seed and r.base]
+    if not runs:
         return Result("zero-shot", seed, None, error=NOT_RUN)  # no run of this seed finished
+    bases = [r.base for r in runs]
     final = {key: sum(b[key] for b in bases) / len(bases)
              for key in ("avg", "best", "greedy") if all(key in b for b in bases)}
-    return Result("zero-shot", seed, None, base=bases[0], final=final)
+    kept = next((r.outcomes for r in runs if r.outcomes.get("base")), {})
+    outcomes = {"split": kept["split"], "base": kept["base"], "final": kept["base"]} \
+        if kept else {}
+    return Result("zero-shot", seed, None, base=bases[0], final=final, outcomes=outcomes)
 
 
 def controlled_keys() -> set[str]:
