@@ -8,11 +8,14 @@ Seed N is ``autodidact run -c CONFIG --run-dir runs/<name>-sN --set seed=N --set
 (``<name>`` is the config's own), run one after another so runs never share the cores. A run
 that finished before with the same command is reused (the stamp ``autodidact ablation`` uses),
 so a measurement cut off by the end of a session goes on where it stopped. ``--no-run`` only
-reads what has finished.
+reads what has finished; ``--from-json F`` reads the runs a json written by ``--out`` records
+and writes its summary again (the runs may be gone).
 
-"RL moved success" is claimed the way the ablation claims an effect: every seed's change
-(after RL minus after the warm-start, avg@k) has the same sign and the mean change is larger
-than its standard deviation.
+Every stage's avg@k over the seeds carries a 95% interval, and so do the changes warm-start −
+base and RL − warm-start, paired within each run (``autodidact/experiments/page.py``,
+``metrics/intervals.py``): over the runs' held-out tasks and samples where they kept per-task
+records, else Student's t over the seeds. "RL moved success" is the label of RL − warm-start's
+paired interval: "helps" or "hurts" only when it excludes 0, never from the sign of the means.
 """
 
 from __future__ import annotations
@@ -21,8 +24,15 @@ import argparse
 import json
 from pathlib import Path
 
-from autodidact.experiments.arms import Result, run_argv, run_or_reuse
-from autodidact.experiments.page import mean_std, verdict
+from autodidact.experiments.arms import Result, recorded_result, run_argv, run_or_reuse
+from autodidact.experiments.page import (
+    change_over_seeds,
+    change_text,
+    mean_std,
+    no_nan,
+    rate_over_seeds,
+    rate_text,
+)
 from protocol.config import load_config, read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,20 +54,21 @@ def run_seed(config: Path, name: str, seed: int, sets: list[str], may_run: bool,
 
 
 def summarize(results: list[Result]) -> dict:
-    """Mean ± std over the finished seeds of every stage's avg/best/greedy, the paired
-    changes warm-start - base and RL - warm-start, and a plain reading of the RL change."""
+    """Mean ± std over the finished seeds of every stage's avg/best/greedy, every stage's
+    avg@k with its 95% interval, the changes warm-start - base and RL - warm-start with their
+    paired intervals, and the label of the RL change's interval."""
     done = [r for r in results if r.final]
     row: dict = {"seeds": [r.seed for r in done]}
     for stage in STAGES:
         for key in KEYS:
             row[f"{stage}_{key}"] = mean_std([getattr(r, stage)[key] for r in done
                                               if key in getattr(r, stage)])
-    rl_change = [r.final["avg"] - r.warm["avg"] for r in done]
-    row["warm_change"] = mean_std([r.warm["avg"] - r.base["avg"] for r in done])
-    row["rl_change"] = mean_std(rl_change)
+        row[f"{stage}_avg_ci"] = rate_over_seeds(done, stage)
+    row["warm_change"] = change_over_seeds([(r, r) for r in done], "base", "warm")
+    row["rl_change"] = change_over_seeds([(r, r) for r in done], "warm", "final")
     row["rl_change_greedy"] = mean_std([r.final["greedy"] - r.warm["greedy"] for r in done
                                         if "greedy" in r.final and "greedy" in r.warm])
-    row["rl_verdict"] = verdict(rl_change)
+    row["rl_verdict"] = row["rl_change"]["label"]
     row["updates"] = mean_std([float(r.updates) for r in done])
     row["minutes"] = mean_std([r.seconds / 60 for r in done if r.seconds])
     return row
@@ -68,7 +79,9 @@ def pct(value: float) -> str:
 
 
 def table(results: list[Result], row: dict, k: int) -> str:
-    """Markdown: one line per seed, then mean ± std."""
+    """Markdown: one line per seed (RL − warm-start with its paired interval where the run
+    kept per-task records), then mean ± std, then each stage's avg@k and the RL change with
+    their 95% intervals over the seeds."""
     head = (f"| seed | base avg@{k} | warm-start avg@{k} | after RL avg@{k} | RL − warm-start "
             "| greedy base → warm → RL | RL updates | minutes |")
     lines = [head, "|" + "---|" * 8]
@@ -78,38 +91,68 @@ def table(results: list[Result], row: dict, k: int) -> str:
             continue
         greedy = " → ".join(pct(getattr(r, s).get("greedy", float("nan"))) for s in STAGES)
         lines.append(f"| {r.seed} | {pct(r.base['avg'])} | {pct(r.warm['avg'])} | "
-                     f"{pct(r.final['avg'])} | {(r.final['avg'] - r.warm['avg']) * 100:+.1f} | "
+                     f"{pct(r.final['avg'])} | {seed_change(r)} | "
                      f"{greedy} | {r.updates} | {r.seconds / 60:.1f} |")
 
     def pm(pair, scale=100.0):
         return f"{pair[0] * scale:.1f} ± {pair[1] * scale:.1f}"
+    rl = row["rl_change"]
     lines.append(f"| mean ± std ({len(row['seeds'])}) | {pm(row['base_avg'])} | "
-                 f"{pm(row['warm_avg'])} | {pm(row['final_avg'])} | {pm(row['rl_change'])} | "
+                 f"{pm(row['warm_avg'])} | {pm(row['final_avg'])} | "
+                 f"{pm(mean_std(changes(results)))} | "
                  f"{pm(row['base_greedy'])} → {pm(row['warm_greedy'])} → "
                  f"{pm(row['final_greedy'])} | {pm(row['updates'], 1)} | "
                  f"{pm(row['minutes'], 1)} |")
+    lines.append(f"| 95% interval | {rate_text(row['base_avg_ci'])} | "
+                 f"{rate_text(row['warm_avg_ci'])} | {rate_text(row['final_avg_ci'])} | "
+                 f"{change_text(rl)}: {rl['label']} | | | |")
     return "\n".join(lines)
+
+
+def changes(results: list[Result]) -> list[float]:
+    """Each finished seed's RL − warm-start avg@k."""
+    return [r.final["avg"] - r.warm["avg"] for r in results if r.final]
+
+
+def seed_change(result: Result) -> str:
+    """One run's RL − warm-start, with its paired interval where it kept per-task records."""
+    change = change_over_seeds([(result, result)], "warm", "final")
+    if change["over"] == "tasks":
+        return f"{change_text(change)}: {change['label']}"
+    return f"{(result.final['avg'] - result.warm['avg']) * 100:+.1f}"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("-c", "--config", type=Path, required=True)
+    parser.add_argument("-c", "--config", type=Path)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="a config override for every seed (part of the reuse stamp)")
     parser.add_argument("--out", type=Path, help="write the per-seed results and summary here")
     parser.add_argument("--no-run", action="store_true", help="only read finished seeds")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="run and read nothing else: the runs a json of --out records, "
+                             "summarized again (and written back to it, or to --out)")
     args = parser.parse_args(argv)
-    name = read_yaml(args.config).get("name") or args.config.stem
+    if args.from_json:
+        recorded = json.loads(args.from_json.read_text())
+        args.config, args.sets = Path(recorded["config"]), recorded["sets"]
+        args.out = args.out or args.from_json
+        results = [recorded_result(run) for run in recorded["runs"]]
+    elif args.config is None:
+        parser.error("-c/--config is needed unless --from-json")
+    else:
+        name = read_yaml(args.config).get("name") or args.config.stem
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        results = [run_seed(args.config, name, s, args.sets, not args.no_run) for s in seeds]
     k = load_config(args.config, args.sets).eval.k  # the config's own default when unset
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    results = [run_seed(args.config, name, s, args.sets, not args.no_run) for s in seeds]
     row = summarize(results)
     print(table(results, row, k))
-    print(f"RL change (avg@{k}, after RL − after warm-start): {row['rl_verdict']}")
+    print(f"RL change (avg@{k}, after RL − after warm-start): {change_text(row['rl_change'])}, "
+          f"{row['rl_verdict']}")
     if args.out:
         args.out.write_text(json.dumps({
-            "config": str(args.config), "sets": args.sets, "summary": row,
+            "config": str(args.config), "sets": args.sets, "summary": no_nan(row),
             "runs": [{**r.__dict__, "run_dir": r.run_dir and r.run_dir.name}
                      for r in results]}, indent=1, default=str))
 
