@@ -19,12 +19,19 @@ The level defaults to the first group's mean final held-out success; the updates
 are read off each run's curve by linear interpolation between evaluated versions (None when a
 run never reaches it), and the ratio of the groups' means is the data efficiency.
 
+Every point whose per-task records were kept (the run's own evaluations, and versions evaluated
+since records are kept; in an ablation's json, version 0 and the last) is printed with its 95%
+interval (``metrics/intervals.py``). The updates to a level and their ratios carry none: they
+are read off noisy crossings, so read them beside the paired gains below.
+
 With --ablation the runs are paired by seed: a seed's arms share one warm-start, and the seeds'
 warm-starts differ by more than RL moves them (30.5, 39.5, 41.0% on SmolLM2), so one level for
 all seeds would be reached at version 0 by some and never by others. Each seed gets its own
 level instead, the first group's final success on that seed (or --level above the seed's
 version 0 with --gain), and the data efficiency is the first group's updates over each other
-group's, seed by seed. The plot then draws the change since the warm-start.
+group's, seed by seed. The plot then draws the change since the warm-start. Each group's mean
+gain over its start is compared with the first group's seed by seed: the difference with its
+95% t-interval over the seeds (only per-seed numbers exist) and the label read off it.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from autodidact.experiments.arms import Records
-from autodidact.heldout import curve
+from autodidact.experiments.arms import Records, recorded_result
+from autodidact.heldout import curve, curve_intervals
+from metrics.intervals import effect_label, format_diff, rate_interval, seed_paired_interval
 
 
 def updates_to_reach(points: dict[int, float], level: float) -> float | None:
@@ -55,20 +63,36 @@ def run_curves(groups: dict[str, list[Path]], versions: list[int]) -> dict:
     return {name: {str(d): curve(d, versions) for d in dirs} for name, dirs in groups.items()}
 
 
-def ablation_curves(path: Path, groups: dict[str, str]) -> dict:
+def run_intervals(curves: dict) -> dict:
+    """``{group: {run dir: {version: [low, high]}}}``: the 95% interval of every point of
+    :func:`run_curves` whose per-task records the run kept."""
+    return {name: {run: curve_intervals(Path(run), points) for run, points in cs.items()}
+            for name, cs in curves.items()}
+
+
+def ablation_curves(path: Path, groups: dict[str, str]) -> tuple[dict, dict]:
     """``{group: {"seed S": {version: avg@k}}}`` from an ablation's json, whose runs carry
-    the curves ``--curve-versions`` recorded; a group is one arm, over every seed that has one."""
+    the curves ``--curve-versions`` recorded; a group is one arm, over every seed that has one.
+    With it, the intervals of version 0 and the last, from the cells' per-task outcomes where
+    the json kept them (``{group: {"seed S": {version: [low, high]}}}``)."""
     runs = list(Records(path).by_cell.values())  # "runs" and "other_records" alike
-    curves = {}
+    curves, intervals = {}, {}
     for name, arm in groups.items():
-        found = {f"seed {r['seed']}": {int(v): s for v, s in r["curve"].items()}
-                 for r in runs if r["arm"] == arm and r.get("curve")}
-        if not found:
+        cells = [recorded_result(r) for r in runs if r["arm"] == arm and r.get("curve")]
+        if not cells:
             raise SystemExit(f"{path}: no run of the arm {arm!r} recorded a curve; run the "
                              "ablation with --curve-versions (arms: "
                              f"{sorted({r['arm'] for r in runs})})")
-        curves[name] = found
-    return curves
+        curves[name] = {f"seed {c.seed}": c.curve for c in cells}
+        intervals[name] = {f"seed {c.seed}": ends_intervals(c) for c in cells}
+    return curves, intervals
+
+
+def ends_intervals(cell) -> dict[int, list[float]]:
+    """The intervals of a recorded cell's version 0 (after warm-start) and last version (after
+    RL), from its per-task outcomes; none where the cell kept none."""
+    ends = {min(cell.curve): cell.per_task("warm"), max(cell.curve): cell.per_task("final")}
+    return {v: list(rate_interval(list(tasks.values()))) for v, tasks in ends.items() if tasks}
 
 
 def compare(curves: dict, level: float | None, paired: bool = False,
@@ -107,7 +131,25 @@ def compare_paired(curves: dict, level: float | None, gain: float | None) -> dic
                         for key, c in cs.items()}
                  for name, cs in curves.items()}
     return {"level": levels, "paired": True, "left_out": left_out, "curves": curves,
-            "updates_to_level": reach, "ratio_to_first": ratio, "mean_gain": mean_gain}
+            "updates_to_level": reach, "ratio_to_first": ratio, "mean_gain": mean_gain,
+            "gain_vs_first": gain_vs_first(mean_gain)}
+
+
+def gain_vs_first(mean_gain: dict) -> dict:
+    """Each group's mean gain minus the first group's, seed by seed: ``{group: {"value",
+    "low", "high", "label"}}``, the 95% t-interval over the seeds' differences and its label."""
+    first_name, first = next(iter(mean_gain.items()))
+    out = {}
+    for name, gains in mean_gain.items():
+        if name == first_name:
+            continue
+        diffs = [gains[key] - first[key] for key in first if key in gains]
+        low, high = seed_paired_interval(diffs)
+        out[name] = {"value": float(np.mean(diffs)) if diffs else float("nan"), "low": low,
+                     "high": high, "seeds": len(diffs),
+                     "label": effect_label(low, high) if len(diffs) > 1
+                     else "no interval (one seed)"}
+    return out
 
 
 def show(result: dict) -> str:
@@ -116,10 +158,14 @@ def show(result: dict) -> str:
              "held-out level per run: " + ", ".join(f"{k} {v:.1%}" for k, v in level.items())]
     if result.get("left_out"):
         lines.append("  left out, not in every group: " + ", ".join(result["left_out"]))
+    intervals = result.get("intervals") or {}
     for name, cs in result["curves"].items():
         for run, c in cs.items():
             reach = result["updates_to_level"][name].get(run)
-            pts = "  ".join(f"v{v}:{s:.1%}" for v, s in c.items())
+            known = intervals.get(name, {}).get(run, {})
+            pts = "  ".join(f"v{v}:{s:.1%}" + (f" (95% {100 * known[v][0]:.1f}–"
+                                                f"{100 * known[v][1]:.1f})" if v in known else "")
+                            for v, s in c.items())
             lines.append(f"  {name:12s} {Path(run).name:32s} {pts}   reaches it at "
                          f"{'never' if reach is None else f'{reach:.1f}'}")
     means = {}
@@ -141,6 +187,10 @@ def show(result: dict) -> str:
         per = ", ".join(f"{k} {100 * g:+.2f}" for k, g in gain.items())
         lines.append(f"  {name}: mean gain over the evaluated versions after 0, points: {per} "
                      f"(mean {100 * np.mean(list(gain.values())):+.2f})")
+    for name, change in result.get("gain_vs_first", {}).items():
+        lines.append(f"  {name} − {names[0]} mean gain, paired by seed: "
+                     f"{format_diff(change['value'], (change['low'], change['high']))} over "
+                     f"{change['seeds']} seeds (t): {change['label']}")
     return "\n".join(lines)
 
 
@@ -197,15 +247,17 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None, help="also draw the curves here (png)")
     args = ap.parse_args()
     groups = dict(text.partition("=")[::2] for text in args.group)
+    if args.gain is not None and (not args.ablation or args.level is not None):
+        ap.error("--gain sets a level per seed: it needs --ablation and no --level")
     if args.ablation:
-        curves = ablation_curves(args.ablation, groups)
+        curves, intervals = ablation_curves(args.ablation, groups)
     else:
         curves = run_curves({name: [Path(d) for d in dirs.split(",") if d]
                              for name, dirs in groups.items()},
                             [int(v) for v in args.versions.split(",") if v])
-    if args.gain is not None and (not args.ablation or args.level is not None):
-        ap.error("--gain sets a level per seed: it needs --ablation and no --level")
+        intervals = run_intervals(curves)
     result = compare(curves, args.level, paired=bool(args.ablation), gain=args.gain)
+    result["intervals"] = intervals
     print(show(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

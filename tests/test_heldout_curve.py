@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.heldout_curve import compare, show, updates_to_reach
+from bench.heldout_curve import ablation_curves, compare, show, updates_to_reach
 
 
 def test_the_level_is_interpolated_between_evaluated_versions():
@@ -41,6 +41,74 @@ def test_paired_by_seed_each_seed_has_its_own_level_and_ratio():
     # the mean gain over versions 5 and 15: (2 + 4) / 2 and (1 + 4) / 2 points for GRPO
     assert result["mean_gain"]["grpo"] == pytest.approx({"seed 0": 0.03, "seed 1": 0.025})
     assert result["mean_gain"]["ref"] == pytest.approx({"seed 0": 0.045, "seed 1": 0.04})
+
+
+def test_a_groups_gain_over_the_first_is_labelled_from_its_interval_over_seeds():
+    # Three seeds, the second group's gain above the first's on every one (+1.0, +0.1 and
+    # +2.0 points): the t-interval over three seeds spans 0, so no change.
+    grpo = {"seed 0": {0: .30, 15: .32}, "seed 1": {0: .40, 15: .41}, "seed 2": {0: .5, 15: .5}}
+    ref = {"seed 0": {0: .30, 15: .33}, "seed 1": {0: .40, 15: .411}, "seed 2": {0: .5, 15: .52}}
+    result = compare({"grpo": grpo, "ref": ref}, None, paired=True)
+    change = result["gain_vs_first"]["ref"]
+    assert change["value"] == pytest.approx(0.0103, abs=1e-4) and change["seeds"] == 3
+    assert change["low"] < 0 < change["high"] and change["label"] == "no change"
+    assert "ref − grpo mean gain, paired by seed: +1.0 points (95% " in show(result)
+    assert "over 3 seeds (t): no change" in show(result)
+    # the same gain on every seed, well apart from the first group's: helps
+    steady = {k: {0: c[0], 15: c[15] + 0.05} for k, c in grpo.items()}
+    assert compare({"grpo": grpo, "steady": steady}, None, paired=True)[
+        "gain_vs_first"]["steady"]["label"] == "helps"
+
+
+def test_points_are_shown_with_their_intervals_where_records_were_kept(tmp_path):
+    import json
+
+    def cell(seed, outcomes):
+        return {"arm": "+questioning", "seed": seed, "stamp": ["s"], "final": {"avg": 0.5},
+                "warm": {"avg": 0.5}, "base": {}, "curve": {"0": 0.5, "5": 0.75, "15": 1.0},
+                "outcomes": outcomes, "updates": 15, "seconds": 1.0, "run_dir": None}
+
+    kept = {"split": "validation", "warm": {"a": "4/4", "b": "0/4"},
+            "final": {"a": "4/4", "b": "4/4"}}
+    path = tmp_path / "abl.json"
+    path.write_text(json.dumps({"runs": [cell(0, kept), cell(1, {})]}))
+    curves, intervals = ablation_curves(path, {"grpo": "+questioning"})
+    assert curves["grpo"]["seed 0"] == {0: 0.5, 5: 0.75, 15: 1.0}
+    assert set(intervals["grpo"]["seed 0"]) == {0, 15}  # version 5 kept no records
+    assert intervals["grpo"]["seed 1"] == {}  # a cell made before records were kept
+    # two tasks, each always or never solved: the draws' means are 0, 0.5, 1 (as by hand in
+    # tests/test_intervals.py); after RL both always solved: no width
+    assert intervals["grpo"]["seed 0"] == {0: [0.0, 1.0], 15: [1.0, 1.0]}
+    result = {**compare(curves, None, paired=True), "intervals": intervals}
+    assert "v0:50.0% (95% 0.0–100.0)  v5:75.0%  v15:100.0% (95% 100.0–100.0)" in show(result)
+
+
+def test_a_runs_curve_points_have_intervals_from_its_records(tmp_path):
+    import json
+
+    from autodidact.heldout import curve_intervals, version_records_path
+    from autodidact.resolve import resolve_config
+    from protocol.config import dump_resolved
+    from protocol.run_dir import RunDir
+
+    rd = RunDir(tmp_path)
+    rd.config.write_text(dump_resolved(resolve_config(None, ["eval.k=2"])))
+    rd.summary.write_text(json.dumps({"success_warm": {"avg": 0.25},
+                                      "success_rl": {"avg": 0.5, "split": "validation"},
+                                      "learner": {"learner/version": 15}}))
+
+    def write(path, solved):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"task_id": t, "rewards": r}) + "\n"
+                                for t, r in solved.items()))
+
+    write(rd.heldout_records("validation", "warm"), {"a": [1.0, 1.0], "b": [0.0, 0.0]})
+    write(rd.heldout_records("validation", "rl"), {"a": [0.0, 0.0], "b": [0.0, 0.0]})
+    write(version_records_path(tmp_path, 5, "validation"), {"a": [1.0, 1.0], "b": [1.0, 1.0]})
+    assert version_records_path(tmp_path, 5, "validation").name == \
+        "files-validation-version-5-k2.jsonl"
+    found = curve_intervals(tmp_path, {0: 0.5, 5: 1.0, 10: 0.5, 15: 0.0})
+    assert found == {0: [0.0, 1.0], 5: [1.0, 1.0], 15: [0.0, 0.0]}  # 10: no records kept
 
 
 def test_paired_a_seed_missing_from_a_group_is_left_out_of_every_group():
