@@ -12,8 +12,10 @@ learner) from the same warm-started model for the same number of updates:
 Wall time is measured on the RL phase only (first to last learner update in metrics.jsonl), so
 model set-up and evaluation are excluded from both. With ``--eval-tasks N`` each mode ends with
 the held-out evaluation of the config (N tasks), so the two are also compared on what their
-updates bought. Each mode's busy time is read back too: the actors' seconds rolling out and the
-learner's seconds stepping, whose sum over max bounds what overlapping them can gain. Usage::
+updates bought: each rate with its 95% interval, and async − sync with its paired interval and
+the label read off it (the same tasks; ``metrics/intervals.py``). Each mode's busy time is
+read back too: the actors' seconds rolling out and the learner's seconds stepping, whose sum
+over max bounds what overlapping them can gain. Usage::
 
     .venv/bin/python -m bench.async_vs_sync [--updates 40] [--staleness 4]
     .venv/bin/python -m bench.async_vs_sync -c configs/smollm2.yaml --updates 12 \
@@ -42,9 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
+from metrics.intervals import format_rate
 from metrics.jsonl import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_CI = (float("nan"), float("nan"))  # a run made before held-out intervals were kept
 
 
 def run_mode(name: str, root: Path, seed_dir: Path, updates: int, staleness: int,
@@ -214,21 +218,37 @@ def main() -> None:
                    for mode, staleness, extra in (("sync", 0, []),
                                                   ("async", args.staleness, args.async_sets))]
         reached = time_to_level(results, root, versions) if versions else None
+        change = held_out_change(root) if args.eval_tasks else None
     finally:
         if args.out is None and not os.environ.get("KEEP_BENCH"):
             shutil.rmtree(root, ignore_errors=True)
-    print(report(results, reached))
+    print(report(results, reached, change))
     if args.json:
-        args.json.write_text(json.dumps({"modes": results, "time_to_level": reached}, indent=1))
+        args.json.write_text(json.dumps({"modes": results, "time_to_level": reached,
+                                         "held_out_change": change}, indent=1))
     if args.plot:
         print(f"plot: {plot(results, reached, args.plot)}")
 
 
-def report(results: list[dict], reached: dict | None = None) -> str:
+def held_out_change(root: Path) -> dict:
+    """async − sync held-out avg@k after RL: the same config and seed evaluate the same tasks,
+    so the interval is paired task by task where both runs kept per-task records."""
+    from autodidact.experiments.arms import read_result
+    from autodidact.experiments.page import change_over_seeds
+
+    sync, asyn = (read_result(mode, 0, root / mode) for mode in ("sync", "async"))
+    return change_over_seeds([(sync, asyn)])
+
+
+def report(results: list[dict], reached: dict | None = None,
+           change: dict | None = None) -> str:
+    from autodidact.experiments.page import change_text
+
     lines = []
     for r in results:
         held = r["held_out"]
-        held_text = f"  held-out avg {held['avg']:.1%}" if held else ""
+        held_text = (f"  held-out avg {format_rate(held['avg'], held.get('avg_ci', NO_CI))}"
+                     if held else "")
         lines.append(
             f"{r['mode']:>5}: {r['updates']} updates in {r['wall_s']:6.1f}s  "
             f"{r['samples_per_s']:7.2f} samples/s  lag {r['lag_mean']:.2f}  reward(last 10) "
@@ -243,6 +263,9 @@ def report(results: list[dict], reached: dict | None = None) -> str:
     if a and lrn:
         lines.append(f"overlap bound from the sync run's busy times: (A + L) / max(A, L) = "
                      f"({a:.0f} + {lrn:.0f}) / {max(a, lrn):.0f} = {(a + lrn) / max(a, lrn):.2f}x")
+    if change:
+        lines.append(f"async − sync held-out avg after RL: {change_text(change)}: "
+                     f"{change['label']}")
     if reached:
         lines.append(report_time_to_level(reached))
     return "\n".join(lines)

@@ -10,7 +10,8 @@ store and summary:
 * training success per window of 10 policy versions;
 * updates each arm needs to reach the outcome-only arm's final level (its last 20 versions),
   and their ratio: the data efficiency of attribution (> 1: attribution needs fewer updates);
-* held-out avg@k after warm-start and after RL;
+* held-out avg@k after warm-start and after RL with 95% intervals, and attribution − outcome
+  after RL with its paired interval and the label read off it;
 * for the attribution arm: labelled groups vs groups trained outcome-only past the deadline.
 
 Everything else (warm-start, experience settings, task mixture) is the config's; pass
@@ -19,9 +20,10 @@ Everything else (warm-start, experience settings, task mixture) is the config's;
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from autodidact.experiments.arms import read_result
+from autodidact.experiments.page import comparison_line, held_out_line
 from bench.run_compare import (
     WINDOW,
     arguments,
@@ -57,10 +59,11 @@ def compare(out: Path, seed: int, args) -> dict:
     for arm, curve in curves.items():
         print(f"  {arm:11s} " + " ".join(f"{v}:{s:.2f}" for v, s in curve.items()))
     print(f"  outcome-only final level (last 20 versions): {level:.3f}")
-    for arm, d in dirs.items():
-        s = json.loads((d / "summary.json").read_text())
-        print(f"  {arm:11s} reaches it at update {reach[arm]}; held-out avg@k warm-start "
-              f"{s['success_warm']['avg']:.3f} -> RL {s['success_rl']['avg']:.3f}")
+    held = {arm: read_result(arm, seed, d) for arm, d in dirs.items()}
+    for arm, result in held.items():
+        print(f"  {arm:11s} reaches it at update {reach[arm]}; held-out avg@k "
+              f"{held_out_line(result)}")
+    print(f"  {comparison_line(held['outcome'], held['attribution'])}")
     labelled, timeouts = judge_coverage(dirs["attribution"])
     print(f"  attribution arm: {labelled} groups trained on step labels, {timeouts} outcome-only "
           "past the judge deadline")

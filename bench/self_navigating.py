@@ -11,15 +11,16 @@ and prints, from each run's replay store and summary:
 * success of *unguided* rollouts per window of 10 policy versions in both runs, and how many
   updates each needs to reach the plain run's final level (unguided rollouts only, so the
   self-navigating run is not credited for the advice in its prompts);
-* held-out avg@k after warm-start and after RL (evaluation never injects experience).
+* held-out avg@k after warm-start and after RL (evaluation never injects experience) with 95%
+  intervals, and nav − plain after RL with its paired interval and the label read off it.
 """
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
+from autodidact.experiments.arms import read_result
+from autodidact.experiments.page import comparison_line, held_out_line
 from bench.run_compare import (
     WINDOW,
     arguments,
@@ -64,10 +65,10 @@ def main() -> None:
         w, wo, n = same_group_split(nav_rows, lo, hi)
         print(f"nav, {label}: success with experience {w:.3f} vs without {wo:.3f} "
               f"in the same {n} groups")
-    for name, d in (("plain", plain), ("nav", nav)):
-        s = json.loads((d / "summary.json").read_text())
-        print(f"{name:5s} held-out avg@k: warm-start {s['success_warm']['avg']:.3f} -> "
-              f"RL {s['success_rl']['avg']:.3f}")
+    held = {name: read_result(name, 0, d) for name, d in (("plain", plain), ("nav", nav))}
+    for name, result in held.items():
+        print(f"{name:5s} held-out avg@k: {held_out_line(result)}")
+    print(comparison_line(held["plain"], held["nav"]))
 
 
 if __name__ == "__main__":

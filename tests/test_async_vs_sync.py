@@ -21,7 +21,32 @@ def test_report_gives_the_speed_up_and_the_bound_of_the_sync_run():
     assert "async/sync speed-up: 1.25x (wall 1.25x)" in text
     # (A + L) / max(A, L) of the sync run: (60 + 40) / 60
     assert "(60 + 40) / 60 = 1.67x" in text
-    assert "held-out avg 50.0%" in text
+    assert "held-out avg 50.0% (no interval)" in text
+
+
+def test_report_gives_held_out_intervals_and_the_paired_change_with_its_label(tmp_path):
+    import json
+
+    from bench.async_vs_sync import held_out_change
+
+    for name, solved in (("sync", [1.0, 1.0, 0.0, 0.0]), ("async", [1.0, 1.0, 1.0, 0.0])):
+        (tmp_path / name / "eval").mkdir(parents=True)
+        (tmp_path / name / "eval" / "heldout-validation-rl.jsonl").write_text("".join(
+            json.dumps({"task_id": f"t{i}", "rewards": [s]}) + "\n"
+            for i, s in enumerate(solved)))
+        (tmp_path / name / "summary.json").write_text(json.dumps({"success_rl": {
+            "avg": sum(solved) / 4, "best": 0.5, "split": "validation"}}))
+    change = held_out_change(tmp_path)
+    # one task of four differs: a quarter of the paired draws miss it, so the interval
+    # starts at 0 and the reading is no change
+    assert change["over"] == "tasks" and change["value"] == 0.25 and change["low"] == 0.0
+    text = report([mode("sync", 100.0, 1.0, 60.0, 40.0,
+                        held={"avg": 0.5, "avg_ci": [0.25, 0.75]}),
+                   mode("async", 80.0, 1.25, 70.0, 45.0, held={"avg": 0.75})], change=change)
+    assert "held-out avg 50.0% (95% 25.0–75.0)" in text
+    assert "held-out avg 75.0% (no interval)" in text  # a run made before intervals were kept
+    assert "async − sync held-out avg after RL: +25.0 points (95% +0.0 to +75.0): no change" \
+        in text
 
 
 def test_time_to_level_reads_the_curve_then_the_clock_of_its_updates():
