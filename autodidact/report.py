@@ -26,6 +26,7 @@ from pathlib import Path
 
 import click
 
+from metrics.intervals import format_rate
 from metrics.jsonl import read_metrics
 from protocol.config import redacted_config, url_password
 from protocol.run_dir import RunDir
@@ -202,10 +203,15 @@ def headline(run: Run) -> dict:
         if restarts is not None else None,
         "restarts": {k: v for k, v in (restarts or {}).items() if v},
     }
+    out["heldout_split"] = run.summary.get("eval_split", "held-out")
+    out["looked_at_test"] = run.summary.get("looked_at_test")
+    test = run.summary.get("test") or {}
     for stage in ("base", "warm", "rl"):
         result = run.summary.get(f"success_{stage}") or {}
-        for key in ("avg", "best", "greedy", "tasks"):
+        for key in ("avg", "avg_ci", "best", "greedy", "tasks"):
             out[f"heldout_{stage}_{key}"] = result.get(key)
+        out[f"test_{stage}_avg"] = (test.get(stage) or {}).get("avg")
+        out[f"test_{stage}_avg_ci"] = (test.get(stage) or {}).get("avg_ci")
     return out
 
 
@@ -340,6 +346,10 @@ def _pct(v) -> str:
     return "n/a" if v is None else f"{v:.1%}"
 
 
+def _pct_ci(v, interval) -> str:
+    return _pct(v) if v is None or not interval else format_rate(v, interval)
+
+
 def _num(v, spec=".4g") -> str:
     if v is None:
         return "n/a"
@@ -373,14 +383,25 @@ def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[
     def row(name, fmt, key):
         out.append(f"| {name} | " + " | ".join(fmt(h.get(key)) for h in heads) + " |")
 
+    def rate_row(name, prefix):
+        out.append(f"| {name} | " + " | ".join(_pct_ci(h.get(f"{prefix}_avg"),
+                                                      h.get(f"{prefix}_avg_ci"))
+                                                for h in heads) + " |")
+
+    row("held-out split", str, "heldout_split")
     for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
                         ("rl", "after RL")):
-        row(f"held-out avg@k, {name}", _pct, f"heldout_{stage}_avg")
+        rate_row(f"held-out avg@k, {name} (95% interval)", f"heldout_{stage}")
     for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
                         ("rl", "after RL")):
         row(f"held-out greedy, {name}", _pct, f"heldout_{stage}_greedy")
     row("held-out best@k, after RL", _pct, "heldout_rl_best")
     row("held-out tasks", _num, "heldout_rl_tasks")
+    row("looked at test", _num, "looked_at_test")
+    if any(h.get("test_rl_avg") is not None for h in heads):
+        for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
+                            ("rl", "after RL")):
+            rate_row(f"test avg@k, {name} (95% interval)", f"test_{stage}")
     row("learner updates", _num, "updates")
     row("policy version", _num, "version")
     row("wall time of the metrics (s)", lambda v: _num(v, ".0f"), "wall_s")
