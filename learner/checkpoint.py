@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "updates", "version", "consumed",
                    "torch_rng", "numpy_rng", "python_rng")
+# Optional, so checkpoints written before it existed still load: the GPUs' generator states
+# (an empty list from a CPU run).
+CUDA_RNG = "cuda_rng"
 
 
 # Checkpoints written before the RNG states were plain tensors hold numpy's as an ndarray.
@@ -53,13 +56,23 @@ class CheckpointError(RuntimeError):
 
 def rng_states() -> dict:
     """The RNG states as tensors, ints and lists only, so checkpoints load with
-    ``weights_only=True`` (numpy's state holds an ndarray, which that refuses)."""
+    ``weights_only=True`` (numpy's state holds an ndarray, which that refuses). ``cuda_rng``
+    holds one state per visible GPU once CUDA is in use, else none (a CPU run)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     return {"torch_rng": torch.get_rng_state(),
             "numpy_rng": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
                           int(has_gauss), float(gauss)],
-            "python_rng": [version, list(internal), gauss_next]}
+            "python_rng": [version, list(internal), gauss_next],
+            CUDA_RNG: cuda_rng_states()}
+
+
+def cuda_rng_states() -> list[torch.Tensor]:
+    """Each visible GPU's generator state; none when this process never initialised CUDA
+    (asking would initialise it, taking GPU memory a CPU learner never uses)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    return torch.cuda.get_rng_state_all()
 
 
 def set_rng_states(state: dict) -> None:
@@ -69,6 +82,33 @@ def set_rng_states(state: dict) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = state["python_rng"]
     random.setstate((version, tuple(internal), gauss_next))
+    set_cuda_rng_states(state.get(CUDA_RNG))
+
+
+def set_cuda_rng_states(saved: list | None) -> None:
+    """Restore the GPUs' generators where both the checkpoint and this process have them; a
+    checkpoint of a CPU run (or from before the key existed) on a GPU, or of a GPU run on a
+    CPU, leaves them as seeded, with one log line saying so."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if saved is None:
+        if available:
+            log.info("the checkpoint holds no CUDA RNG state (written before it was saved): "
+                     "the GPU generators start from their seed")
+        return
+    if not saved:
+        if available:
+            log.info("the checkpoint holds no CUDA RNG state (a CPU run's): the GPU generators "
+                     "start from their seed")
+        return
+    if not available:
+        log.info("the checkpoint holds the CUDA RNG state of %d GPU(s) and CUDA is not "
+                 "available here: not restored", len(saved))
+        return
+    if len(saved) != available:
+        log.info("the checkpoint holds the CUDA RNG state of %d GPU(s), this process sees %d: "
+                 "restoring the first %d", len(saved), available, min(len(saved), available))
+    # Applied when CUDA initialises, if it has not yet (torch queues the call).
+    torch.cuda.set_rng_state_all(saved[:available])
 
 
 def load_checkpoint(path: Path) -> dict:

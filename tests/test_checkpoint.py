@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.checkpoint import CheckpointError, read_checkpoint, rng_states, save_checkpoint
+from learner.checkpoint import (
+    CUDA_RNG,
+    CheckpointError,
+    read_checkpoint,
+    rng_states,
+    save_checkpoint,
+    set_rng_states,
+)
 from protocol.errors import EXIT_UNRECOVERABLE
 from protocol.run_dir import RunDir
 
@@ -84,6 +91,72 @@ def test_a_cut_short_checkpoint_without_digests_is_refused_not_a_bare_oserror(tm
         f.truncate(os.path.getsize(rd.checkpoint) // 2)
     with pytest.raises(CheckpointError, match="latest.pt cannot be read"):
         read_checkpoint(tmp_path)
+
+
+def test_the_rng_states_include_the_gpus_and_none_on_a_cpu_run(tmp_path):
+    save_checkpoint(tmp_path, state(1))
+    got, _ = read_checkpoint(tmp_path)
+    assert {"torch_rng", "numpy_rng", "python_rng", CUDA_RNG} <= set(got)
+    if not torch.cuda.is_initialized():  # a CPU run: no GPU generator to carry
+        assert got[CUDA_RNG] == []
+
+
+def test_a_checkpoint_without_the_gpu_key_still_loads_and_restores(tmp_path):
+    old = state(4)
+    del old[CUDA_RNG]  # written before the GPU generators were saved
+    rd = RunDir(tmp_path)
+    rd.checkpoints.mkdir()
+    torch.save(old, rd.checkpoint)
+    got, _ = read_checkpoint(tmp_path)
+    expected = torch.rand(4)
+    set_rng_states(got)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_gpu_runs_rng_on_a_cpu_is_left_with_a_log_line(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    saved = {**rng_states(), CUDA_RNG: [torch.zeros(16, dtype=torch.uint8)]}
+    with caplog.at_level(logging.INFO, logger="learner.checkpoint"):
+        set_rng_states(saved)
+    assert "CUDA RNG state of 1 GPU(s) and CUDA is not available here: not restored" \
+        in caplog.text
+
+
+def test_a_cpu_runs_rng_on_a_gpu_is_left_with_a_log_line(monkeypatch, caplog):
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    with caplog.at_level(logging.INFO, logger="learner.checkpoint"):
+        set_rng_states({**rng_states(), CUDA_RNG: []})
+        set_rng_states({k: v for k, v in rng_states().items() if k != CUDA_RNG})
+        assert "no CUDA RNG state (a CPU run's)" in caplog.text
+        assert "no CUDA RNG state (written before it was saved)" in caplog.text
+        assert restored == []
+        three = [torch.full((16,), i, dtype=torch.uint8) for i in range(3)]
+        set_rng_states({**rng_states(), CUDA_RNG: three})  # saved on 3 GPUs, restored on 2
+    assert len(restored) == 1 and [int(t[0]) for t in restored[0]] == [0, 1]
+    assert "restoring the first 2" in caplog.text
+
+
+# Runs only where CUDA is: `python -m pytest tests/test_checkpoint.py -k cuda -q -n0`.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_draws_come_back_after_a_checkpoint_round_trip(tmp_path):
+    saved = state(1)  # seeds every generator, the GPUs' too
+    torch.rand(3, device="cuda")  # moved on from the seed: the state, not the seed, must return
+    saved.update(rng_states())
+    assert len(saved[CUDA_RNG]) == torch.cuda.device_count()
+    expected = [torch.rand(8, device=f"cuda:{i}").cpu()
+                for i in range(torch.cuda.device_count())]
+    expected_cpu = torch.rand(8)
+    save_checkpoint(tmp_path, saved)
+    torch.rand(100, device="cuda")  # drawn past the checkpoint
+    got, _ = read_checkpoint(tmp_path)
+    assert all(not t.is_cuda for t in got[CUDA_RNG])  # loaded to the CPU, as set_rng_state wants
+    set_rng_states(got)
+    again = [torch.rand(8, device=f"cuda:{i}").cpu() for i in range(torch.cuda.device_count())]
+    assert all(torch.equal(a, b) for a, b in zip(again, expected))
+    assert torch.equal(torch.rand(8), expected_cpu)
 
 
 @pytest.mark.parametrize("crash_after", ["digests", "moved_latest"])
