@@ -145,13 +145,14 @@ def replay(ctx, config, run_dir, sets, address):
     if ctx.invoked_subcommand is not None:
         return
     from autodidact.wiring import replay_process
+    from replay.server import RoleTokensMissing
 
     cfg, path = load_run(config, sets, run_dir)
     private_run_dir(path)
     address = address or cfg.replay.address or None
     try:
         replay_process(path, cfg, address, check_curve(cfg, address))
-    except StoreDamaged as exc:
+    except (StoreDamaged, RoleTokensMissing) as exc:
         raise click.ClickException(str(exc)) from None
 
 

@@ -1,4 +1,5 @@
-"""``autodidact keys generate``: CURVE key pairs for ZeroMQ sockets that leave this machine.
+"""``autodidact keys generate``: CURVE key pairs for ZeroMQ sockets that leave this machine;
+``autodidact keys tokens``: a run directory's role tokens, for a replay socket without them.
 
 The layout it writes is the one ``security.keys_dir`` reads (see ``protocol/security.py``)::
 
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import click
 
+from protocol.messages import REPLAY_ROLES
+from protocol.run_dir import RunDir, role_token
 from protocol.security import AUTHORIZED, CLIENT_KEY, NODES, READER, SERVER_KEY
 
 LOCAL_ROLES = ("learner", "actor", "judge")  # the head runs every role
@@ -41,6 +44,7 @@ def keys():
     \b
     autodidact keys generate --out keys --clients 2     server pair, local pair, 2 node pairs
     autodidact keys generate --out keys --client gpu1 --client gpu2
+    autodidact keys tokens --run-dir runs/x           the run's role tokens, without keys
     """
 
 
@@ -89,6 +93,25 @@ def generate(out, clients, names, force):
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     _say_how(out, nodes)
+
+
+@keys.command("tokens")
+@click.option("--run-dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The run directory whose replay server tells roles apart by token.")
+def tokens(run_dir):
+    """Make the run directory's missing role tokens (learner.token, actor.token, judge.token;
+    mode 0600); existing ones are kept. Without CURVE keys the replay server serves each
+    role's requests only to frames carrying its token, and reads them at start: restart it,
+    and give plaintext worker nodes copies of actor.token and judge.token."""
+    rd = RunDir(run_dir)
+    had = {role for role in REPLAY_ROLES if rd.role_token(role).exists()}
+    for role in REPLAY_ROLES:
+        role_token(rd.path, role, create=True)
+    made = [role for role in REPLAY_ROLES if role not in had]
+    click.echo(f"{rd.path}: made {', '.join(f'{r}.token' for r in made) or 'nothing'}; kept "
+               f"{', '.join(f'{r}.token' for r in REPLAY_ROLES if r in had) or 'nothing'}")
+    if made:
+        click.echo("restart the replay server and the run's roles so they read them")
 
 
 def _client_pairs(stage: Path, node: str, dest: Path, roles: tuple[str, ...],

@@ -9,8 +9,12 @@ Each writing request belongs to one role (``protocol.messages.REPLAY_SENDER``): 
 push, only judges lease and label, and only the learner says hello, takes batches and commits
 the ledger (its requests move what every other role sees: the stale floor, what is consumed).
 With CURVE keys the sender's key decides (``authorized/<role>/``); without, the role token in
-the frame's envelope, on a run directory that has one (``<role>.token``, made by ``autodidact
-run``). Anything else is refused ``unauthorized`` and counted.
+the frame's envelope (``<run-dir>/<role>.token``, made by ``autodidact run`` or ``autodidact
+keys tokens``). Anything else is refused ``unauthorized``, counted and logged. Tokens fail
+closed: once a run directory has any, every role needs its own, and a store served with tokens
+is never served open again. Only a store made on a directory without tokens (tests, benches, a
+bare ``autodidact replay``) serves any client as any role, and says so at start; an older
+store in a directory without tokens is refused at start (docs/security.md).
 
 A write transaction that fails because the file system is full answers every write in it with
 ``disk_full`` (nothing of it was stored; clients keep what they sent and try again after a
@@ -75,6 +79,7 @@ from replay.store import (
     LEARNER_VERSION,
     MAX_STALENESS,
     NEXT_SEQ,
+    ROLES_BY_TOKEN,
     GroupRecord,
     Store,
     store_path,
@@ -88,6 +93,9 @@ READS = (JudgePull, StatsRequest, GroupsSince)  # handled after the commit: they
 STORE_FULL = "replay store is full: grow replay.map_size and restart the replay server"
 UNAUTHORIZED = ("only the run's {role} may send {request}: its frames carry "
                 "<run-dir>/{role}.token, or with CURVE keys it holds a key in authorized/{role}/")
+NO_ROLE_TOKEN = ("only the run's {role} may send {request}, and the run directory has no "
+                 "{role}.token to prove it by: make it with `autodidact keys tokens --run-dir "
+                 "<run-dir>`, then restart the replay server and the {role}")
 DISK_FULL = "no space left on the replay store's file system: nothing stored; send it again later"
 # LMDB reports a write the file system refused as a generic I/O error; with less than this
 # free on the store's file system it is taken for a full disk.
@@ -106,6 +114,10 @@ class _Held:
 
 
 HOLD = object()  # a handler's "no reply yet": the request is in ReplayServer.held
+
+
+class RoleTokensMissing(RuntimeError):
+    """A run directory without role tokens whose store must not be served open."""
 
 
 class _HandlerCrash(Exception):
@@ -132,6 +144,8 @@ class ReplayServer:
             self.store = Store(run_dir, map_size=cfg.map_size)
             undo.callback(self.store.close)
             self.store.env.reader_check()  # clear reader slots of a killed predecessor
+            # with keys a frame's sender key says which roles it may act as; without, tokens
+            self.tokens, self.open_roles = ({}, False) if curve else self._token_authority()
             self.rpc = RouterServer(address or cfg.address or local_address(run_dir, "replay"),
                                     max_frame_bytes=cfg.max_frame_bytes, curve=curve)
             undo.pop_all()
@@ -149,20 +163,51 @@ class ReplayServer:
         self._nothing_evictable: tuple | None = None  # see _evict
         self._last_logged: dict[str, float] = {}
         self.disk_full = False  # the last write transaction failed for want of space
-        self.curve = curve  # with keys, a frame's sender key says which roles it may act as
-        # without: a role that has a token is served only to frames carrying it
-        self.tokens = {role: t for role in REPLAY_ROLES if (t := role_token(self.run_dir, role))}
+        self.curve = curve
         self._handlers = {Group: self._on_group, StepLabels: self._on_labels,
                           LearnerHello: self._on_hello, BatchRequest: self._on_batch_request,
                           LedgerCommit: self._on_ledger, JudgePull: self._on_judge_pull,
                           StatsRequest: self._on_stats, GroupsSince: self._on_groups_since}
         self._reload()
-        log.info("replay server on %s: %d groups in %s; %s; learner requests %s", self.address,
+        log.info("replay server on %s: %d groups in %s; %s; %s", self.address,
                  len(self.index), store_path(run_dir),
                  f"CURVE, {len(curve.authorized)} authorized client keys"
-                 if curve else "plaintext (security.keys_dir empty)",
-                 "roles by client key" if curve else
-                 f"roles by token: {', '.join(self.tokens) or 'none (any client, any role)'}")
+                 if curve else "plaintext (security.keys_dir empty)", self._authority_line())
+        if self.open_roles:
+            log.warning("%s has no role tokens: any client may act as any role (learner, actor, "
+                        "judge); `autodidact keys tokens --run-dir %s` makes them and closes "
+                        "this store to clients without one for good", self.run_dir, self.run_dir)
+
+    def _token_authority(self) -> tuple[dict[str, str], bool]:
+        """Each role's token, and whether roles are open to any client. Open only for a store
+        made on a directory without tokens; the store records which it is (ROLES_BY_TOKEN), so
+        tokens deleted later, or a store from before the record whose directory has none,
+        refuse to start instead of serving everyone (RoleTokensMissing)."""
+        tokens = {role: t for role in REPLAY_ROLES if (t := role_token(self.run_dir, role))}
+        with self.store.env.begin() as txn:
+            recorded = self.store.get_meta(txn, ROLES_BY_TOKEN)
+            fresh = recorded is None and self.store.get_meta(txn, NEXT_SEQ) is None
+        if not tokens and not fresh and recorded is not False:
+            made = ", ".join(f"{role}.token" for role in REPLAY_ROLES)
+            raise RoleTokensMissing(
+                f"{self.run_dir} has no role tokens ({made}) and its replay store was served "
+                f"with them or made before they existed, so it is not served to any client as "
+                f"any role: make them with `autodidact keys tokens --run-dir {self.run_dir}` "
+                f"(`autodidact run --resume` also does), then start the run's roles again")
+        if recorded != bool(tokens):
+            with self.store.env.begin(write=True) as txn:
+                self.store.put_meta(txn, ROLES_BY_TOKEN, bool(tokens))
+        return tokens, not tokens
+
+    def _authority_line(self) -> str:
+        if self.curve:
+            return "roles by client key"
+        if self.open_roles:
+            return "roles open: no role tokens"
+        missing = [role for role in REPLAY_ROLES if role not in self.tokens]
+        return (f"roles by token ({', '.join(self.tokens)})" +
+                (f"; no {', '.join(missing)} token: those requests are refused" if missing
+                 else ""))
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -290,13 +335,13 @@ class ReplayServer:
 
     def _dispatch(self, txn, inc: Incoming):
         role = REPLAY_SENDER.get(type(inc.msg))
-        if role is not None and not self._may_act_as(inc, role):
+        if role is not None and (why := self._refusal(inc, role)):
             self.rpc.counters.rejected["unauthorized"] += 1
             if self._due("unauthorized"):
                 log.warning("refused %s: the sender is not the run's %s (%s)", type(inc.msg).TYPE,
-                            role, "its key is not in authorized/" + role if self.curve
-                            else f"no {role}.token in the frame")
-            return Error("unauthorized", UNAUTHORIZED.format(role=role, request=type(inc.msg).TYPE))
+                            role, why)
+            text = NO_ROLE_TOKEN if self._missing_token(role) else UNAUTHORIZED
+            return Error("unauthorized", text.format(role=role, request=type(inc.msg).TYPE))
         try:
             return self._handlers[type(inc.msg)](txn, inc)
         except SchemaError as exc:  # well-formed but inconsistent with what is stored
@@ -310,11 +355,24 @@ class ReplayServer:
                 return self._internal_error(exc)
             raise _HandlerCrash(inc, exc) from exc
 
-    def _may_act_as(self, inc: Incoming, role: str) -> bool:
+    def _refusal(self, inc: Incoming, role: str) -> str:
+        """Why ``inc`` may not act as ``role``; "" when it may."""
         if self.curve is not None:
-            return role in self.curve.roles_of(inc.peer_key)
+            return "" if role in self.curve.roles_of(inc.peer_key) else \
+                f"its key is not in authorized/{role}"
+        if self.open_roles:
+            return ""
         token = self.tokens.get(role)
-        return token is None or hmac.compare_digest(inc.credential.encode(), token.encode())
+        if token is None:
+            return f"{self.run_dir} has no {role}.token: `autodidact keys tokens` makes it"
+        if not inc.credential:
+            return "the frame carries no token"
+        if not hmac.compare_digest(inc.credential.encode(), token.encode()):
+            return f"the frame's token is not {role}.token"
+        return ""
+
+    def _missing_token(self, role: str) -> bool:
+        return self.curve is None and not self.open_roles and role not in self.tokens
 
     def _internal_error(self, exc: Exception) -> Error:
         self.counters["errors/internal"] += 1

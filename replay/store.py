@@ -41,6 +41,9 @@ EVICTED_STALE = "evicted_stale"
 LEARNER_VERSION = "learner_version"  # newest policy version a learner told us about
 MAX_STALENESS = "max_staleness"  # the bound the learner last asked for
 LAST_BATCH = "last_batch/"  # + learner_id: [msg_id, [group ids]] of the last Batch sent
+# True once the store was served with role tokens, False for one made on a directory without
+# any (served open); see ReplayServer._token_authority. Absent: made before the record existed.
+ROLES_BY_TOKEN = "roles_by_token"
 
 
 @dataclasses.dataclass(slots=True)  # one per stored group in the server's memory

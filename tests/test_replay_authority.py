@@ -1,8 +1,12 @@
 """Each role has only its own powers on the replay socket (issue 21, part 6): only actors push,
 only judges lease and label, only the learner takes batches, commits the ledger and moves the
 learner version with a hello. Without CURVE keys the role token in the frame's envelope
-decides (on a run directory that has tokens); with keys, the sender's key. Refusals are
-counted and named; every role is still served its own requests."""
+decides; with keys, the sender's key. Refusals are counted and named; every role is still
+served its own requests.
+
+Tokens fail closed (issue 36, part 6): once a run directory has any, a role without one is
+refused; only a store made on a directory without tokens serves any role, until tokens are
+made; an older store whose directory has none is refused at start, naming the command."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from protocol.replay_client import ReplayClient
 from protocol.run_dir import RunDir, role_token
 from protocol.security import CurveKeys
 from replay.server import ReplayServer
+from replay.store import ROLES_BY_TOKEN, Store
 
 
 def push_one(client: ReplayClient, group) -> str:
@@ -101,8 +106,43 @@ def test_role_tokens_give_each_role_its_own_requests_only(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_run_directory_without_tokens_serves_any_role(tmp_path):
-    """Stores made before tokens existed, and bare test directories, keep working."""
+def test_a_role_without_a_token_is_refused_when_the_run_has_tokens(tmp_path):
+    """The judge's token is missing: its requests are refused whatever they carry, one line
+    naming the file and the command, counted and logged; the other roles are served on."""
+    tokens = {role: role_token(tmp_path, role, create=True) for role in ("learner", "actor")}
+    groups = [make_group(i) for i in range(3)]
+    with ServerProc(tmp_path) as server:
+        actor = ReplayClient(server.address, timeout_s=10, credential=tokens["actor"])
+        learner = ReplayClient(server.address, timeout_s=10, credential=tokens["learner"])
+        judges = [ReplayClient(server.address, timeout_s=10, credential=c)
+                  for c in ("", tokens["actor"], "0" * 48)]
+        try:
+            assert set(push_all(actor, groups).values()) == {"stored"}
+            for judge in judges:
+                for call, args in ((judge.pull_judge_work, ("judge-0",)),
+                                   (judge.submit_labels, (labels_for(groups[0]),))):
+                    with pytest.raises(RemoteError) as refused:
+                        call(*args)
+                    assert refused.value.reason == "unauthorized"
+                    detail = refused.value.detail
+                    assert "\n" not in detail and "no judge.token" in detail
+                    assert "autodidact keys tokens --run-dir" in detail
+            stats = learner.stats()
+            assert stats["rejected/unauthorized"] == 6 and stats["judged"] == 0
+            assert len(learner.request_batch("learner", 3, 0).groups) == 3  # served on
+        finally:
+            for client in (actor, learner, *judges):
+                client.close()
+        log = server.log_text()
+    assert "roles by token (learner, actor); no judge token: those requests are refused" in log
+    assert "refused judge_pull: the sender is not the run's judge" in log
+    assert f"{tmp_path} has no judge.token" in log
+
+
+@pytest.mark.timeout(90)
+def test_a_store_made_without_tokens_serves_any_role_until_tokens_are_made(tmp_path):
+    """A bare store (tests, benches) is served open, with a warning; once `autodidact keys
+    tokens` made tokens it is closed, and deleting them later does not open it again."""
     with ServerProc(tmp_path) as server:
         client = ReplayClient(server.address, timeout_s=10)
         try:
@@ -110,6 +150,81 @@ def test_a_run_directory_without_tokens_serves_any_role(tmp_path):
             assert len(client.request_batch("learner", 1, 0).groups) == 1
         finally:
             client.close()
+    assert "has no role tokens: any client may act as any role" in server.log_text()
+    assert_keys_tokens_makes(tmp_path, made=REPLAY_ROLES)
+    with server:  # started again
+        anonymous = ReplayClient(server.address, timeout_s=10)
+        learner = ReplayClient(server.address, timeout_s=10,
+                               credential=role_token(tmp_path, "learner"))
+        try:
+            assert_refused("actor", push_one, anonymous, make_group(2))
+            assert len(learner.request_batch("learner", 1, 0).groups) == 0  # served, as learner
+        finally:
+            anonymous.close()
+            learner.close()
+    for role in REPLAY_ROLES:
+        RunDir(tmp_path).role_token(role).unlink()
+    assert_refused_at_start(server)
+
+
+@pytest.mark.timeout(90)
+def test_an_old_store_without_tokens_is_refused_at_start_naming_the_command(tmp_path):
+    """A store written before tokens existed, in a directory without any, must not be served
+    to everyone: the server exits with one line naming `autodidact keys tokens`; after it,
+    the store is served by token, its groups kept."""
+    server = ServerProc(tmp_path)
+    with server:
+        client = ReplayClient(server.address, timeout_s=10)
+        try:
+            push_all(client, [make_group(1)])
+        finally:
+            client.close()
+    forget_the_token_record(tmp_path)  # as an older server left it
+    assert_refused_at_start(server)
+    assert_keys_tokens_makes(tmp_path, made=REPLAY_ROLES)
+    with server:  # started again
+        anonymous = ReplayClient(server.address, timeout_s=10)
+        learner = ReplayClient(server.address, timeout_s=10,
+                               credential=role_token(tmp_path, "learner"))
+        try:
+            assert_refused("learner", anonymous.request_batch, "learner", 1, 0)
+            assert [g.group_id for g in learner.request_batch("learner", 1, 0).groups] == \
+                [make_group(1).group_id]
+        finally:
+            anonymous.close()
+            learner.close()
+
+
+def forget_the_token_record(run_dir) -> None:
+    store = Store(run_dir)
+    try:
+        with store.env.begin(write=True) as txn:
+            store.delete_meta(txn, ROLES_BY_TOKEN)
+    finally:
+        store.close()
+
+
+def assert_refused_at_start(server: ServerProc) -> None:
+    with pytest.raises(RuntimeError, match="did not start"):
+        server.start()
+    assert server.proc.returncode != 0
+    last = server.log_text().strip().splitlines()[-1]
+    assert last.startswith("Error: ") and "has no role tokens" in last, last
+    assert f"autodidact keys tokens --run-dir {server.run_dir}" in last
+
+
+def assert_keys_tokens_makes(run_dir, made) -> None:
+    from click.testing import CliRunner
+
+    from autodidact.cli import main
+
+    result = CliRunner().invoke(main, ["keys", "tokens", "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert f"made {', '.join(f'{r}.token' for r in made)}" in result.output
+    for role in REPLAY_ROLES:
+        assert RunDir(run_dir).role_token(role).stat().st_mode & 0o077 == 0
+    again = CliRunner().invoke(main, ["keys", "tokens", "--run-dir", str(run_dir)])
+    assert "made nothing" in again.output  # existing tokens are kept, never replaced
 
 
 @pytest.mark.timeout(60)
