@@ -396,8 +396,8 @@ def test_a_tiny_ablation_end_to_end(tmp_path):
     ref_log, attr_log = ((out / f"{d.name}.log").read_text() for d in (ref, attr))
     assert "warm-start step" in ref_log and "warm-start step" not in attr_log
     # ... nor evaluates that policy again: it carries the reference run's evaluations
-    assert "held-out success before warm-start" in ref_log
-    assert "held-out success" not in attr_log.split("held-out success after RL")[0]
+    assert "validation success base" in ref_log
+    assert "validation success" not in attr_log.split("validation success after RL")[0]
     assert yaml.safe_load((attr / "config.yaml").read_text())["eval"]["before_rl"] is False
     for key in ("success_base", "success_warm"):
         assert summaries[attr][key] == summaries[ref][key] and summaries[ref][key]

@@ -86,10 +86,12 @@ def rate_over_seeds(results: list[Result], stage: str = "final") -> dict:
     value = mean_std(values)[0]
     tasks = pooled(results, stage)
     if tasks:
-        return {"value": value, **dict(zip(("low", "high"), rate_interval(list(
-            tasks.values())))), "over": "tasks"}
-    low, high = seed_interval(values)  # t knows nothing of rates: kept within 0 and 1
-    return {"value": value, "low": max(low, 0.0), "high": min(high, 1.0), "over": "seeds"}
+        low, high = rate_interval(list(tasks.values()))
+        return {"value": value, "low": low, "high": high, "over": "tasks"}
+    low, high = seed_interval(values)
+    if not math.isnan(low):  # t knows nothing of rates: kept within 0 and 1
+        low, high = max(low, 0.0), min(high, 1.0)
+    return {"value": value, "low": low, "high": high, "over": "seeds"}
 
 
 def change_over_seeds(pairs: list[tuple[Result, Result]], a_stage: str = "final",
@@ -100,6 +102,9 @@ def change_over_seeds(pairs: list[tuple[Result, Result]], a_stage: str = "final"
     differences; the label is the interval's (:func:`metrics.intervals.effect_label`)."""
     pairs = [(a, b) for a, b in pairs if "avg" in getattr(a, a_stage)
              and "avg" in getattr(b, b_stage)]
+    if not pairs:
+        return {"value": math.nan, "low": math.nan, "high": math.nan, "over": "",
+                "label": "nothing to compare"}
     before = pooled([a for a, _ in pairs], a_stage)
     after = pooled([b for _, b in pairs], b_stage)
     if before and after:
@@ -110,9 +115,7 @@ def change_over_seeds(pairs: list[tuple[Result, Result]], a_stage: str = "final"
         diffs = [getattr(b, b_stage)["avg"] - getattr(a, a_stage)["avg"] for a, b in pairs]
         low, high = seed_paired_interval(diffs)
         change = {"value": mean_std(diffs)[0], "low": low, "high": high, "over": "seeds"}
-    if not pairs:
-        label = "nothing to compare"
-    elif math.isnan(change["low"]):
+    if math.isnan(change["low"]):
         label = "no interval (one seed, no per-task records)"
     else:
         label = effect_label(change["low"], change["high"])
@@ -377,8 +380,10 @@ def held_out_text(results: list[Result]) -> str:
 
 def intervals_text(rows: list[dict]) -> str:
     """How the table's intervals were taken and read."""
-    over_seeds = any(interval.get("over") == "seeds" for row in rows
-                     for interval in (row["avg_ci"], row["rl_gain"], row.get("change", {})))
+    shown = [interval for row in rows
+             for interval in (row["avg_ci"], row["rl_gain"], row.get("change"))
+             if interval and not math.isnan(interval["value"])]
+    over_seeds = any(interval["over"] == "seeds" for interval in shown)
     text = ("Every interval is 95% (`metrics/intervals.py`, docs/benchmarks.md). Where the runs "
             "kept per-task records, avg@k's interval is a bootstrap over the seeds' held-out "
             "tasks and each task's samples, and a change's is paired: the same seed evaluates "
