@@ -32,13 +32,13 @@ def test_ground_truth_policy_scores_everything(tmp_path, files_policy_path):
     split = json.loads((tmp_path / "split.json").read_text())
     assert split["env"] == "files" and split["test"] and split["train"]
     assert not set(split["train"]) & set(split["test"])
-    assert {r["task_id"] for r in records} <= set(split["test"])
+    assert {r["task_id"] for r in records} <= set(split["validation"])  # eval's default split
 
 
 def test_model_policy_reports_avg_and_best(tmp_path, files_policy_path):
     _eval("--run-dir", str(tmp_path), "-k", "3", "--limit", "6", "--temperature", "1.0",
           "--model", files_policy_path)
-    path = tmp_path / "eval" / "files-test-model-k3.jsonl"
+    path = tmp_path / "eval" / "files-validation-model-k3.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 6
     for r in records:
@@ -139,15 +139,17 @@ def test_run_and_eval_share_one_evaluation(tmp_path, files_policy_path, monkeypa
                                 "eval.greedy=true"])
     lines = []
     held = held_out_eval(cfg, tmp_path, files_policy_path, "now", 7, say=lines.append)
-    assert set(held) == {"avg", "best", "tasks", "greedy"} and held["tasks"] == 5
-    assert "held-out success now" in lines[0] and "5 tasks" in lines[0]
+    assert set(held) == {"avg", "avg_ci", "best", "best_ci", "tasks", "greedy", "split"}
+    assert held["tasks"] == 5 and held["split"] == "validation"
+    assert "validation success now" in lines[0] and "5 tasks" in lines[0]
     assert [c[2:] for c in calls] == [(0.7, 2, 0), (0.0, 1, 0)]  # sampled, then greedy
     _eval("--run-dir", str(tmp_path), "-k", "2", "--limit", "5", "--temperature", "0.7",
           "--batch-tasks", "64", "--model", files_policy_path)
     assert len(calls) == 3 and calls[2] == calls[0]
-    summary = json.loads((tmp_path / "eval" / "files-test-model-k2.summary.json").read_text())
-    assert (summary["avg"], summary["best"], summary["tasks"]) == \
-        (held["avg"], held["best"], held["tasks"])
+    summary = json.loads((tmp_path / "eval" / "files-validation-model-k2.summary.json")
+                         .read_text())
+    assert (summary["avg"], summary["avg_ci"], summary["best"], summary["tasks"]) == \
+        (held["avg"], held["avg_ci"], held["best"], held["tasks"])
     (logged,) = read_metrics(tmp_path, "eval")
     assert logged["step"] == 7 and logged["eval/success_avg"] == held["avg"]
     assert logged["eval/success_greedy"] == held["greedy"]
