@@ -25,7 +25,7 @@ from autodidact.engine_env import ensure_engine
 from autodidact.resolve import Flags
 from autodidact.stages import record_test_look, write_split
 from inference.models import model_folder
-from metrics.intervals import format_rate, rate_interval
+from metrics.intervals import format_rate
 from protocol.config import RunConfig
 from protocol.messages import SPLITS
 from protocol.run_dir import RunDir
@@ -138,18 +138,14 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
 def with_intervals(result: dict) -> dict:
     """:func:`episodes.evaluate.summarize`'s result without its per-task records, and with
     95% intervals beside avg@k and best@k, overall and per category."""
+    from episodes.evaluate import success_intervals
+
     records = result["per_task"]
-    categories = {name: {**stats, **intervals([r for r in records if r["category"] == name])}
+    categories = {name: {**stats, **success_intervals([r for r in records
+                                                        if r["category"] == name])}
                   for name, stats in result["categories"].items()}
-    return {**{key: v for key, v in result.items() if key != "per_task"}, **intervals(records),
-            "categories": categories}
-
-
-def intervals(records: list[dict]) -> dict:
-    """``avg_ci``: avg@k's interval over tasks and their k samples; ``best_ci``: best@k's over
-    tasks (:mod:`metrics.intervals`)."""
-    return {"avg_ci": list(rate_interval([r["rewards"] for r in records])),
-            "best_ci": list(rate_interval([[r["best"]] for r in records]))}
+    rest = {key: v for key, v in result.items() if key != "per_task"}
+    return {**rest, **success_intervals(records), "categories": categories}
 
 
 class EvalResults:

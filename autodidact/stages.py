@@ -33,7 +33,7 @@ from rich.console import Console
 from autodidact.base_model import prepare_model
 from autodidact.resolve import with_model
 from autodidact.task_mix import synthetic_share, warmstart_tasks
-from metrics.intervals import format_rate, rate_interval
+from metrics.intervals import format_rate
 from metrics.jsonl import MetricsWriter, read_metrics
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
@@ -256,7 +256,7 @@ def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, stage: str, up
     ``eval.num_tasks=0``."""
     if cfg.eval.num_tasks == 0:
         return None
-    from episodes.evaluate import evaluate_model
+    from episodes.evaluate import evaluate_model, success_intervals
 
     e = cfg.eval
     found = evaluate_model(cfg, model_path, split, k=e.k, temperature=e.temperature,
@@ -276,14 +276,6 @@ def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, stage: str, up
                    step=updates)
         writer.close()
     return result
-
-
-def success_intervals(records: list[dict]) -> dict:
-    """95% bootstrap intervals of avg@k (over tasks and their k samples) and best@k (over
-    tasks) from per-task records."""
-    outcomes = [[float(r >= 1.0) for r in rec["rewards"]] for rec in records]
-    return {"avg_ci": list(rate_interval(outcomes)),
-            "best_ci": list(rate_interval([[rec["best"]] for rec in records]))}
 
 
 def write_records(path: Path, records: list[dict]) -> None:

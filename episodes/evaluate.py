@@ -27,6 +27,7 @@ from episodes.rollout import (
 )
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec
+from metrics.intervals import rate_interval
 from protocol.config import RunConfig
 from protocol.messages import Task
 
@@ -169,6 +170,13 @@ def summarize(records: list[dict]) -> dict:
     return {**_means(records),
             "categories": {c: _means(rs) for c, rs in sorted(by_category.items())},
             "per_task": records}
+
+
+def success_intervals(records: list[dict]) -> dict:
+    """95% intervals from per-task records: ``avg_ci``, avg@k's over tasks and their k
+    samples, and ``best_ci``, best@k's over tasks (:mod:`metrics.intervals`)."""
+    return {"avg_ci": list(rate_interval([r["rewards"] for r in records])),
+            "best_ci": list(rate_interval([[r["best"]] for r in records]))}
 
 
 def _means(records: list[dict]) -> dict:
