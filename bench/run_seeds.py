@@ -9,7 +9,9 @@ Seed N is ``autodidact run -c CONFIG --run-dir runs/<name>-sN --set seed=N --set
 that finished before with the same command is reused (the stamp ``autodidact ablation`` uses),
 so a measurement cut off by the end of a session goes on where it stopped. ``--no-run`` only
 reads what has finished; ``--from-json F`` reads the runs a json written by ``--out`` records
-and writes its summary again (the runs may be gone).
+and writes its summary again (the runs may be gone). Runs made with ``--set
+eval.final_test=true`` looked at the test split once after RL: their test results are
+summarized the same way, apart (``test_summary``, ``test_runs``).
 
 Every stage's avg@k over the seeds carries a 95% interval, and so do the changes warm-start −
 base and RL − warm-start, paired within each run (``autodidact/experiments/page.py``,
@@ -22,9 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from autodidact.experiments.arms import Result, recorded_result, run_argv, run_or_reuse
+from autodidact.experiments.arms import (
+    Result,
+    recorded_result,
+    run_argv,
+    run_or_reuse,
+    test_result,
+)
 from autodidact.experiments.page import (
     change_over_seeds,
     change_text,
@@ -146,15 +155,30 @@ def main(argv: list[str] | None = None) -> None:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         results = [run_seed(args.config, name, s, args.sets, not args.no_run) for s in seeds]
     k = load_config(args.config, args.sets).eval.k  # the config's own default when unset
+    if args.from_json:
+        command = recorded.get("command", "")
+        tests = [recorded_result(run) for run in recorded.get("test_runs", [])]
+    else:
+        command = " ".join(["python -m bench.run_seeds", *(argv or sys.argv[1:])])
+        tests = [t for t in map(test_result, results) if t is not None]
     row = summarize(results)
-    print(table(results, row, k))
+    split = next((r.final.get("split") for r in results if r.final), None) or "held-out"
+    print(f"{split} split:\n{table(results, row, k)}")
     print(f"RL change (avg@{k}, after RL − after warm-start): {change_text(row['rl_change'])}, "
           f"{row['rl_verdict']}")
+    test_row = summarize(tests) if tests else None
+    if test_row:
+        print(f"test split (each run looked once, after RL):\n{table(tests, test_row, k)}")
     if args.out:
         args.out.write_text(json.dumps({
-            "config": str(args.config), "sets": args.sets, "summary": no_nan(row),
-            "runs": [{**r.__dict__, "run_dir": r.run_dir and r.run_dir.name}
-                     for r in results]}, indent=1, default=str))
+            "command": command, "config": str(args.config), "sets": args.sets,
+            "split": split, "summary": no_nan(row), "runs": recorded_runs(results),
+            "test_summary": test_row and no_nan(test_row), "test_runs": recorded_runs(tests)},
+            indent=1, default=str))
+
+
+def recorded_runs(results: list[Result]) -> list[dict]:
+    return [{**r.__dict__, "run_dir": r.run_dir and r.run_dir.name} for r in results]
 
 
 if __name__ == "__main__":

@@ -150,10 +150,11 @@ class Result:
 RECORD_STAGES = {"base": "base", "warm": "warm", "final": "rl"}  # Result's -> the run's names
 
 
-def held_out_outcomes(run_dir: Path, summary: dict) -> dict:
-    """:attr:`Result.outcomes` from the run's own per-task records, on the split its summary
-    evaluated (empty for a run made before they were kept)."""
-    split = (summary.get("success_rl") or summary.get("success_warm") or {}).get("split")
+def held_out_outcomes(run_dir: Path, summary: dict, split: str | None = None) -> dict:
+    """:attr:`Result.outcomes` from the run's own per-task records, on ``split`` (default: the
+    split its summary evaluated; empty for a run made before they were kept)."""
+    split = split or (summary.get("success_rl") or summary.get("success_warm") or {}).get(
+        "split")
     records = run_records(run_dir, split) if split else {}
     kept = {ours: {task: _compact(rewards) for task, rewards in records[theirs].items()}
             for ours, theirs in RECORD_STAGES.items() if theirs in records}
@@ -215,6 +216,21 @@ def read_result(arm: str, seed: int, run_dir: Path, summary: dict | None = None)
                   updates=int(learner.get("learner/updates", 0)),
                   seconds=float(summary.get("ablation_seconds", 0.0)),
                   outcomes=held_out_outcomes(run_dir, summary))
+
+
+def test_result(result: Result) -> Result | None:
+    """``result``'s run as evaluated on the test split (``autodidact run --final-test``), its
+    per-task records included; None when the run did not look at test."""
+    if result.run_dir is None or not RunDir(result.run_dir).summary.exists():
+        return None
+    summary = json.loads(RunDir(result.run_dir).summary.read_text())
+    test = summary.get("test") or {}
+    if not test.get("rl"):
+        return None
+    return Result(result.arm, result.seed, result.run_dir, base=test.get("base") or {},
+                  warm=test.get("warm") or {}, final=test["rl"], updates=result.updates,
+                  seconds=result.seconds,
+                  outcomes=held_out_outcomes(result.run_dir, summary, "test"))
 
 
 def cell_stamp(config: Path | None, updates: int, shared: list[str],
