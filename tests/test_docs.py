@@ -121,7 +121,8 @@ def test_every_result_file_is_linked_from_a_page():
     assert files, "docs/results/ holds no results"
     linked = linked_files()
     unlinked = [p.name for p in files if p.resolve() not in linked]
-    assert not unlinked, f"result files no page links to (README, docs/, docs/results/README.md): {unlinked}"
+    assert not unlinked, ("result files no page links to (README, docs/, "
+                          f"docs/results/README.md): {unlinked}")
 
 
 # A docs/results/ path as a page names it anywhere: in a link, a command, a code span.

@@ -397,9 +397,10 @@ def test_a_policy_that_fails_the_probe_is_not_asked_for_tasks(tmp_path, caplog):
 
 
 def test_task_factory_keeps_verified_llm_tasks(tmp_path):
-    # "archive" is no name in the worlds of seeds 0-4: the task is valid in each of them.
-    reply = tasks_reply({"query": "create folder archive in root",
-                         "reference": ["mkdir archive"]},
+    # "backup" is no name in the first 5 training worlds (seeds 0 1 2 5 6), the ones explored:
+    # the task is valid in each of them.
+    reply = tasks_reply({"query": "create folder backup in root",
+                         "reference": ["mkdir backup"]},
                         {"query": "go nowhere", "reference": ["cd photos", "cd .."]})
     with ScriptedChatServer([], default=reply) as srv, TaskStore(tmp_path) as store:
         factory = TaskFactory(factory_cfg(), tmp_path, store, chat=chat(srv.url),
@@ -407,8 +408,8 @@ def test_task_factory_keeps_verified_llm_tasks(tmp_path):
         summary = factory.run(rounds=1)
         stored = store.all()
     from_llm = [t for t in stored if t.meta["method"] == "llm"]
-    assert sorted(t.seed for t in from_llm) == [0, 1, 2, 3, 4]  # once per seed: dedup
-    assert all(t.goal == {"all": [{"folder": ["archive"]}]} for t in from_llm)
+    assert sorted(t.seed for t in from_llm) == [0, 1, 2, 5, 6]  # once per seed: dedup
+    assert all(t.goal == {"all": [{"folder": ["backup"]}]} for t in from_llm)
     assert all(verify_task(FilesEnv, t) == (True, "ok") for t in stored)
     assert any(t.meta["method"] == "hindsight" for t in stored)
     assert kinds(srv).count("propose") == 10  # useful: asked for every exploration
@@ -419,8 +420,8 @@ def test_task_factory_keeps_verified_llm_tasks(tmp_path):
 
 
 def test_task_factory_llm_verify_drops_tasks_the_llm_cannot_solve(tmp_path):
-    reply = tasks_reply({"query": "create folder archive in root",
-                         "reference": ["mkdir archive"]})
+    reply = tasks_reply({"query": "create folder backup in root",
+                         "reference": ["mkdir backup"]})
     with ScriptedChatServer([], default=reply) as srv, TaskStore(tmp_path) as store:
         factory = TaskFactory(factory_cfg("explore.llm_verify=true"), tmp_path, store,
                               chat=chat(srv.url), say=lambda _: None)
