@@ -178,7 +178,8 @@ def carries_command(data) -> bool:
     ablation` records of its run); or in every entry of a list, or of a dict of runs."""
     if own_command(data) or (isinstance(data, dict) and own_command(data.get("made"))):
         return True
-    entries = data if isinstance(data, list) else list(data.values()) if isinstance(data, dict) else []
+    entries = data if isinstance(data, list) else \
+        list(data.values()) if isinstance(data, dict) else []
     return bool(entries) and all(own_command(e) for e in entries)
 
 
