@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_learning import reward_contrast
 
 from autodidact.embedded_redis import EmbeddedRedis
 from environments import FilesEnv
@@ -143,6 +144,19 @@ def test_learner_metrics_finite_and_learning(finished_run):
     gains = [r["learner/step_gain"] for r in rows]
     assert sum(g > 0 for g in gains) >= 0.9 * len(gains), gains
     assert all(r["learner/step_kl"] < 0.5 for r in rows), [r["learner/step_kl"] for r in rows]
+
+
+def test_rl_moved_the_policy_towards_its_better_rollouts(finished_run):
+    """What the warm-start alone cannot do (tests/helpers_learning.py): the final policy raised
+    the log-probs of its first policies' rollouts that beat their group more than of those
+    below it, by more than the same contrast with the two shuffled within groups."""
+    run_dir, _ = finished_run
+    contrast = reward_contrast(run_dir)
+    # z: the contrast in standard deviations of its shuffled copies. This module's run measured
+    # 12.9 and 10.1 (contrast 0.47 and 0.46 nats/token; shuffled 0.09 ± 0.03, 0.14 ± 0.03)
+    # and 11.9 after its resume; z > 4 is far in the tail of what a policy that moved as far,
+    # but not towards reward, would show, and far below what these runs show.
+    assert contrast.z() > 4, str(contrast)
 
 
 def test_self_navigating_pool_grew_and_guided_rollouts_were_trained(finished_run):

@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers_learning import reward_contrast
 
 from autodidact.resolve import Flags, resolve_config
 from autodidact.single_process import run_single_process
@@ -128,6 +129,19 @@ def test_single_process_run_learns(finished):
     assert labelled >= 0.9 * sum(r["learner/groups"] for r in rows)
     # The experience role read stored groups through the in-process replay and grew the pool.
     assert any(r.get("experience/pool_size", 0) > 0 for r in read_metrics(run_dir, "experience"))
+
+
+def test_rl_moved_the_policy_towards_its_better_rollouts(finished):
+    """What the warm-start alone cannot do (tests/helpers_learning.py): the final policy raised
+    the log-probs of its first policies' rollouts that beat their group more than of those
+    below it, by more than the same contrast with the two shuffled within groups."""
+    run_dir, _, _, _ = finished
+    contrast = reward_contrast(run_dir)
+    # z: the contrast in standard deviations of its shuffled copies. This module's run measured
+    # 10.5 to 10.6 in four runs (contrast 0.58 to 0.63 nats/token; shuffled 0.12 ± 0.04 to
+    # 0.05); z > 4 is far in the tail of what a policy that moved as far, but not towards
+    # reward, would show, and far below what these runs show.
+    assert contrast.z() > 4, str(contrast)
 
 
 def test_every_stored_group_consumed_at_most_once(finished):
