@@ -10,6 +10,7 @@ made; an older store whose directory has none is refused at start, naming the co
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 
@@ -152,16 +153,9 @@ def test_a_store_made_without_tokens_serves_any_role_until_tokens_are_made(tmp_p
             client.close()
     assert "has no role tokens: any client may act as any role" in server.log_text()
     assert_keys_tokens_makes(tmp_path, made=REPLAY_ROLES)
-    with server:  # started again
-        anonymous = ReplayClient(server.address, timeout_s=10)
-        learner = ReplayClient(server.address, timeout_s=10,
-                               credential=role_token(tmp_path, "learner"))
-        try:
-            assert_refused("actor", push_one, anonymous, make_group(2))
-            assert len(learner.request_batch("learner", 1, 0).groups) == 0  # served, as learner
-        finally:
-            anonymous.close()
-            learner.close()
+    with server, anonymous_and_learner(server, tmp_path) as (anonymous, learner):
+        assert_refused("actor", push_one, anonymous, make_group(2))
+        assert len(learner.request_batch("learner", 1, 0).groups) == 0  # served, as learner
     for role in REPLAY_ROLES:
         RunDir(tmp_path).role_token(role).unlink()
     assert_refused_at_start(server)
@@ -182,17 +176,23 @@ def test_an_old_store_without_tokens_is_refused_at_start_naming_the_command(tmp_
     forget_the_token_record(tmp_path)  # as an older server left it
     assert_refused_at_start(server)
     assert_keys_tokens_makes(tmp_path, made=REPLAY_ROLES)
-    with server:  # started again
-        anonymous = ReplayClient(server.address, timeout_s=10)
-        learner = ReplayClient(server.address, timeout_s=10,
-                               credential=role_token(tmp_path, "learner"))
-        try:
-            assert_refused("learner", anonymous.request_batch, "learner", 1, 0)
-            assert [g.group_id for g in learner.request_batch("learner", 1, 0).groups] == \
-                [make_group(1).group_id]
-        finally:
-            anonymous.close()
-            learner.close()
+    with server, anonymous_and_learner(server, tmp_path) as (anonymous, learner):
+        assert_refused("learner", anonymous.request_batch, "learner", 1, 0)
+        assert [g.group_id for g in learner.request_batch("learner", 1, 0).groups] == \
+            [make_group(1).group_id]
+
+
+@contextlib.contextmanager
+def anonymous_and_learner(server: ServerProc, run_dir):
+    """Two clients of a running server: one presenting no token, one the learner's."""
+    anonymous = ReplayClient(server.address, timeout_s=10)
+    learner = ReplayClient(server.address, timeout_s=10,
+                           credential=role_token(run_dir, "learner"))
+    try:
+        yield anonymous, learner
+    finally:
+        anonymous.close()
+        learner.close()
 
 
 def forget_the_token_record(run_dir) -> None:
