@@ -63,6 +63,10 @@ def test_a_default_explore_never_enters_a_held_out_world(explored):
         stored = {t.seed for t in store.all()}
     assert visited and stored <= visited <= train
     assert not (visited | stored) & held
+    # ... so the check finds no stored task repeating a held-out one
+    proc = cli("tasks", "check-contamination", "--run-dir", str(run_dir))
+    assert proc.returncode == 0 and "no overlap" in proc.stdout, \
+        proc.stdout + proc.stderr
 
 
 def test_stored_tasks_reverify_in_fresh_environments(explored):
