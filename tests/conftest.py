@@ -82,25 +82,25 @@ def session_processes(workers: bool = False) -> dict[int, str]:
 
 
 # Modules whose tests start whole runs (a launcher, its roles and Redis: a minute or more of a
-# core each), in two chains of about equal length (seconds in one suite run at d68f6d2 beside
-# each name). Under pytest-xdist each chain is one unit of work, its modules one after another
-# on one worker (pytest_xdist_make_scheduler), so never more than two whole runs go at once on
-# this 2-core machine; scripts/test.sh starts three workers, the third taking the other modules
-# from the start (their waits then overlap the runs' work instead of ending the suite on idle
-# cores). With two OpenMP threads a process (before this file set one) two whole runs at once
-# each took twice as long or worse and missed their deadlines.
+# core each), in two chains of about equal length (seconds in the clean-clone suite at 6c9f0b1
+# beside each name). Under pytest-xdist each chain is one unit of work, its modules one after
+# another on one worker (pytest_xdist_make_scheduler), so never more than two whole runs go at
+# once on this 2-core machine; scripts/test.sh starts three workers, the third taking the other
+# modules from the start (their waits then overlap the runs' work instead of ending the suite
+# on idle cores). With two OpenMP threads a process (before this file set one) two whole runs
+# at once each took twice as long or worse and missed their deadlines.
 WHOLE_RUNS = {
-    "test_ablation.py": 0,  # 297 s
-    "test_single_process.py": 0,  # 108
-    "test_orphans.py": 0,  # 84
-    "test_bench_scale.py": 0,  # 46
+    "test_ablation.py": 0,  # 270 s
+    "test_run_integration.py": 0,  # 215
+    "test_orphans.py": 0,  # 95
+    "test_bench_scale.py": 0,  # 71
     "test_env_counter_example.py": 0,  # 25
-    "test_exactly_once.py": 0,  # 14
-    "test_explore_integration.py": 1,  # 332
-    "test_run_integration.py": 1,  # 132
-    "test_netns.py": 1,  # 94
-    "test_report.py": 1,  # 48, with test_status.py's tiny run (made once, for both)
+    "test_explore_integration.py": 1,  # 335
+    "test_single_process.py": 1,  # 190
+    "test_netns.py": 1,  # 90
+    "test_report.py": 1,  # 70, with test_status.py's tiny run (made once, for both)
     "test_status.py": 1,
+    "test_exactly_once.py": 1,  # 17
 }
 
 
