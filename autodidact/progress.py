@@ -138,9 +138,12 @@ def print_summary(summary: dict) -> None:
             else f"{v[key]:.1%}"
 
     def line(results) -> str:
+        stages = ("base", "warm", "rl")
+        greedy = [pct(results, stage, "greedy") for stage in stages]
         return (f"avg@k: base {pct(results, 'base')} -> warm-start {pct(results, 'warm')} -> "
-                f"RL {pct(results, 'rl')}   (greedy: {pct(results, 'base', 'greedy')} -> "
-                f"{pct(results, 'warm', 'greedy')} -> {pct(results, 'rl', 'greedy')})")
+                f"RL {pct(results, 'rl')}"
+                + ("" if set(greedy) == {"n/a"}  # eval.greedy off
+                   else f"   (greedy: {' -> '.join(greedy)})"))
 
     learner = summary.get("learner", {})
     reasons = summary.get("failure_reasons") or {}
