@@ -97,14 +97,12 @@ def refuse_contaminated(cfg: RunConfig, run_dir: Path, synthetic: list[Task]) ->
     from environments.base import env_maker
     from questioning.decontamination import HeldOutIndex
 
-    index = HeldOutIndex.of_env(env_maker(cfg.env)())
-    overlaps = [(task.task_id, found) for task in synthetic
-                if (found := index.find(task)) is not None]
+    overlaps = HeldOutIndex.of_env(env_maker(cfg.env)()).overlaps(synthetic)
     if overlaps:
-        task_id, first = overlaps[0]
+        task, first = overlaps[0]
         raise NoSyntheticTasks(
             f"{len(overlaps)} of {len(synthetic)} synthetic tasks in {run_dir} repeat a "
-            f"held-out task (first: {task_id} ~ {first.heldout_id}, {first.split}: "
+            f"held-out task (first: {task.task_id} ~ {first.heldout_id}, {first.split}: "
             f"{first.why}); list them with `autodidact tasks check-contamination --run-dir "
             f"{run_dir}` and explore into a fresh run directory")
 

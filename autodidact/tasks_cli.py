@@ -266,8 +266,7 @@ def check_contamination(config, sets, run_dir):
     cfg = _run_config(config, sets, run_dir)
     stored = _read_all(run_dir)
     index = _heldout_index(cfg)
-    found = [(task, index.find(task)) for task in stored]
-    overlaps = [(task, o) for task, o in found if o is not None]
+    overlaps = index.overlaps(stored)
     for task, o in overlaps:
         click.echo(f"{task.task_id}  {o.heldout_id}  {o.split}  {o.why}")
     checked = (f"{len(stored)} stored tasks against {index.size} held-out tasks "

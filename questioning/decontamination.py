@@ -143,6 +143,10 @@ class HeldOutIndex:
                     return Overlap(held.task_id, held.split, IMPLIES)
         return None
 
+    def overlaps(self, tasks: Iterable[Task]) -> list[tuple[Task, Overlap]]:
+        """Every task of ``tasks`` that overlaps a held-out one, with what it overlaps."""
+        return [(task, found) for task in tasks if (found := self.find(task)) is not None]
+
     def overlap(self, task: Task) -> str | None:
         """The id of the held-out task ``task`` overlaps, or None."""
         found = self.find(task)
