@@ -130,18 +130,17 @@ class Reporter:
 
 
 def print_summary(summary: dict) -> None:
-    def pct(results, stage, key="avg"):
-        v = ((results or {}).get(f"success_{stage}") or (results or {}).get(stage) or {})
-        if v.get(key) is None:
+    def pct(result, key="avg"):
+        if (result or {}).get(key) is None:
             return "n/a"
-        return format_rate(v[key], v["avg_ci"]) if key == "avg" and "avg_ci" in v \
-            else f"{v[key]:.1%}"
+        return format_rate(result[key], result["avg_ci"]) if key == "avg" and "avg_ci" in result \
+            else f"{result[key]:.1%}"
 
-    def line(results) -> str:
-        stages = ("base", "warm", "rl")
-        greedy = [pct(results, stage, "greedy") for stage in stages]
-        return (f"avg@k: base {pct(results, 'base')} -> warm-start {pct(results, 'warm')} -> "
-                f"RL {pct(results, 'rl')}"
+    def line(by_stage: dict) -> str:
+        """One split's stages, ``{"base" | "warm" | "rl": result}``."""
+        base, warm, rl = (by_stage.get(stage) for stage in ("base", "warm", "rl"))
+        greedy = [pct(r, "greedy") for r in (base, warm, rl)]
+        return (f"avg@k: base {pct(base)} -> warm-start {pct(warm)} -> RL {pct(rl)}"
                 + ("" if set(greedy) == {"n/a"}  # eval.greedy off
                    else f"   (greedy: {' -> '.join(greedy)})"))
 
@@ -152,7 +151,8 @@ def print_summary(summary: dict) -> None:
         console.print(f"[red]run failed: {role} failed for good ({escape(why)}; its log: "
                       f"logs/{role}.log); no held-out success after RL[/]", highlight=False)
     split = summary.get("eval_split", "held-out")
-    console.print(f"[bold]summary[/]  {split} {line(summary)}   "
+    validation = {stage: summary.get(f"success_{stage}") for stage in ("base", "warm", "rl")}
+    console.print(f"[bold]summary[/]  {split} {line(validation)}   "
                   f"{learner.get('learner/updates', 0)} updates, "
                   f"version {learner.get('learner/version', 0)}", highlight=False)
     if summary.get("test"):
