@@ -26,12 +26,9 @@ from pathlib import Path
 
 from metrics.intervals import rate_interval
 from protocol.config import load_config
-from protocol.run_dir import RunDir
+from protocol.run_dir import HELD_OUT_STAGES, RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-STAGES = ("base", "warm", "rl")  # a run's own held-out evaluations, in the order they happen
 
 
 def read_records(path: Path) -> dict[str, list[float]]:
@@ -56,7 +53,7 @@ def run_records(run_dir: Path, split: str) -> dict[str, dict[str, list[float]]]:
     """The run's own held-out evaluations on ``split`` that kept per-task records, by stage
     (``base``, ``warm``, ``rl``; a run made before records were kept has none)."""
     rd = RunDir(run_dir)
-    return {stage: read_records(rd.heldout_records(split, stage)) for stage in STAGES
+    return {stage: read_records(rd.heldout_records(split, stage)) for stage in HELD_OUT_STAGES
             if rd.heldout_records(split, stage).exists()}
 
 

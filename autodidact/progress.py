@@ -18,6 +18,7 @@ from metrics.intervals import format_rate
 from metrics.jsonl import MetricsTail, MetricsWriter
 from protocol.config import RunConfig
 from protocol.errors import RemoteError, TransportTimeout
+from protocol.run_dir import HELD_OUT_STAGES
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True, soft_wrap=True)
@@ -138,7 +139,7 @@ def print_summary(summary: dict) -> None:
 
     def line(by_stage: dict) -> str:
         """One split's stages, ``{"base" | "warm" | "rl": result}``."""
-        base, warm, rl = (by_stage.get(stage) for stage in ("base", "warm", "rl"))
+        base, warm, rl = (by_stage.get(stage) for stage in HELD_OUT_STAGES)
         greedy = [pct(r, "greedy") for r in (base, warm, rl)]
         return (f"avg@k: base {pct(base)} -> warm-start {pct(warm)} -> RL {pct(rl)}"
                 + ("" if set(greedy) == {"n/a"}  # eval.greedy off
@@ -151,7 +152,7 @@ def print_summary(summary: dict) -> None:
         console.print(f"[red]run failed: {role} failed for good ({escape(why)}; its log: "
                       f"logs/{role}.log); no held-out success after RL[/]", highlight=False)
     split = summary.get("eval_split", "held-out")
-    validation = {stage: summary.get(f"success_{stage}") for stage in ("base", "warm", "rl")}
+    validation = {stage: summary.get(f"success_{stage}") for stage in HELD_OUT_STAGES}
     console.print(f"[bold]summary[/]  {split} {line(validation)}   "
                   f"{learner.get('learner/updates', 0)} updates, "
                   f"version {learner.get('learner/version', 0)}", highlight=False)

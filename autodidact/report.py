@@ -29,7 +29,7 @@ import click
 from metrics.intervals import format_rate
 from metrics.jsonl import read_metrics
 from protocol.config import redacted_config, url_password
-from protocol.run_dir import RunDir
+from protocol.run_dir import HELD_OUT_STAGES, RunDir
 
 
 @dataclass
@@ -206,7 +206,7 @@ def headline(run: Run) -> dict:
     out["heldout_split"] = run.summary.get("eval_split", "held-out")
     out["looked_at_test"] = run.summary.get("looked_at_test")
     test = run.summary.get("test") or {}
-    for stage in ("base", "warm", "rl"):
+    for stage in HELD_OUT_STAGES:
         result = run.summary.get(f"success_{stage}") or {}
         for key in ("avg", "avg_ci", "best", "greedy", "tasks"):
             out[f"heldout_{stage}_{key}"] = result.get(key)

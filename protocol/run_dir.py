@@ -105,6 +105,9 @@ REDIS_LOG = "redis.log"
 REDIS_REMOTE_URL = "remote_url"
 WANDB = "wandb"
 EVAL = "eval"
+# A run's own held-out evaluations, in the order they happen: summary.json's
+# success_<stage> and eval/heldout-<split>-<stage>.jsonl
+HELD_OUT_STAGES = ("base", "warm", "rl")
 REPORT = "report"
 ABLATION_ARGV = "ablation-argv.json"
 
