@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 
 from protocol.config import redact_url
-from protocol.run_dir import REPLAY_STORE, SUMMARY, RunDir
+from protocol.run_dir import HELD_OUT_STAGES, REPLAY_STORE, SUMMARY, RunDir
 
 TAIL_BYTES = 4 * 1024 * 1024  # the end of metrics.jsonl that status reads (a long run's is big)
 RECENT_ACTOR_RECORDS = 20  # actor success rate: mean over this many latest actor records
@@ -236,7 +236,7 @@ def collect(run_dir: Path, replay_timeout_s: float = 2.0) -> dict:
     snap["replay"], snap["judge_backlog"] = _replay(run_dir, cfg, records, live, replay_alive,
                                                     replay_timeout_s, notes)
     snap["heldout"] = {s: (summary.get(f"success_{s}") or {}).get("avg")
-                       for s in ("base", "warm", "rl") if summary.get(f"success_{s}")}
+                       for s in HELD_OUT_STAGES if summary.get(f"success_{s}")}
     snap["metrics_span_s"] = (records[-1]["t"] - t_first) if records and "t" in records[-1] \
         and math.isfinite(t_first) else None
     if not records:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from metrics.jsonl import MetricsTail
 from protocol.config import redacted_config
-from protocol.run_dir import RunDir
+from protocol.run_dir import HELD_OUT_STAGES, RunDir
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def summary_values(summary: dict) -> dict[str, float]:
     (stages base, warm, rl), ``learner/final_<name>``, ``restarts/<role>`` and
     ``restarts/total``."""
     out: dict[str, float] = {}
-    for stage in ("base", "warm", "rl"):
+    for stage in HELD_OUT_STAGES:
         result = summary.get(f"success_{stage}") or {}
         for key in ("avg", "best", "greedy", "tasks"):
             if isinstance(result.get(key), (int, float)):
