@@ -59,3 +59,50 @@ def test_bad_input_names_the_file_and_line(tmp_path):
     b = successes(write(tmp_path / "b.jsonl", {"t2": [1]}))
     with pytest.raises(SystemExit, match="share no task"):
         paired(a, b)
+
+
+# --- bench/compare_arms.py: two settings over seeds, from their runs' own records -------------
+
+
+def run_with_records(root, name, rows, split="validation", stage="rl"):
+    from protocol.run_dir import RunDir
+
+    run_dir = root / name
+    path = RunDir(run_dir).heldout_records(split, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path, rows)
+    return run_dir
+
+
+def test_two_arms_compared_per_seed_and_over_seeds(tmp_path):
+    from bench.compare_arms import main
+
+    tasks = [f"t{i}" for i in range(40)]
+    a = [run_with_records(tmp_path, f"a-s{s}", {t: [1, 0, 0, 0] for t in tasks})
+         for s in range(3)]
+    # B solves 3, 3 and 4 of 4 where A solves 1: +50, +50 and +75 points.
+    b = [run_with_records(tmp_path, f"b-s{s}", {t: [1, 1, 1, int(s == 2)] for t in tasks})
+         for s in range(3)]
+    out = tmp_path / "cmp.json"
+    main(["--a", *map(str, a), "--b", *map(str, b), "--json", str(out)])
+    result = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in json"))
+    assert [p["b_minus_a"]["label"] for p in result["pairs"]] == ["helps"] * 3
+    seeds = result["over_seeds"]
+    assert seeds["per_seed"] == pytest.approx([0.5, 0.5, 0.75])
+    assert seeds["diff"] == pytest.approx(0.5833, abs=1e-4) and seeds["label"] == "helps"
+    # the t-interval of three differences: mean +- 4.303 * sd 0.1443 / sqrt(3)
+    assert seeds["ci"] == pytest.approx([0.5833 - 0.3586, 0.5833 + 0.3586], abs=1e-3)
+    assert result["command"].startswith("python -m bench.compare_arms --a ")
+    # one seed: a difference, no interval
+    one = main(["--a", str(a[0]), "--b", str(b[0])])["over_seeds"]
+    assert one["ci"] is None and one["label"] == "one seed: no interval"
+
+
+def test_compare_arms_refuses_unmatched_or_unfinished_runs(tmp_path):
+    from bench.compare_arms import main
+
+    a = run_with_records(tmp_path, "a", {"t1": [1]})
+    with pytest.raises(SystemExit, match="give one of each per seed"):
+        main(["--a", str(a), str(a), "--b", str(a)])
+    with pytest.raises(SystemExit, match="no per-task records of the rl stage on validation"):
+        main(["--a", str(a), "--b", str(tmp_path / "never-ran")])
