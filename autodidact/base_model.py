@@ -36,7 +36,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> str:
     from inference.tiny_model import make_tiny_model
 
     m = cfg.model
-    words, special = policy_vocabulary(env_class(cfg.env.name))
+    words, special = policy_vocabulary(env_class(cfg.env))
     path = make_tiny_model(RunDir(run_dir).model, words, special_words=special, hidden=m.hidden,
                            layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
                            intermediate=m.intermediate,

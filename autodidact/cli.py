@@ -38,6 +38,7 @@ from protocol.run_dir import RunDir, StoreDamaged, role_token
 # nor transformers (importing every command took 2 CPU-seconds a process).
 LAZY_COMMANDS = {
     "ablation": "autodidact.ablation_cli:ablation",
+    "env": "autodidact.env_serve:env",
     "eval": "autodidact.eval_cli:eval_command",
     "export": "autodidact.export_cli:export",
     "keys": "autodidact.keys_cli:keys",

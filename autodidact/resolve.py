@@ -186,4 +186,4 @@ def judge_settings(cfg: RunConfig) -> JudgeSettings:
 
 
 def experience_settings(cfg: RunConfig) -> ExperienceSettings:
-    return ExperienceSettings(experience=cfg.experience, env_name=cfg.env.name)
+    return ExperienceSettings(experience=cfg.experience, env=cfg.env)

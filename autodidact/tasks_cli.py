@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from autodidact.cli_common import config_option, load, set_option
+from protocol.errors import ConfigError, EnvFailed
 from protocol.messages import Task
 from protocol.run_dir import RunDir, StoreDamaged
 from questioning.task_store import TaskStore
@@ -130,19 +131,11 @@ def export(run_dir, out, fmt):
 # --- verify ------------------------------------------------------------------------------------
 
 
-def _verifier():
-    import environments.base as base
-
-    if not hasattr(base, "verify_task"):
-        raise click.ClickException("this build has no environments.base.verify_task")
-    return base.env_class, base.verify_task
-
-
-def _verify_one(task: Task, cfg, run_env, env_class, verify_task) -> str:
-    from environments.base import task_env_name
+def _verify_one(task: Task, cfg, run_env) -> str:
+    from environments.base import task_env_class, verify_task
 
     try:
-        cls = env_class(task_env_name(task))
+        cls = task_env_class(task, cfg.env)  # the run's env (served or not) for its own tasks
     except (KeyError, ImportError):
         return "unknown_env"
     # The config's options are for the env it names (``run_env``; a plugin's
@@ -176,14 +169,16 @@ def verify(config, sets, run_dir):
     """
     cfg = _run_config(config, sets, run_dir)
     stored = _read_all(run_dir)
-    env_class, verify_task = _verifier()
+    from environments.base import env_class
+
     try:
-        run_env = env_class(cfg.env.name)  # imports a plugin module, which registers its env
-    except (KeyError, ImportError) as exc:
+        # imports a plugin module, which registers its env; a served env must answer
+        run_env = env_class(cfg.env)
+    except (KeyError, ImportError, ConfigError, EnvFailed) as exc:
         raise click.ClickException(f"env.name={cfg.env.name}: {exc}") from None
     failed: dict[str, list[str]] = {}
     for task in stored:
-        reason = _verify_one(task, cfg, run_env, env_class, verify_task)
+        reason = _verify_one(task, cfg, run_env)
         if reason != "ok":
             failed.setdefault(reason, []).append(task.task_id)
     bad = sum(map(len, failed.values()))

@@ -2,7 +2,8 @@
 ``shop`` envs.
 
 Importing this package registers every built-in environment, so ``make_env("files")`` works
-after ``import environments``. A plugin environment registers itself with ``@register_env`` when
+after ``import environments``, and the maker of served envs (``environments.remote``), so
+``make_env(env_cfg)`` of an ``EnvConfig`` with an ``address`` is a session on that server. A plugin environment registers itself with ``@register_env`` when
 its module is imported (``make_env("my.module:name")`` imports it by name from config).
 """
 
@@ -25,11 +26,14 @@ from environments.base import (
     parse_action,
     parser_words,
     register_env,
+    task_env_class,
+    task_env_maker,
     verify_reference,
     verify_task,
     world_split,
 )
 from environments.files import FilesEnv  # noqa: F401  (registers "files")
+from environments.remote import RemoteEnv  # noqa: F401  (makes the classes of served envs)
 from environments.shop import ShopEnv  # noqa: F401  (registers "shop")
 
 __all__ = [
@@ -39,6 +43,7 @@ __all__ = [
     "ArgSpec",
     "Environment",
     "FilesEnv",
+    "RemoteEnv",
     "ShopEnv",
     "GoalPart",
     "ToolCall",
@@ -53,6 +58,8 @@ __all__ = [
     "parse_action",
     "parser_words",
     "register_env",
+    "task_env_class",
+    "task_env_maker",
     "verify_reference",
     "verify_task",
     "world_split",

@@ -510,8 +510,34 @@ def env_names() -> list[str]:
 _LAZY_ENVS = {"bfcl": "environments.bfcl"}
 
 
-def env_class(name: str) -> type[Environment]:
-    """The registered class for ``name``; ``"pkg.module:name"`` imports the module first."""
+# Makes the class of a served env from an EnvConfig with an address. environments/remote.py
+# sets it when the package is imported: it subclasses Environment, so this module cannot
+# import it.
+_served_class: Callable[[EnvConfig], type[Environment]] | None = None
+
+
+def register_served(factory: Callable[[EnvConfig], type[Environment]]) -> None:
+    """Make ``factory`` the maker of served env classes (:func:`env_class` of an EnvConfig
+    whose ``address`` is set)."""
+    global _served_class
+    _served_class = factory
+
+
+def env_class(spec: str | EnvConfig) -> type[Environment]:
+    """The class ``spec`` names: a registered name (``"pkg.module:name"`` imports the module
+    first), or an ``EnvConfig``: with ``address`` set, the class whose instances are sessions on
+    the env server there (``environments/remote.py``), else the class its ``name`` names.
+
+    The one place an env's class is resolved: every command and role that makes an env from
+    a run's config comes here (through :func:`env_maker`), so a served env is used the same
+    way by all of them."""
+    if isinstance(spec, EnvConfig):
+        if spec.address:
+            if _served_class is None:
+                raise RuntimeError("environments.remote is not imported (import environments)")
+            return _served_class(spec)
+        spec = spec.name
+    name = spec
     if ":" in name:
         module, name = name.split(":", 1)
         importlib.import_module(module)  # config-named plugin; its decorator registers it
@@ -532,22 +558,42 @@ def task_env_name(task: Task) -> str:
     return spec if isinstance(spec, str) and spec else task.env
 
 
-def env_maker(env_cfg) -> Callable[[], Environment]:
-    """A zero-argument factory for the environment an ``EnvConfig`` names."""
-    cls, options = env_class(env_cfg.name), dict(env_cfg.options)
+def _of_run_env(task: Task, env_cfg: EnvConfig | None) -> bool:
+    # A plugin's "pkg.module:name" registers as "name", which Task.env holds.
+    return env_cfg is not None and task.env == env_cfg.name.rpartition(":")[2]
+
+
+def task_env_class(task: Task, env_cfg: EnvConfig | None = None) -> type[Environment]:
+    """The class to replay ``task`` in: the run's (``env_cfg``, served or not) for a task of
+    the env it names, else the class the task names (:func:`task_env_name`)."""
+    return env_class(env_cfg if _of_run_env(task, env_cfg) else task_env_name(task))
+
+
+def task_env_maker(task: Task, env_cfg: EnvConfig | None = None) -> Callable[[], Environment]:
+    """Fresh envs to replay ``task`` in: the run's (``env_cfg``: served or not, with its
+    options) for a task of the env it names, else the class the task names, with its
+    defaults."""
+    return env_maker(env_cfg) if _of_run_env(task, env_cfg) else env_class(task_env_name(task))
+
+
+def env_maker(env_cfg: EnvConfig) -> Callable[[], Environment]:
+    """A zero-argument factory for the environment an ``EnvConfig`` names, with its options:
+    a session on the env server at ``env_cfg.address`` when that is set."""
+    cls, options = env_class(env_cfg), dict(env_cfg.options)
     return lambda: cls(**options)
 
 
-def make_env(name: str, **kwargs) -> Environment:
-    """A new instance of the environment registered as ``name``."""
-    return env_class(name)(**kwargs)
+def make_env(spec: str | EnvConfig, **kwargs) -> Environment:
+    """A new instance of the environment ``spec`` names (see :func:`env_class`)."""
+    return env_class(spec)(**kwargs)
 
 
 def check_env_options(env: EnvConfig) -> None:
     """``env.name`` names a known environment and ``env.options`` only its constructor's
     keyword arguments (of the declared type where that is a plain one). A plugin
-    (``module:name``) is imported only when an env is made, so it is not checked here."""
-    if ":" in env.name:
+    (``module:name``) is imported only when an env is made, and a served env (``address``)
+    is asked only then, so neither is checked here."""
+    if ":" in env.name or env.address:
         return
     try:
         cls = env_class(env.name)

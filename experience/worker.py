@@ -44,8 +44,9 @@ class ExperienceWorker:
         self.settings = settings
         self.run_dir = Path(run_dir)
         # Rule extraction replays tasks in their env: a plugin's module must be imported (and
-        # its env registered) before a task of the env's own can name it.
-        env_class(settings.env_name)
+        # its env registered) before a task of the env's own can name it; a served env must
+        # answer (the extractor replays on it, make_extractor(cfg)).
+        env_class(settings.env)
         self.control = control
         self.pool = pool
         self.extractor = extractor

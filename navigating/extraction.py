@@ -46,15 +46,18 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from environments import Environment, make_env
-from environments.base import task_env_name
+from environments import Environment
+from environments.base import task_env_maker
 from inference.llm import ChatModel, LLMError, ReplyFormat, extract_json
 from navigating.pool import experience_id
+from protocol.config import EnvConfig
 from protocol.messages import Experience, Group, Step, Task, Trajectory
 from questioning.explorer import Exploration
 
@@ -223,10 +226,25 @@ class _Replay(NamedTuple):
     reward: float
 
 
+# The run's env while an ExperienceExtractor extracts: the replays of its tasks go to it (a
+# served env to its server, with the run's options). Set for the extractor's call only, so the
+# rule functions keep their signatures and a bare call replays each task's env by name.
+_RUN_ENV: ContextVar[EnvConfig | None] = ContextVar("run_env", default=None)
+
+
+@contextmanager
+def _replaying_in(env_cfg: EnvConfig | None) -> Iterator[None]:
+    token = _RUN_ENV.set(env_cfg)
+    try:
+        yield
+    finally:
+        _RUN_ENV.reset(token)
+
+
 def _run(task: Task, actions: Sequence[str]) -> _Replay | None:
     """``actions`` replayed in a fresh env from the task's seed; None when the env cannot."""
     try:
-        env = make_env(task_env_name(task))
+        env = task_env_maker(task, _RUN_ENV.get())()
         env.reset(task)
         observations, ok, states = [], [], [env.state()]
         for action in actions:
@@ -449,7 +467,7 @@ def from_exploration(record: Exploration | dict, version: int = -1,
 
 def _env_named(name: str) -> Environment | None:
     try:
-        return make_env(name)
+        return task_env_maker(Task("", name, "", 0), _RUN_ENV.get())()
     except Exception:  # an env that cannot be built here: lessons keep their action keys
         return None
 
@@ -671,8 +689,9 @@ class ExperienceExtractor:
     the rules, so a flaky endpoint still leaves the pool growing; ``fallbacks`` counts those and
     ``counts`` the experiences made, per kind."""
 
-    def __init__(self, llm: LLMExtractor | None = None):
+    def __init__(self, llm: LLMExtractor | None = None, env: EnvConfig | None = None):
         self.llm = llm
+        self.env = env  # the run's env: its tasks are replayed there (None: by name, here)
         self.counts: Counter[str] = Counter()
         self.fallbacks = 0
 
@@ -681,11 +700,13 @@ class ExperienceExtractor:
         if self.llm is not None and not exps:
             self.fallbacks += 1
         if not exps:
-            exps = from_group(group, version)
+            with _replaying_in(self.env):
+                exps = from_group(group, version)
         return self._counted(exps)
 
     def from_exploration(self, record: Exploration | dict, version: int = -1) -> list[Experience]:
-        return self._counted(from_exploration(record, version))
+        with _replaying_in(self.env):
+            return self._counted(from_exploration(record, version))
 
     def _counted(self, exps: list[Experience]) -> list[Experience]:
         self.counts.update(e.kind for e in exps)
@@ -701,14 +722,15 @@ def make_extractor(cfg, run_dir: Path | None = None) -> ExperienceExtractor:
     if choice == "auto":
         choice = "llm" if cfg.llm.url else "rules"
     if choice == "rules":
-        return ExperienceExtractor()
+        return ExperienceExtractor(env=cfg.env)
     if not cfg.llm.url:
         raise ValueError("experience.extractor=llm needs llm.url (an OpenAI-compatible endpoint)")
     from inference.llm import OpenAIChat
     from protocol.run_dir import RunDir
 
     replies = RunDir(run_dir).llm_replies("experience") if run_dir is not None else None
-    return ExperienceExtractor(LLMExtractor(OpenAIChat.from_config(cfg.llm, reply_log=replies)))
+    return ExperienceExtractor(LLMExtractor(OpenAIChat.from_config(cfg.llm, reply_log=replies)),
+                               env=cfg.env)
 
 
 def seed_from_explorations(pool, run_dir: Path, extractor: ExperienceExtractor) -> dict:

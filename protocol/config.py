@@ -141,9 +141,24 @@ class EnvConfig:
     ``holdout`` = ``world``, the default: validation and test worlds unseen in training, or
     ``task``: held-out tasks in training worlds)."""
 
+    address: str = ""
+    """ZeroMQ address of an env server (``autodidact env serve NAME --address ...``), e.g.
+    ``tcp://127.0.0.1:5560``. Set, every command and role that makes an env of this config
+    (run, explore, tasks verify, eval, warm-start, actors, judges, experience) makes a session
+    on that server instead of importing the class; ``name`` must then be the name the server
+    serves, and ``options`` go to its constructor there. Empty: the class runs in process."""
+
+    call_timeout_s: float = 30.0
+    """Served env only: the most seconds one env call may take; past it the call fails with
+    ``EnvFailed(reason="timeout")`` (environments/remote.py)."""
+
     def check(self):
         _positive(self, "max_turns")
         _positive(self, "max_context")
+        _positive(self, "call_timeout_s")
+        if self.address and self.address.partition("://")[0] not in ("tcp", "ipc"):
+            raise ConfigError(f"address must be a ZeroMQ tcp:// or ipc:// address, got "
+                              f"{self.address!r}")
 
 
 @dataclass
@@ -938,10 +953,23 @@ class RunConfig:
         if self.actor.max_action_tokens >= self.env.max_context:
             raise ConfigError(f"actor.max_action_tokens ({self.actor.max_action_tokens}) must "
                               f"be < env.max_context ({self.env.max_context}): no action fits")
+        self._check_env_link()
         if self.judge.backend == "endpoint" and not (self.llm.url or self.judge.url
                                                      or self.judge.serve):
             raise ConfigError("judge.backend=endpoint needs judge.url or llm.url (an "
                               "OpenAI-compatible endpoint), or judge.serve (a model to serve)")
+
+    def _check_env_link(self):
+        """The env link has no CURVE yet: an env server off this machine is reached in
+        plaintext only where the config says plaintext may leave it."""
+        from protocol.security import leaves_loopback
+
+        if self.env.address and leaves_loopback(self.env.address) \
+                and not self.security.allow_plaintext_remote:
+            raise ConfigError(f"env.address {self.env.address} leaves this machine, and the "
+                              "env link is not encrypted (no CURVE): serve the env on "
+                              "127.0.0.1 or an ipc:// address, or --set "
+                              "security.allow_plaintext_remote=true")
 
 
 # --- loading -----------------------------------------------------------------------------------

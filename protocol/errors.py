@@ -82,3 +82,18 @@ class RemoteError(AutodidactError):
 
 class ConfigError(AutodidactError):
     """A config file or override that names an unknown key or an impossible value."""
+
+
+class EnvFailed(AutodidactError):
+    """A served env's call failed for a reason of the service, not of the env: ``reason`` is
+    ``timeout`` (no answer within ``env.call_timeout_s``) or one of
+    ``protocol.env_wire.FAILURE_REASONS`` (``worker_died``, ``bad_reply``, ...); ``stderr``
+    holds the worker's last stderr lines where the server sent them. The env instance is
+    unusable afterwards: make a fresh one."""
+
+    def __init__(self, reason: str, detail: str = "", stderr: list[str] | tuple = ()):
+        self.reason = reason
+        self.detail = detail
+        self.stderr = list(stderr)
+        tail = "".join(f"\n  | {line}" for line in self.stderr)
+        super().__init__(f"env call failed ({reason}): {detail}{tail}")

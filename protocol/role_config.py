@@ -88,5 +88,6 @@ class ExperienceSettings:
     experience: ExperienceConfig
     """The experience pool's section (``update_every``, extraction)."""
 
-    env_name: str
-    """The environment whose tasks rule extraction replays (a plugin must be registered)."""
+    env: EnvConfig
+    """The environment whose tasks rule extraction replays: a plugin's module is imported
+    (its env registered), a served env (``env.address``) replayed on its server."""

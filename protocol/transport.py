@@ -106,6 +106,12 @@ class RouterServer:
             self._sock.setsockopt(zmq.SNDHWM, self.send_hwm)
         self._sock.bind(address)
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The bound socket, for a caller that waits on it beside others (``zmq.Poller``, a
+        broker); frames are still read with :meth:`poll`."""
+        return self._sock
+
     def poll(self, timeout_ms: int = 100, max_batch: int = 256) -> list[Incoming]:
         if self._curve is not None:  # refused handshakes never reach us as frames: count them
             self.counters.rejected[AUTH_REASON] += self._curve.drain()

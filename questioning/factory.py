@@ -145,7 +145,7 @@ class TaskFactory:
         self.cfg, self.run_dir, self.store = cfg, Path(run_dir), store
         self.control, self.metrics, self.say = control, metrics, say
         self.make_env = env_maker(cfg.env)
-        self.env_cls, self.env_options = env_class(cfg.env.name), dict(cfg.env.options)
+        self.env_cls, self.env_options = env_class(cfg.env), dict(cfg.env.options)
         self.prefs = preferences(cfg)
         self.chat = chat
         self.counts: Counter = Counter()

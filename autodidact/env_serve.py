@@ -1,0 +1,462 @@
+"""``autodidact env serve SPEC``: an environment served to other processes, each instance in a
+worker process of its own pool, so an env that hangs or crashes takes no actor down.
+
+Processes::
+
+    clients (RemoteEnv) ──DEALER──► broker: this command ──ipc──► worker 0 .. N-1
+                         env wire   RouterServer at --address    each holds its sessions' envs
+
+The broker binds the env socket and validates every frame there (a frame that does not decode
+is refused with one log line, counted, and the broker goes on); it starts ``--workers``
+processes (``python -m autodidact.env_serve worker``), routes each session's calls to the
+worker that opened it, and answers for a worker that cannot:
+
+* a worker that exits (or is killed for running past ``--call-timeout-s``): each call it held
+  is answered ``EnvFailure(worker_died)`` with its last output lines, its sessions are lost
+  (later calls on them get the same answer), and it is started again after a back-off that
+  doubles from 0.5 s to 30 s while it keeps dying soon after a start;
+* a worker reply that does not decode: ``EnvFailure(bad_reply)``;
+* no worker up: hello and open wait up to ``--no-worker-wait-s``, then ``EnvFailure(no_worker)``.
+
+Broker and worker speak over an ipc socket in a private temporary directory: ``[ticket,
+frame]`` both ways, the frame the same codec frame a client sends (the worker's first message
+is ``[b"ready", b""]``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import zmq
+
+from protocol import codec
+from protocol import env_wire as wire
+from protocol.errors import SchemaError
+from protocol.transport import LINGER_MS, Incoming, RouterServer
+
+log = logging.getLogger(__name__)
+
+READY = b"ready"  # a worker's first ticket: it has imported its env and takes calls
+TAIL_LINES = 20  # a worker's last output lines kept for the failures it causes
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
+STABLE_S = 30.0  # a worker that lived this long starts its next back-off from the minimum
+POLL_MS = 100  # the broker's longest wait before it looks at its workers again
+MAX_LOST = 100_000  # lost sessions remembered, to answer their late calls worker_died
+
+
+# --- the broker ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Pending:
+    """A client's call held by a worker."""
+
+    incoming: Incoming  # the client's frame, decoded (its route and msg_id answer it)
+    opens: bool = False  # an EnvOpen: its reply names a session of this worker
+
+
+@dataclass
+class Worker:
+    index: int
+    proc: subprocess.Popen | None = None
+    identity: bytes = b""
+    ready: bool = False
+    started_at: float = 0.0
+    next_start: float = 0.0  # when a dead worker may start again
+    backoff_s: float = BACKOFF_MIN_S
+    restarts: int = 0
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    reader: threading.Thread | None = None
+    # session -> None, least recently used first (the eviction order)
+    sessions: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    inflight: dict = field(default_factory=dict)  # ticket -> Pending, in the order sent
+    busy_since: float | None = None  # when the call it is working on now reached it
+
+
+@dataclass
+class ServeSettings:
+    spec: str  # the env: a registered name or pkg.module:name
+    address: str  # the env socket clients connect to
+    workers: int = 2  # worker processes
+    max_sessions: int = 4096  # env instances one worker holds; the least recently used goes
+    call_timeout_s: float = 300.0  # a worker busy with one call longer than this is killed
+    no_worker_wait_s: float = 30.0  # how long hello and open wait for a worker to be up
+
+
+class EnvBroker:
+    """The env socket, the worker pool and the routing between them."""
+
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        self.dir = Path(tempfile.mkdtemp(prefix="autodidact-env-"))
+        self.back_address = f"ipc://{self.dir}/workers.sock"
+        self.ctx = zmq.Context()
+        self.back = self.ctx.socket(zmq.ROUTER)
+        self.back.setsockopt(zmq.LINGER, LINGER_MS)
+        self.back.bind(self.back_address)
+        self.front = RouterServer(settings.address, context=self.ctx)
+        self.poller = zmq.Poller()
+        self.poller.register(self.front.socket, zmq.POLLIN)
+        self.poller.register(self.back, zmq.POLLIN)
+        self.workers = [Worker(i) for i in range(settings.workers)]
+        self.route: dict[str, Worker] = {}  # session -> the worker holding it
+        self.lost: collections.OrderedDict = collections.OrderedDict()  # session -> failure
+        self.waiting: collections.deque = collections.deque()  # (since, Incoming) for a worker
+        self.failures: collections.Counter = collections.Counter()  # reason -> calls failed
+        self._tickets = 0
+
+    # -- the loop --
+
+    def serve(self, stop: threading.Event) -> None:
+        for worker in self.workers:
+            self._start(worker)
+        while not stop.is_set():
+            events = dict(self.poller.poll(POLL_MS))
+            if self.front.socket in events:
+                for incoming in self.front.poll(0):
+                    self._from_client(incoming)
+            if self.back in events:
+                self._from_workers()
+            self._watch()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.proc is not None and worker.proc.poll() is None:
+                worker.proc.terminate()
+        for worker in self.workers:
+            if worker.proc is not None:
+                try:
+                    worker.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    worker.proc.kill()
+                    worker.proc.wait()
+        self.front.close()
+        self.back.close(LINGER_MS)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- clients --
+
+    def _from_client(self, incoming: Incoming) -> None:
+        if incoming.error is not None:
+            self.front.reject(incoming, incoming.error)
+            return
+        msg = incoming.msg
+        if type(msg) not in wire.REQUESTS:
+            self.front.reject(incoming, SchemaError(
+                "unexpected_type", f"{type(msg).__name__} is not an env request (this is an "
+                "env socket: protocol/env_wire.py)"))
+            return
+        if isinstance(msg, (wire.EnvHello, wire.EnvOpen)):
+            self._to_any_worker(incoming)
+        else:
+            self._to_session(incoming)
+
+    def _to_any_worker(self, incoming: Incoming) -> None:
+        if incoming.msg.version != wire.ENV_WIRE_VERSION:
+            self._fail(incoming, "version", f"this server speaks env wire "
+                       f"v{wire.ENV_WIRE_VERSION}, the client v{incoming.msg.version}")
+            return
+        ready = [w for w in self.workers if w.ready]
+        if not ready:
+            self.waiting.append((time.monotonic(), incoming))
+            return
+        worker = min(ready, key=lambda w: (len(w.sessions), len(w.inflight)))
+        opens = isinstance(incoming.msg, wire.EnvOpen)
+        if opens and len(worker.sessions) >= self.settings.max_sessions:
+            self._evict(worker)
+        self._send(worker, incoming, opens)
+
+    def _to_session(self, incoming: Incoming) -> None:
+        session = incoming.msg.session
+        worker = self.route.get(session)
+        if worker is not None:
+            worker.sessions.move_to_end(session)
+            self._send(worker, incoming)
+        elif session in self.lost:
+            detail, tail = self.lost[session]
+            self._fail(incoming, "worker_died", detail, tail)
+        elif isinstance(incoming.msg, wire.EnvClose):
+            self.front.reply(incoming, wire.EnvValue(None))
+        else:
+            self._fail(incoming, "no_session", f"no session {session[:64]} here: never "
+                       "opened, closed, evicted, or opened before this server started; "
+                       "make a new env")
+
+    def _fail(self, incoming: Incoming, reason: str, detail: str, tail=()) -> None:
+        self.failures[reason] += 1
+        self.front.reply(incoming, wire.EnvFailure(reason, detail, list(tail)))
+
+    # -- workers --
+
+    def _send(self, worker: Worker, incoming: Incoming, opens: bool = False) -> None:
+        self._tickets += 1
+        ticket = self._tickets.to_bytes(8, "big")
+        if not worker.inflight:
+            worker.busy_since = time.monotonic()
+        worker.inflight[ticket] = Pending(incoming, opens)
+        frame = codec.encode(incoming.msg, incoming.msg_id)
+        self.back.send_multipart([worker.identity, ticket, frame])
+
+    def _evict(self, worker: Worker) -> None:
+        """Close the worker's least recently used session to make room (no client waits)."""
+        session, _ = worker.sessions.popitem(last=False)
+        self.route.pop(session, None)
+        log.info("env worker %d holds %d sessions: closing the least recently used, %s",
+                 worker.index, self.settings.max_sessions, session)
+        self._tickets += 1
+        frame = codec.encode(wire.EnvClose(session), "")
+        self.back.send_multipart([worker.identity, self._tickets.to_bytes(8, "big"), frame])
+
+    def _from_workers(self) -> None:
+        while True:
+            try:
+                identity, ticket, frame = self.back.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not three parts: not one of our workers' frames
+                continue
+            worker = next((w for w in self.workers if w.identity == identity), None)
+            if worker is None:
+                continue
+            if ticket == READY:
+                self._ready(worker)
+            else:
+                self._answer(worker, worker.inflight.pop(ticket, None), frame)
+
+    def _ready(self, worker: Worker) -> None:
+        worker.ready = True
+        log.info("env worker %d up (pid %d)", worker.index, worker.proc.pid)
+        waiting, self.waiting = self.waiting, collections.deque()
+        for _, incoming in waiting:
+            self._to_any_worker(incoming)
+
+    def _answer(self, worker: Worker, pending: Pending | None, frame: bytes) -> None:
+        worker.busy_since = time.monotonic() if worker.inflight else None
+        if pending is None:  # the reply to an eviction's close
+            return
+        try:
+            _, reply = codec.decode(frame)
+        except SchemaError as exc:
+            log.warning("env worker %d answered %s with a frame that does not decode (%s)",
+                        worker.index, type(pending.incoming.msg).__name__, exc)
+            self._fail(pending.incoming, "bad_reply", f"env worker {worker.index} answered "
+                       f"with a frame that does not decode ({exc})", worker.tail)
+            return
+        if pending.opens and isinstance(reply, wire.EnvOpened):
+            worker.sessions[reply.session] = None
+            self.route[reply.session] = worker
+        if isinstance(pending.incoming.msg, wire.EnvClose):
+            worker.sessions.pop(pending.incoming.msg.session, None)
+            self.route.pop(pending.incoming.msg.session, None)
+        if isinstance(reply, wire.EnvFailure):
+            self.failures[reply.reason] += 1
+            reply.stderr = list(worker.tail)
+        self.front.reply(pending.incoming, reply)
+
+    def _watch(self) -> None:
+        now = time.monotonic()
+        for worker in self.workers:
+            if worker.proc is not None and worker.proc.poll() is not None:
+                self._died(worker, f"exited with code {worker.proc.returncode}")
+            elif worker.busy_since is not None \
+                    and now - worker.busy_since > self.settings.call_timeout_s:
+                worker.proc.kill()
+                worker.proc.wait()
+                self._died(worker, f"was killed: one call ran past --call-timeout-s "
+                           f"{self.settings.call_timeout_s:g} s")
+            if worker.proc is None and now >= worker.next_start:
+                self._start(worker)
+        while self.waiting and now - self.waiting[0][0] > self.settings.no_worker_wait_s:
+            _, incoming = self.waiting.popleft()
+            self._fail(incoming, "no_worker", f"no env worker came up within "
+                       f"{self.settings.no_worker_wait_s:g} s; see the server's log")
+
+    def _died(self, worker: Worker, why: str) -> None:
+        if worker.reader is not None:
+            worker.reader.join(1.0)  # its last lines, written just before it went
+        tail = list(worker.tail)
+        lived = time.monotonic() - worker.started_at
+        worker.backoff_s = BACKOFF_MIN_S if lived > STABLE_S else min(
+            BACKOFF_MAX_S, worker.backoff_s * 2 if worker.restarts else BACKOFF_MIN_S)
+        detail = f"env worker {worker.index} (pid {worker.proc.pid}) {why}"
+        log.warning("%s; %d calls and %d sessions lost; restarting it in %.1f s; last "
+                    "output: %s", detail, len(worker.inflight), len(worker.sessions),
+                    worker.backoff_s, " | ".join(tail[-3:]) or "none")
+        for pending in worker.inflight.values():
+            self._fail(pending.incoming, "worker_died", f"{detail} during this call", tail)
+        for session in worker.sessions:
+            self.route.pop(session, None)
+            self.lost[session] = (f"{detail}; this session's env was in it", tail)
+        while len(self.lost) > MAX_LOST:
+            self.lost.popitem(last=False)
+        worker.sessions.clear()
+        worker.inflight.clear()
+        worker.proc, worker.ready, worker.busy_since = None, False, None
+        worker.next_start = time.monotonic() + worker.backoff_s
+        worker.restarts += 1
+
+    def _start(self, worker: Worker) -> None:
+        from autodidact.supervisor import parent_death_preexec
+
+        worker.identity = f"w{worker.index}.{worker.restarts}".encode()
+        worker.tail = collections.deque(maxlen=TAIL_LINES)
+        worker.proc = subprocess.Popen(
+            [sys.executable, "-m", "autodidact.env_serve", "worker", self.settings.spec,
+             self.back_address, worker.identity.decode()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            preexec_fn=parent_death_preexec())
+        worker.started_at = time.monotonic()
+        worker.reader = threading.Thread(target=_echo, args=(worker.proc.stdout, worker.tail,
+                                                             worker.index), daemon=True)
+        worker.reader.start()
+
+
+def _echo(stream, tail: collections.deque, index: int) -> None:
+    """A worker's output: into ``tail`` (the failures quote it) and onto this process's
+    stderr, each line marked with the worker."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip()
+        tail.append(line)
+        print(f"[env worker {index}] {line}", file=sys.stderr, flush=True)
+    stream.close()
+
+
+# --- a worker -----------------------------------------------------------------------------------
+
+
+class EnvWorker:
+    """The env instances of the sessions the broker routes here, one call at a time."""
+
+    def __init__(self, spec: str):
+        from environments import env_class
+
+        self.cls = env_class(spec)
+        self.sessions: dict = {}
+
+    def reply_frame(self, frame: bytes) -> bytes:
+        env, msg = codec.decode(frame)  # the broker validated it: this cannot fail
+        reply = self.answer(msg)
+        try:
+            return codec.encode(reply, env.msg_id)
+        except Exception as exc:  # the env returned what the wire cannot carry
+            method = wire.SESSION_REQUESTS.get(type(msg), type(msg).__name__)
+            return codec.encode(wire.EnvFailure(
+                "bad_reply", f"{self.cls.name}.{method}() returned a value the env wire "
+                f"cannot carry ({type(exc).__name__}: {exc}); env values must be JSON-like"),
+                env.msg_id)
+
+    def answer(self, msg):
+        from environments.remote import answer, raised_to_wire, served_facts
+
+        if isinstance(msg, wire.EnvHello):
+            return served_facts(self.cls)
+        if isinstance(msg, wire.EnvOpen):
+            try:
+                env = self.cls(**msg.options)
+            except Exception as exc:  # options the constructor refuses
+                return raised_to_wire(exc)
+            session = os.urandom(12).hex()
+            self.sessions[session] = env
+            return wire.EnvOpened(session)
+        if isinstance(msg, wire.EnvClose):
+            self.sessions.pop(msg.session, None)
+            return wire.EnvValue(None)
+        env = self.sessions.get(msg.session)
+        if env is None:
+            return wire.EnvFailure("no_session", f"no session {msg.session} on this worker")
+        return answer(env, msg)
+
+
+def run_worker(spec: str, address: str, identity: str) -> None:
+    """A worker's process: connect to the broker, say ready, answer until told to stop."""
+    # SIGTERM (the broker stopping, or its death: the parent-death signal) ends the worker
+    # even inside an env call that would not return for long; an env holds nothing durable.
+    signal.signal(signal.SIGTERM, _exit_now)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the broker, which stops us
+    worker = EnvWorker(spec)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.connect(address)
+    sock.send_multipart([READY, b""])
+    try:
+        while True:
+            ticket, frame = sock.recv_multipart()
+            sock.send_multipart([ticket, worker.reply_frame(frame)])
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _exit_now(*_):
+    raise SystemExit(0)
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+@click.group("env")
+def env() -> None:
+    """Serve an environment to other processes (docs/environments.md)."""
+
+
+@env.command("serve")
+@click.argument("spec")
+@click.option("--address", required=True,
+              help="ZeroMQ address to bind, e.g. tcp://127.0.0.1:5560 or ipc:///tmp/env.sock; "
+                   "runs name it as env.address.")
+@click.option("--workers", type=click.IntRange(1, 1024), default=2, show_default=True,
+              help="Worker processes; each holds the env instances of its sessions.")
+@click.option("--max-sessions", type=click.IntRange(1), default=4096, show_default=True,
+              help="Env instances one worker holds; past it the least recently used closes.")
+@click.option("--call-timeout-s", type=click.FloatRange(min=0.1), default=300.0,
+              show_default=True, help="A worker busy with one call longer than this is "
+                                      "killed and restarted (its sessions are lost).")
+@click.option("--no-worker-wait-s", type=click.FloatRange(min=0.0), default=30.0,
+              show_default=True, help="How long a new session waits while no worker is up.")
+def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s):
+    """Serve the env SPEC (a registered name such as `files`, or `pkg.module:name`) at
+    --address until SIGTERM or Ctrl-C."""
+    from protocol.security import leaves_loopback
+
+    if leaves_loopback(address):
+        raise click.UsageError(f"{address} leaves this machine and the env link has no "
+                               "CURVE yet: bind 127.0.0.1 or an ipc:// address")
+    from environments import env_class
+
+    try:
+        name = env_class(spec).name  # fail here, not in N workers, on a name that is wrong
+    except (KeyError, ImportError) as exc:
+        raise click.UsageError(f"{spec}: {exc}") from None
+    broker = EnvBroker(ServeSettings(spec, address, workers, max_sessions, call_timeout_s,
+                                     no_worker_wait_s))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo(f"env serve: {name} at {broker.front.bound_address}, {workers} workers "
+               f"(env wire v{wire.ENV_WIRE_VERSION})", err=True)
+    try:
+        broker.serve(stop)
+    finally:
+        rejected = dict(broker.front.counters.rejected)
+        broker.close()
+        click.echo(f"env serve: stopped; frames refused {rejected or 'none'}, calls failed "
+                   f"{dict(broker.failures) or 'none'}", err=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    run_worker(*sys.argv[2:5])

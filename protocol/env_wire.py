@@ -1,0 +1,390 @@
+"""The environment interface over the wire: one request per method of
+``environments.base.Environment``, the replies, and their version.
+
+``autodidact env serve SPEC`` answers these on one ZeroMQ ROUTER socket through the project's
+codec (msgpack frames, every field validated on decode, nothing evaluated or unpickled);
+``environments.remote.RemoteEnv`` sends them. A served env behaves like the same class in
+process: what a method returns comes back as that value, and the exceptions the interface
+defines (``ActionError``, ``ToolError``, ``NotImplementedError`` of a hook an env lacks, the
+``ValueError`` of a bad split) come back as :class:`EnvRaised` and are raised again, as the
+same types, by the client.
+
+A conversation::
+
+    EnvHello(version)                -> EnvServed: the env's name, vocabulary, class facts
+    EnvOpen(version, options)        -> EnvOpened(session): one env instance on one worker
+    EnvReset(session, task)          -> EnvValue(first observation)
+    EnvStep(session, action)         -> EnvStepped(observation, done, info, appended)
+    ...                              (any request below, naming the session)
+    EnvClose(session)                -> EnvValue(None)
+
+Any request may instead be answered :class:`EnvRaised` (the env raised) or
+:class:`EnvFailure` (the service failed it: its worker died, the session is unknown, the
+env's answer would not encode), and a frame that does not decode is answered
+``protocol.messages.Error`` like on every other socket.
+
+Versions: :data:`ENV_WIRE_VERSION` names this set of messages. ``EnvHello`` and ``EnvOpen``
+carry the client's; a server refuses another (:class:`EnvFailure` ``version``) rather than
+serve a client it may misread. The frames themselves carry ``codec.SCHEMA_VERSION`` as
+everywhere; adding these types needed no bump of it (an older server refuses them as
+``unknown_type``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from protocol.codec import message
+from protocol.errors import SchemaError
+from protocol.messages import Task
+
+ENV_WIRE_VERSION = 1  # bump on any incompatible change to a message below
+
+# The exceptions a served env's call may end in, raised again by the client as these types:
+# the two the interface defines, the two its defaults raise (a hook not implemented, a split
+# that does not exist) and the builtins an env's own checks commonly raise. Anything else an
+# env raises comes back as "Exception" with its type name in the detail.
+RAISED = ("ActionError", "ToolError", "NotImplementedError", "ValueError", "KeyError",
+          "TypeError", "IndexError", "RuntimeError", "Exception")
+
+# Why the service, not the env, failed a call (EnvFailure.reason), and why a client gave up
+# on one (environments.remote.EnvFailed.reason adds "timeout").
+FAILURE_REASONS = (
+    "worker_died",  # the worker holding the session exited (or was killed) during or before it
+    "bad_reply",  # the env's answer would not encode, or a reply did not decode or fit
+    "no_session",  # no such session: never opened, closed, or evicted for a newer one
+    "version",  # the client speaks another ENV_WIRE_VERSION
+    "no_worker",  # every worker is down and none came back within the server's wait
+)
+MAX_APPENDED = 1024  # observations one call may add to env.responses (a step adds one)
+
+
+def _check_session(session: str) -> None:
+    if not 0 < len(session) <= 64:
+        raise SchemaError("invalid", "session is 1 to 64 characters", "session")
+
+
+def _check_choice(value: str, allowed: tuple, name: str) -> None:
+    if value not in allowed:
+        raise SchemaError("invalid", f"{name} must be one of {', '.join(allowed)}", name)
+
+
+# --- class-level ------------------------------------------------------------------------------
+
+
+@message("env_hello")
+class EnvHello:
+    version: int  # the client's ENV_WIRE_VERSION
+
+
+@message("env_served")
+class EnvServed:
+    version: int  # the server's ENV_WIRE_VERSION
+    env: str  # the registered name of the served class (what Task.env holds)
+    vocabulary: list[str]  # the class's vocabulary(): every word it can show, [] when open
+    query_in_prompt: bool = True  # the class attribute of that name (see Environment)
+    default_limits: dict = field(default_factory=dict)  # the class's default_limits
+
+
+# --- sessions ---------------------------------------------------------------------------------
+
+
+@message("env_open")
+class EnvOpen:
+    version: int  # the client's ENV_WIRE_VERSION
+    options: dict = field(default_factory=dict)  # keyword arguments of the env's constructor
+
+
+@message("env_opened")
+class EnvOpened:
+    session: str  # names the new env instance in every later request
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_close")
+class EnvClose:
+    session: str  # the instance to drop; closing an unknown one is not an error
+
+    def validate(self):
+        _check_session(self.session)
+
+
+# --- one request per method: each names its session; the method's arguments follow ----------
+
+
+@message("env_reset")
+class EnvReset:
+    session: str
+    task: Task  # reset(task): build the task's world; answered with the first observation
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_tools")
+class EnvTools:
+    session: str  # tools(): answered EnvToolList
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_step")
+class EnvStep:
+    session: str
+    action: str  # step(action): the model's action text; answered EnvStepped
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_execute")
+class EnvExecute:
+    session: str
+    tool: str  # execute(ToolCall(tool, args)): a parsed call, answered with its observation
+    args: list[Any] = field(default_factory=list)  # the call's literal, typed arguments
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_state")
+class EnvState:
+    session: str  # state(): answered with the JSON-like snapshot
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_evaluate")
+class EnvEvaluate:
+    session: str
+    task: Task  # evaluate(task): answered with the outcome reward
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_goal_progress")
+class EnvGoalProgress:
+    session: str
+    task: Task  # goal_progress(task): answered with the fraction of the goal that holds
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_candidate_actions")
+class EnvCandidateActions:
+    session: str  # candidate_actions(): answered with a list of action texts
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_instructions")
+class EnvInstructions:
+    session: str  # instructions(): answered with the system prompt or None
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_example_action")
+class EnvExampleAction:
+    session: str  # example_action(): answered with one action text or None
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_canonical_action")
+class EnvCanonicalAction:
+    session: str
+    text: str  # canonical_action(text): answered with the text in the env's own syntax
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_tasks")
+class EnvTasks:
+    session: str
+    split: str  # tasks(split): answered EnvTaskList (a name outside SPLITS: ValueError)
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_goal_from_states")
+class EnvGoalFromStates:
+    session: str
+    before: dict  # goal_from_states(before, after): answered with the goal
+    after: dict
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_describe_changes")
+class EnvDescribeChanges:
+    session: str
+    before: dict  # describe_changes(before, after): answered EnvParts, one per change
+    after: dict
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_describe_event")
+class EnvDescribeEvent:
+    session: str
+    action: str  # describe_event(action, observation, before, after): EnvParts, 0 or 1
+    observation: str
+    before: dict
+    after: dict
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_describe_response")
+class EnvDescribeResponse:
+    session: str
+    action: str  # describe_response(action, observation, before): EnvParts, 0 or 1
+    observation: str
+    before: dict
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_entities")
+class EnvEntities:
+    session: str
+    state: dict  # entities(state): answered with a list of {"type", "name", "attributes"}
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_goal_of")
+class EnvGoalOf:
+    session: str
+    conditions: list[Any]  # goal_of(conditions): answered with the goal
+
+    def validate(self):
+        _check_session(self.session)
+
+
+@message("env_query_of")
+class EnvQueryOf:
+    session: str
+    texts: list[str]  # query_of(texts): answered with one query
+
+    def validate(self):
+        _check_session(self.session)
+
+
+# The requests that name a session, by the Environment method each one calls.
+SESSION_REQUESTS: dict[type, str] = {
+    EnvClose: "close", EnvReset: "reset", EnvTools: "tools", EnvStep: "step",
+    EnvExecute: "execute", EnvState: "state", EnvEvaluate: "evaluate",
+    EnvGoalProgress: "goal_progress", EnvCandidateActions: "candidate_actions",
+    EnvInstructions: "instructions", EnvExampleAction: "example_action",
+    EnvCanonicalAction: "canonical_action", EnvTasks: "tasks",
+    EnvGoalFromStates: "goal_from_states", EnvDescribeChanges: "describe_changes",
+    EnvDescribeEvent: "describe_event", EnvDescribeResponse: "describe_response",
+    EnvEntities: "entities", EnvGoalOf: "goal_of", EnvQueryOf: "query_of",
+}
+REQUESTS = (EnvHello, EnvOpen, *SESSION_REQUESTS)  # everything an env server is sent
+
+
+# --- replies ----------------------------------------------------------------------------------
+
+
+@message("env_value")
+class EnvValue:
+    value: Any = None  # the method's return value (JSON-like: str, number, list, map, None)
+    # observations the call added to env.responses (reset clears the list; step adds one per
+    # successful call), so the client's copy stays the server's
+    appended: list[str] = field(default_factory=list)
+
+    def validate(self):
+        if len(self.appended) > MAX_APPENDED:
+            raise SchemaError("invalid", f"more than {MAX_APPENDED} observations", "appended")
+
+
+@message("env_stepped")
+class EnvStepped:
+    observation: str  # step()'s (observation, done, info)
+    done: bool
+    info: dict = field(default_factory=dict)  # valid, tool, error (and env-specific keys)
+    appended: list[str] = field(default_factory=list)  # as EnvValue.appended
+
+
+@message("env_arg")
+class WireArg:
+    name: str  # environments.base.ArgSpec, field by field
+    type: str = "str"
+    description: str = ""
+    required: bool = True
+    choices: list[Any] = field(default_factory=list)
+    bounds: list[Any] | None = None  # [low, high] of an int or float argument
+    kind: str = ""
+
+
+@message("env_tool")
+class WireTool:
+    name: str  # environments.base.ToolSpec, field by field
+    description: str = ""
+    args: list[WireArg] = field(default_factory=list)
+
+
+@message("env_tool_list")
+class EnvToolList:
+    tools: list[WireTool]  # tools(), in the env's order
+
+
+@message("env_task_list")
+class EnvTaskList:
+    tasks: list[Task]  # tasks(split), in the env's order
+
+
+@message("env_part")
+class WirePart:
+    conditions: list[Any]  # environments.base.GoalPart, field by field
+    text: str | None = None
+    entities: list[str] = field(default_factory=list)
+
+
+@message("env_parts")
+class EnvParts:
+    # describe_changes' parts; describe_event and describe_response answer [] for None
+    parts: list[WirePart] = field(default_factory=list)
+
+
+@message("env_raised")
+class EnvRaised:
+    error: str  # one of RAISED: the exception type the client raises again
+    detail: str = ""  # its message ("ZeroDivisionError: ..." where error is "Exception")
+    kind: str = ""  # ActionError / ToolError: their kind
+    observation: str = ""  # ActionError / ToolError: the text the agent sees
+    tool: str | None = None  # ActionError: the tool the action named, if any
+
+    def validate(self):
+        _check_choice(self.error, RAISED, "error")
+
+
+@message("env_failure")
+class EnvFailure:
+    reason: str  # one of FAILURE_REASONS
+    detail: str = ""  # one line: what failed and what to do
+    stderr: list[str] = field(default_factory=list)  # the worker's last stderr lines
+
+    def validate(self):
+        _check_choice(self.reason, FAILURE_REASONS, "reason")
+
