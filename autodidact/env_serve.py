@@ -173,7 +173,9 @@ class EnvBroker:
         if not ready:
             self.waiting.append((time.monotonic(), incoming))
             return
-        worker = min(ready, key=lambda w: (len(w.sessions), len(w.inflight)))
+        # An idle worker first (one stuck in a call would hold the new session behind it),
+        # then the one with the fewest sessions.
+        worker = min(ready, key=lambda w: (len(w.inflight), len(w.sessions)))
         opens = isinstance(incoming.msg, wire.EnvOpen)
         if opens and len(worker.sessions) >= self.settings.max_sessions:
             self._evict(worker)
@@ -340,10 +342,11 @@ def _echo(stream, tail: collections.deque, index: int) -> None:
 class EnvWorker:
     """The env instances of the sessions the broker routes here, one call at a time."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, identity: str):
         from environments import env_class
 
         self.cls = env_class(spec)
+        self.identity = identity  # a session id starts with it: logs tell where it lived
         self.sessions: dict = {}
 
     def reply_frame(self, frame: bytes) -> bytes:
@@ -368,7 +371,7 @@ class EnvWorker:
                 env = self.cls(**msg.options)
             except Exception as exc:  # options the constructor refuses
                 return raised_to_wire(exc)
-            session = os.urandom(12).hex()
+            session = f"{self.identity}-{os.urandom(12).hex()}"
             self.sessions[session] = env
             return wire.EnvOpened(session)
         if isinstance(msg, wire.EnvClose):
@@ -386,7 +389,7 @@ def run_worker(spec: str, address: str, identity: str) -> None:
     # even inside an env call that would not return for long; an env holds nothing durable.
     signal.signal(signal.SIGTERM, _exit_now)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the broker, which stops us
-    worker = EnvWorker(spec)
+    worker = EnvWorker(spec, identity)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)

@@ -1,0 +1,418 @@
+"""Environments as services, with real processes: ``autodidact env serve`` in a subprocess on a
+free port, its workers, and clients over real ZeroMQ sockets.
+
+* Parity: every method of the interface, a seeded random walk, an explore run and a seeded
+  rollout of a tiny policy give exactly the same results in process and served.
+* One resolution point: ``env_class`` / ``env_maker`` / ``task_env_class`` of an EnvConfig with
+  an address make sessions on the server; a server of another env is refused by name.
+* Bad frames to the env socket: each answered with one refusal (and one log line), counted,
+  and the server keeps serving.
+* Faults (``tests/env_faulty.py``): a call past the deadline, a worker that exits mid-episode,
+  an answer that does not decode; each raises EnvFailed with its reason (and the worker's last
+  output where the server has it), the server restarts dead workers with back-off and a fresh
+  env works afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from environments import ActionError, FilesEnv, ToolCall, ToolError, env_class, env_maker
+from environments.base import task_env_class
+from environments.remote import EnvLink, RemoteEnv
+from protocol import codec
+from protocol import env_wire as wire
+from protocol.config import EnvConfig, load_config
+from protocol.errors import ConfigError, EnvFailed
+from protocol.messages import SPLITS, StatsRequest, Task
+from protocol.transport import free_tcp_port
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+
+class EnvServer:
+    """``autodidact env serve SPEC`` in a process group of its own (its workers with it), so a
+    failed test still takes every process down."""
+
+    def __init__(self, spec: str, log: Path, *options: str, workers: int = 2):
+        self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.log = log
+        self.cmd = [sys.executable, "-m", "autodidact.cli", "env", "serve", spec, "--address",
+                    self.address, "--workers", str(workers), *options]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> EnvServer:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"})
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        try:  # a worker the broker could not stop
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def config(self, name: str, timeout_s: float = 20.0) -> EnvConfig:
+        return EnvConfig(name=name, address=self.address, call_timeout_s=timeout_s)
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def files_server(tmp_path_factory):
+    server = EnvServer("files", tmp_path_factory.mktemp("envserve") / "serve.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def served_files(files_server) -> EnvConfig:
+    """The files env served, its class asked once (the hello waits for the workers)."""
+    cfg = files_server.config("files")
+    try:
+        env_class(cfg)
+    except EnvFailed:
+        pytest.fail(f"env server did not answer:\n{files_server.text()[-3000:]}")
+    return cfg
+
+
+# --- parity ------------------------------------------------------------------------------------
+
+MALFORMED = ["", "rm", "frobnicate x", "cd 'unclosed", "mv a b c d e f", "ls " + "x" * 300]
+
+
+def _outcome(call):
+    """A call's value, or what it raised (its type and the fields the interface defines)."""
+    try:
+        return ("value", call())
+    except (ActionError, ToolError) as exc:
+        return (type(exc).__name__, exc.kind, exc.observation, getattr(exc, "tool", None))
+    except Exception as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def transcript(env, tasks: list[Task], seed: int) -> list:
+    """Everything ``env`` answers along a seeded walk: every method of the interface."""
+    rng = random.Random(seed)
+    out: list = [("class", env.name, env.vocabulary(), env.query_in_prompt, env.default_limits)]
+    out += [("tasks", split, env.tasks(split)) for split in SPLITS]
+    for task in tasks:
+        out.append(("reset", env.reset(task), list(env.responses)))
+        out += [("tools", env.tools()), ("instructions", env.instructions()),
+                ("example", env.example_action())]
+        start = env.state()
+        for _ in range(6):
+            choices = env.candidate_actions()
+            action = rng.choice(choices + MALFORMED)
+            before = env.state()
+            obs, done, info = env.step(action)
+            after = env.state()
+            out.append(("step", choices, action, obs, done, info, after, list(env.responses),
+                        env.evaluate(task), env.goal_progress(task),
+                        env.describe_event(action, obs, before, after),
+                        env.describe_response(action, obs, before),
+                        env.canonical_action(action)))
+        end = env.state()
+        parts = env.describe_changes(start, end)
+        out.append(("changes", parts, _outcome(lambda: env.goal_from_states(start, end)),
+                    env.entities(end), env.goal_of([c for p in parts for c in p.conditions]),
+                    env.query_of([p.text for p in parts if p.text])))
+        out.append(("refused", _outcome(lambda: env.execute(ToolCall("rm", ("nosuch.md",))))))
+    out.append(("bad split", _outcome(lambda: env.tasks("bogus"))))
+    return out
+
+
+def test_every_method_answers_as_in_process(served_files):
+    local, served = FilesEnv(), env_maker(served_files)()
+    assert isinstance(served, RemoteEnv) and not isinstance(local, RemoteEnv)
+    tasks = local.tasks("train")[:3] + local.tasks("validation")[:1] + local.tasks("test")[:1]
+    expected = transcript(local, tasks, seed=11)
+    got = transcript(served, tasks, seed=11)
+    assert len(got) == len(expected)
+    for want, have in zip(expected, got):
+        assert have == want
+    assert [g[1][0] for g in got if g[0] == "refused"] == ["ToolError"] * len(tasks)
+    assert got[-1][1][0] == "ValueError"
+
+
+def test_step_before_reset_and_a_closed_session(served_files):
+    env = env_maker(served_files)()
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step("ls")
+    env.close()
+    with pytest.raises(EnvFailed) as info:
+        env.reset(FilesEnv().tasks("train")[0])
+    assert info.value.reason == "no_session"
+
+
+def test_explore_makes_the_same_tasks(served_files, tmp_path):
+    from questioning.factory import TaskFactory, read_explorations
+    from questioning.task_store import TaskStore
+
+    sets = ["explore.seeds=2", "explore.explorations_per_seed=2", "explore.proposer=schema",
+            "explore.breadth_steps=12", "explore.depth_steps=8"]
+    runs = {}
+    for how, extra in (("local", []), ("served", [f"env.address={served_files.address}"])):
+        cfg = load_config(None, sets + extra)
+        with TaskStore(tmp_path / how) as store:
+            summary = TaskFactory(cfg, tmp_path / how, store, say=lambda _: None).run(rounds=1)
+            tasks = store.all()
+        summary.pop("seconds", None)
+        explorations = [e.to_dict() for e in read_explorations(tmp_path / how)]
+        for e in explorations:
+            e.pop("seconds")  # wall time
+        runs[how] = (summary, explorations, tasks)
+    assert runs["local"][2], "explore made no tasks: nothing was compared"
+    assert runs["served"] == runs["local"]
+
+
+def test_a_seeded_rollout_is_the_same(served_files, files_policy_path):
+    from transformers import AutoTokenizer
+
+    from episodes.rollout import RolloutSettings, rollout, start_episodes
+    from inference.codecs import make_codec
+    from inference.backends import SamplingParams, TransformersBackend
+
+    codec_ = make_codec(AutoTokenizer.from_pretrained(files_policy_path))
+    tasks = FilesEnv().tasks("train")[:3]
+    settings = RolloutSettings(max_turns=4)
+    results = []
+    with TransformersBackend(files_policy_path, version=0) as backend:
+        for make in (FilesEnv, env_maker(served_files)):
+            episodes = start_episodes(tasks, 2, make, codec_)
+            params = SamplingParams(temperature=1.0, max_new_tokens=16,
+                                    stop_token_ids=(codec_.eoa_id,), seed=5)
+            rollout(backend, episodes, codec_, params, settings)
+            results.append([_comparable(ep.to_trajectory()) for ep in episodes])
+    assert results[0] == results[1]
+    assert sum(len(t["steps"]) for t in results[0]) > 0
+
+
+def _comparable(traj) -> dict:
+    fields = dataclasses.asdict(traj)
+    fields.pop("traj_id")  # random per episode
+    fields.get("info", {}).pop("seconds", None)
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()}
+
+
+# --- one resolution point -------------------------------------------------------------------------
+
+
+def test_every_maker_of_a_run_env_gets_the_served_one(served_files):
+    cls = env_class(served_files)
+    assert issubclass(cls, RemoteEnv) and cls.name == "files"
+    assert env_class(served_files) is cls  # one hello per process and server
+    assert cls.vocabulary() == FilesEnv.vocabulary()  # a classmethod, answered by the hello
+    task = FilesEnv().tasks("train")[0]
+    assert task_env_class(task, served_files) is cls  # tasks verify, experience replays
+    other = Task("t", "shop", "q", 0)
+    assert task_env_class(other, served_files).name == "shop"  # another env's task: by name
+    with pytest.raises(ConfigError, match="serves 'files'"):
+        env_class(dataclasses.replace(served_files, name="shop"))
+
+
+def test_config_refuses_a_plaintext_env_server_off_this_machine():
+    with pytest.raises(ConfigError, match="env.address"):
+        load_config(None, ["env.address=tcp://10.1.2.3:5560"])
+    load_config(None, ["env.address=tcp://10.1.2.3:5560", "security.allow_plaintext_remote=true"])
+    with pytest.raises(ConfigError, match="env.address"):
+        load_config(None, ["env.address=http://127.0.0.1:80"])
+
+
+# --- bad frames ------------------------------------------------------------------------------------
+
+
+def _bad_frames() -> list[tuple[bytes, str]]:
+    good = codec.encode(wire.EnvHello(wire.ENV_WIRE_VERSION), "x")
+    rng = random.Random(3)
+    frames = [
+        (b"", "not_msgpack"), (b"\xc1\xff", "not_msgpack"), (good[: len(good) // 2], "not_msgpack"),
+        (msgpack.packb([1, 2, 3]), "bad_envelope"),
+        (codec.pack_frame("no_such_type", "x", b"\x80"), "unknown_type"),
+        (codec.pack_frame("env_hello", "x", b"\x80", version=codec.SCHEMA_VERSION + 1),
+         "future_version"),
+        (codec.pack_frame("env_step", "x", msgpack.packb({"session": "s"})), "missing_field"),
+        (codec.pack_frame("env_step", "x", msgpack.packb({"session": "", "action": "ls"})),
+         "invalid"),
+        (codec.pack_frame("env_hello", "x", msgpack.packb({"version": "1"})), "wrong_type"),
+        (codec.encode(StatsRequest(), "x"), "unexpected_type"),  # a replay request
+    ]
+    for _ in range(20):  # random bytes and flipped bytes of a good frame
+        flipped = bytearray(good)
+        flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        frames.append((bytes(flipped), ""))
+        frames.append((rng.randbytes(rng.randrange(1, 64)), ""))
+    return frames
+
+
+def test_bad_frames_are_refused_one_line_each_and_the_server_keeps_serving(
+        files_server, served_files):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(files_server.address)
+    refused = 0
+    try:
+        for frame, reason in _bad_frames():
+            sock.send(frame)
+            assert sock.poll(5000), f"no answer to a bad frame {frame[:40]!r}"
+            env, reply = codec.decode(sock.recv())
+            if type(reply).__name__ == "Error":
+                refused += 1
+                assert not reason or reply.reason == reason, (frame[:60], reply)
+            else:  # a flipped bit the schema cannot tell (a character of the id): served
+                assert not reason
+    finally:
+        sock.close(0)
+    assert refused >= 10
+    wait_for(lambda: files_server.text().count("rejected frame") >= refused, 5, "log lines")
+    assert files_server.text().count("rejected frame") == refused  # one line per refusal
+    env = env_maker(served_files)()  # still serving
+    assert env.reset(FilesEnv().tasks("train")[0]).startswith("path :")
+
+
+def test_a_reply_that_does_not_decode_fails_the_call_at_once():
+    """A rogue server answering garbage: the client raises bad_reply, not a timeout."""
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_garbage():
+        if rogue.poll(10_000):
+            route, _ = rogue.recv_multipart()
+            rogue.send_multipart([route, b"\x93garbage"])
+
+    thread = threading.Thread(target=answer_garbage, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EnvFailed) as info:
+            EnvLink(f"tcp://127.0.0.1:{port}", 10.0).hello()
+        assert info.value.reason == "bad_reply" and time.monotonic() - t0 < 5
+    finally:
+        thread.join(10)
+        rogue.close(0)
+
+
+# --- faults ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faulty_server(tmp_path_factory):
+    server = EnvServer("env_faulty:faulty", tmp_path_factory.mktemp("faulty") / "serve.log",
+                       "--call-timeout-s", "3").start()
+    try:
+        cfg = server.config("env_faulty:faulty", timeout_s=1.5)
+        try:
+            env_class(dataclasses.replace(cfg, call_timeout_s=20.0))  # waits for the workers
+        except EnvFailed:
+            pytest.fail(f"env server did not answer:\n{server.text()[-3000:]}")
+        yield server, cfg
+    finally:
+        server.stop()
+
+
+def _fresh(cfg: EnvConfig, timeout_s: float = 20.0):
+    """A new session once the server has one to give (a worker may be restarting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            env = env_maker(dataclasses.replace(cfg, call_timeout_s=timeout_s))()
+            env.reset(env.tasks("train")[0])
+            return env
+        except EnvFailed:
+            if time.monotonic() > deadline:
+                raise
+
+
+def test_the_interfaces_refusals_cross_as_their_types(faulty_server):
+    _, cfg = faulty_server
+    env = _fresh(cfg)
+    assert env.step("refuse") == ("error : refused", False,
+                                  {"valid": True, "tool": "refuse", "error": "refused"})
+    with pytest.raises(ToolError) as refused:
+        env.execute(ToolCall("refuse"))
+    assert (refused.value.kind, refused.value.observation) == ("refused", "error : refused")
+    with pytest.raises(ActionError) as misparsed:
+        env.execute(ToolCall("misparse", ("x",)))
+    assert (misparsed.value.kind, misparsed.value.tool) == ("custom", "misparse")
+    with pytest.raises(NotImplementedError):  # a hook it lacks
+        env.goal_from_states({}, {})
+
+
+def test_a_call_past_the_deadline_times_out_and_the_worker_is_replaced(faulty_server):
+    server, cfg = faulty_server
+    env = env_maker(cfg)()  # the run's deadline: 1.5 s
+    env.reset(env.tasks("train")[0])
+    t0 = time.monotonic()
+    with pytest.raises(EnvFailed) as info:
+        env.step("hang")
+    assert info.value.reason == "timeout" and 1.4 < time.monotonic() - t0 < 4
+    with pytest.raises(EnvFailed, match="failed before"):  # the instance is done for
+        env.state()
+    wait_for(lambda: "ran past --call-timeout-s 3 s" in server.text(), 10, "the kill")
+    assert _fresh(cfg).step("ok")[0] == "ok"
+
+
+def test_a_worker_that_exits_mid_episode(faulty_server):
+    server, cfg = faulty_server
+    victim = _fresh(cfg)
+    bystander = _fresh(cfg)
+    while bystander.session.split("-")[0] == victim.session.split("-")[0]:
+        bystander = _fresh(cfg)  # a session on the other worker (its id names the worker)
+    starts = server.text().count(" up (pid")
+    with pytest.raises(EnvFailed) as info:
+        victim.step("crash")
+    assert info.value.reason == "worker_died"
+    assert any("crashing on purpose" in line for line in info.value.stderr), info.value.stderr
+    assert "exited with code 3" in info.value.detail
+    assert bystander.step("ok")[0] == "ok"  # the other worker's session goes on
+    wait_for(lambda: server.text().count(" up (pid") > starts, 10, "the restarted worker")
+    assert "restarting it in" in server.text()
+    assert _fresh(cfg).step("ok")[0] == "ok"
+
+
+def test_an_answer_that_does_not_decode_fails_that_call_only(faulty_server):
+    _, cfg = faulty_server
+    env = _fresh(cfg)
+    env.step("garble")
+    with pytest.raises(EnvFailed) as info:
+        env.state()  # {1: ...}: msgpack packs it, the codec refuses a non-text key
+    assert info.value.reason == "bad_reply" and "does not decode" in info.value.detail
+    assert _fresh(cfg).step("ok")[0] == "ok"  # the worker lives on
