@@ -29,6 +29,9 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from helpers_replay import damage, mutate_tree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from environments import ActionError, FilesEnv, ToolCall, ToolError, env_class, env_maker
 from environments.base import task_env_class
@@ -36,7 +39,7 @@ from environments.remote import EnvLink, RemoteEnv
 from protocol import codec
 from protocol import env_wire as wire
 from protocol.config import EnvConfig, load_config
-from protocol.errors import ConfigError, EnvFailed
+from protocol.errors import REJECT_REASONS, ConfigError, EnvFailed, SchemaError
 from protocol.messages import SPLITS, StatsRequest, Task
 from protocol.transport import free_tcp_port
 
@@ -286,7 +289,7 @@ def test_bad_frames_are_refused_one_line_each_and_the_server_keeps_serving(
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(files_server.address)
-    refused = 0
+    refused, lines = 0, files_server.text().count("rejected frame")
     try:
         for frame, reason in _bad_frames():
             sock.send(frame)
@@ -300,10 +303,87 @@ def test_bad_frames_are_refused_one_line_each_and_the_server_keeps_serving(
     finally:
         sock.close(0)
     assert refused >= 10
-    wait_for(lambda: files_server.text().count("rejected frame") >= refused, 5, "log lines")
-    assert files_server.text().count("rejected frame") == refused  # one line per refusal
+    wait_for(lambda: files_server.text().count("rejected frame") >= lines + refused, 5,
+             "log lines")
+    assert files_server.text().count("rejected frame") == lines + refused  # one per refusal
     env = env_maker(served_files)()  # still serving
     assert env.reset(FilesEnv().tasks("train")[0]).startswith("path :")
+
+
+TASK = Task("files/x", "files", "move ideas.md into music", 3, {"all": [{"path": "a"}]},
+            ["mv ideas.md music"])
+S = "w0.0-" + "ab" * 12
+# One valid message of every env wire type: the starting points of the mutations below.
+ENV_SAMPLES = {m.TYPE: codec.encode_body(m) for m in [
+    wire.EnvHello(1), wire.EnvOpen(1, {"num_worlds": 3}), wire.EnvClose(S),
+    wire.EnvReset(S, TASK), wire.EnvTools(S), wire.EnvStep(S, "ls docs"),
+    wire.EnvExecute(S, "mv", ["a", 3, True]), wire.EnvState(S), wire.EnvEvaluate(S, TASK),
+    wire.EnvGoalProgress(S, TASK), wire.EnvCandidateActions(S), wire.EnvInstructions(S),
+    wire.EnvExampleAction(S), wire.EnvCanonicalAction(S, "ls"), wire.EnvTasks(S, "train"),
+    wire.EnvGoalFromStates(S, {"a": 1}, {"a": 2}), wire.EnvDescribeChanges(S, {}, {"b": [1]}),
+    wire.EnvDescribeEvent(S, "rm x", "ok", {}, {}), wire.EnvDescribeResponse(S, "ls", "x", {}),
+    wire.EnvEntities(S, {"tree": {}}), wire.EnvGoalOf(S, [{"path": "a"}]),
+    wire.EnvQueryOf(S, ["a", "b"]),
+    wire.EnvServed(1, "files", ["a"], True, {"max_turns": 3}), wire.EnvOpened(S),
+    wire.EnvValue({"x": [1, 2.5, None]}, ["ok"]), wire.EnvStepped("ok", False, {"valid": True}),
+    wire.EnvToolList([wire.WireTool("mv", "move", [wire.WireArg("n", "int", bounds=[1, 9])])]),
+    wire.EnvTaskList([TASK]), wire.EnvParts([wire.WirePart([{"p": 1}], "make a", ["a"])]),
+    wire.EnvRaised("ToolError", "x", "kind", "error : x"),
+    wire.EnvFailure("worker_died", "gone", ["line"]),
+]}
+REQUEST_TAGS = sorted(m.TYPE for m in wire.REQUESTS)
+WRONG = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
+                  st.floats(allow_nan=True), st.text(max_size=70), st.binary(max_size=8),
+                  st.lists(st.integers(-2, 2), max_size=3),
+                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                  st.builds(msgpack.ExtType, st.integers(0, 3), st.binary(max_size=8)))
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+
+def _mutated(tag: str, data) -> bytes:
+    """A frame of ``tag`` with its body mutated, damaged, or under another type's tag."""
+    how = data.draw(st.sampled_from(["mutate", "damage", "retag"]))
+    if how == "damage":
+        frame = codec.pack_frame(tag, "id", ENV_SAMPLES[tag])
+        return damage(frame, data.draw(st.sampled_from(["truncate", "flip"])), data, 4)
+    tree = msgpack.unpackb(ENV_SAMPLES[tag], raw=False)
+    if how == "mutate":
+        for _ in range(data.draw(st.integers(1, 3))):
+            mutate_tree(tree, data, WRONG)
+    else:
+        tag = data.draw(st.sampled_from(sorted(ENV_SAMPLES)))
+    return codec.pack_frame(tag, "id", msgpack.packb(tree, use_bin_type=True))
+
+
+@given(st.sampled_from(sorted(ENV_SAMPLES)), st.data())
+@FUZZ
+def test_env_messages_decode_or_refuse_with_a_schema_error(tag, data):
+    """Mutated requests and replies of every env type: a validated message or SchemaError."""
+    try:
+        env, msg = codec.decode(_mutated(tag, data))
+    except SchemaError as exc:
+        assert exc.reason in REJECT_REASONS
+    else:
+        codec.decode(codec.encode(msg, env.msg_id))
+
+
+@given(st.sampled_from(REQUEST_TAGS), st.data())
+@FUZZ
+def test_the_server_answers_every_mutated_request(files_server, served_files, tag, data):
+    """Sent to the live env socket: every frame gets an answer (a refusal, an EnvFailure or a
+    served reply) and the server goes on."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(files_server.address)
+    try:
+        sock.send(_mutated(tag, data))
+        assert sock.poll(5000), "no answer"
+        codec.decode(sock.recv())
+    finally:
+        sock.close(0)
+    assert files_server.proc.poll() is None
 
 
 def test_a_reply_that_does_not_decode_fails_the_call_at_once():
