@@ -13,6 +13,13 @@ A group's admission slot stays claimed until replay acknowledges it; until then 
 waits in the actor's outbox on disk (actor/outbox.py), so an actor restarted after a crash
 re-sends what its predecessor had not seen acknowledged, re-queues the tasks it was rolling out,
 and gives back only the slots of those.
+
+A served env that fails an episode (``EnvFailed``: a deadline, a worker that died, a reply
+that does not decode) ends it as ``env_failed``: its whole group is dropped (never pushed,
+never trained on) and its slot given back, so the ledger counts only groups that exist; each
+failure is counted by reason (``actor/env_failed/<reason>``) and logged with the worker's last
+output. When a whole batch of groups failed, the actor waits a moment before taking more tasks,
+and says so in its heartbeat (``waiting: env_failed``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import logging
 import threading
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +47,8 @@ from protocol.role_config import ActorSettings
 from protocol.weights import WeightSubscriber
 
 log = logging.getLogger(__name__)
+
+ENV_FAILED_WAIT_S = 5.0  # the pause after a batch whose every group the env failed
 
 
 def actor_seed(seed: int, actor_id: str) -> int:
@@ -81,6 +91,7 @@ class Actor:
         self._stop = StopEvent()
         self._idle_s = 0.0
         self._load_s = 0.0  # seconds the last weight version took to load
+        self.env_failed: Counter = Counter()  # episodes a served env failed, by reason
         self._closed = False
 
     def request_stop(self, *_):
@@ -136,10 +147,22 @@ class Actor:
                 self.outbox.add(g)
                 self.replay.push_group(g)
             self.outbox.drop_tasks()
+            self._give_back(len(tasks) - len(groups))
             self.control.incr("actor/pushed", len(groups))
             self.groups_done += len(groups)
-            self._log(groups, time.monotonic() - t0)
+            if groups:
+                self._log(groups, time.monotonic() - t0)
+            else:  # the env failed every group: a server down or restarting; do not race it
+                self.control.heartbeat("actor", self.actor_id, groups=self.groups_done,
+                                       waiting="env_failed", env_failed=dict(self.env_failed))
+                self._stop.wait(ENV_FAILED_WAIT_S)
         self.drain_acks(5.0, until_empty=True)
+
+    def _give_back(self, dropped: int) -> None:
+        """The slots of groups dropped because the env failed them: no group will use them."""
+        if dropped:
+            self.control.release(self.actor_id, dropped)
+            self.control.incr("actor/dropped_env_failed", dropped)
 
     def take_tasks(self):
         """Reserve slots under the staleness bound, then pop that many tasks."""
@@ -174,10 +197,29 @@ class Actor:
         rollout(self.backend, episodes, self.codec, params, self.rollout,
                 between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
+        episodes = self._without_failed_groups(episodes, n)
         if self.navigator:
             self.navigator.record(episodes)
             self._navigation = self.navigator.metrics(episodes, n)
         return to_groups(episodes, n, self.actor_id, time.time())
+
+    def _without_failed_groups(self, episodes, n: int):
+        """The episodes of the groups the env failed none of; each failed episode counted by
+        reason and logged with the worker's last output lines."""
+        kept = []
+        for i in range(0, len(episodes), n):
+            group = episodes[i:i + n]
+            failed = [ep for ep in group if ep.failure is not None]
+            if not failed:
+                kept += group
+            for ep in failed:
+                exc = ep.failure
+                self.env_failed[exc.reason] += 1
+                self.control.incr(f"actor/env_failed/{exc.reason}")
+                log.warning("%s: env_failed (%s) in task %s, its group of %d dropped: %s%s",
+                            self.actor_id, exc.reason, ep.task.task_id, len(group), exc.detail,
+                            "".join(f" | {line}" for line in exc.stderr[-5:]))
+        return kept
 
     def drain_acks(self, timeout_s: float, until_empty: bool = False) -> None:
         deadline = time.monotonic() + timeout_s
@@ -233,6 +275,7 @@ class Actor:
             "version": self.backend.version, "weights_load_s": self._load_s,
             "mixed_version_groups": sum(lo != hi for lo, hi in versions),
             "unacked": len(self.replay.unacked()), **self._navigation,
+            **{f"env_failed/{reason}": n for reason, n in self.env_failed.items()},
         }, step=self.groups_done)
         self._idle_s = 0.0
         self.control.heartbeat("actor", self.actor_id, groups=self.groups_done,

@@ -8,13 +8,24 @@ import os
 import sys
 import time
 
-from environments import ActionError, ArgSpec, Environment, ToolError, ToolSpec, register_env
+from environments import (
+    ActionError,
+    ArgSpec,
+    Environment,
+    ToolCall,
+    ToolError,
+    ToolSpec,
+    register_env,
+)
 from protocol.messages import Task
 
 TOOLS = (ToolSpec("ok", "answer ok"), ToolSpec("hang", "never return"),
          ToolSpec("crash", "end the worker process"), ToolSpec("garble", "make state() unreadable"),
          ToolSpec("refuse", "refuse the call (ToolError)"),
          ToolSpec("misparse", "raise ActionError", (ArgSpec("word"),)))
+# Tasks in these worlds misbehave at their first step, whatever the action (a policy that
+# writes anything meets them): the tool of that name runs first.
+FAULT_SEEDS = {7: "crash", 8: "garble", 9: "hang"}
 
 
 @register_env("faulty")
@@ -31,6 +42,14 @@ class Faulty(Environment):
     def reset(self, task):
         self.task, self.responses, self.calls, self.garbled = task, [], [], False
         return "ready"
+
+    def step(self, action_text):
+        fault = FAULT_SEEDS.get(self.task.seed) if self.task is not None else None
+        if fault == "garble":  # an info map the codec refuses (an int key)
+            return "ok", False, {1: "garbled"}
+        if fault is not None:
+            self.execute(ToolCall(fault))
+        return super().step(action_text)
 
     def execute(self, call):
         self.calls.append(call.tool)

@@ -496,3 +496,69 @@ def test_an_answer_that_does_not_decode_fails_that_call_only(faulty_server):
         env.state()  # {1: ...}: msgpack packs it, the codec refuses a non-text key
     assert info.value.reason == "bad_reply" and "does not decode" in info.value.detail
     assert _fresh(cfg).step("ok")[0] == "ok"  # the worker lives on
+
+
+def test_a_rollout_goes_on_past_an_episode_the_env_failed(faulty_server, files_policy_path):
+    """Two tasks' episodes run to their end while a third task's fail at their first step."""
+    from transformers import AutoTokenizer
+
+    from episodes.rollout import RolloutSettings, rollout, start_episodes
+    from inference.backends import SamplingParams, TransformersBackend
+    from inference.codecs import make_codec
+
+    _, cfg = faulty_server
+    codec_ = make_codec(AutoTokenizer.from_pretrained(files_policy_path))
+    tasks = [Task(f"faulty/train/{s}", "faulty", "say ok", s, {}, ["ok"]) for s in (0, 8, 1)]
+    episodes = start_episodes(tasks, 2, env_maker(cfg), codec_)
+    with TransformersBackend(files_policy_path, version=0) as backend:
+        rollout(backend, episodes, codec_, SamplingParams(max_new_tokens=8, seed=1),
+                RolloutSettings(max_turns=2, constrained=False))
+    reasons = [ep.failure.reason if ep.failure else None for ep in episodes]
+    assert reasons == [None, None, "bad_reply", "bad_reply", None, None]
+    assert all(len(ep.steps) == 2 for ep in episodes if ep.failure is None)
+
+
+@pytest.mark.timeout(120)
+def test_the_actor_drops_what_the_env_failed_and_the_ledger_stays_exact(
+        faulty_server, tmp_path, redis_url, control, files_policy_path):
+    from autodidact.wiring import build_actor
+    from protocol.config import ReplayConfig, RunConfig
+    from protocol.replay_client import ReplayClient
+    from protocol.role import serve
+    from replay.server import ReplayServer
+
+    _, env_cfg = faulty_server
+    replay = ReplayServer(tmp_path / "replay", ReplayConfig(), "tcp://127.0.0.1:*")
+    threads = [threading.Thread(target=serve, args=(replay,), daemon=True)]
+    threads[0].start()
+    cfg = RunConfig()
+    cfg.model.path, cfg.replay.address = files_policy_path, replay.address
+    cfg.redis.url, cfg.redis.prefix = redis_url, control.keys.prefix
+    cfg.experience.enabled = False
+    cfg.env = dataclasses.replace(env_cfg, max_turns=2)
+    cfg.actor.group_size, cfg.actor.groups_in_flight, cfg.actor.constrained = 2, 3, False
+    control.init_admission(0, 0)
+    control.push_tasks([Task(f"faulty/train/{s}", "faulty", "say ok", s, {}, ["ok"])
+                        for s in (0, 8, 1)])  # world 8 garbles its first step's answer
+    (tmp_path / "run").mkdir()
+    reader = ReplayClient(replay.address, retry_after_s=0.5, timeout_s=10)
+    actor = build_actor(cfg, tmp_path / "run", control, ReplayClient(
+        replay.address, retry_after_s=0.5, timeout_s=10), "actor-0")
+    stop = threading.Event()
+    threads.append(threading.Thread(target=serve, args=(actor, stop), daemon=True))
+    threads[1].start()
+    try:
+        wait_for(lambda: control.counters().get("actor/accepted") == 2, 60, "two groups stored")
+        wait_for(lambda: control.claimed("actor-0") == 0, 10, "every claim settled")
+    finally:
+        stop.set()
+        threads[1].join(30)
+        stored = reader.groups_since(0).groups
+        reader.close()
+        replay.request_stop()
+        threads[0].join(10)
+    counters = control.counters()
+    assert sorted(g.task.seed for g in stored) == [0, 1]  # no group of world 8 reached replay
+    assert counters["actor/env_failed/bad_reply"] == 2 and counters["actor/dropped_env_failed"] == 1
+    assert control.admission()["admitted"] == 2  # the dropped group's slot was given back
+    assert actor.env_failed == {"bad_reply": 2}
