@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -484,8 +485,23 @@ def test_a_worker_that_exits_mid_episode(faulty_server):
     assert "exited with code 3" in info.value.detail
     assert bystander.step("ok")[0] == "ok"  # the other worker's session goes on
     wait_for(lambda: server.text().count(" up (pid") > starts, 10, "the restarted worker")
-    assert "restarting it in" in server.text()
+    # The same worker dying again soon after its start waits twice as long before the next.
+    worker = victim.session.split(".")[0]  # "w<index>"
+    again = _fresh(cfg)
+    while again.session.split(".")[0] != worker:
+        again = _fresh(cfg)
+    with pytest.raises(EnvFailed):
+        again.step("crash")
+    wait_for(lambda: len(_backoffs(server, worker)) >= 2, 5, "the second restart line")
+    first, second = _backoffs(server, worker)[-2:]
+    assert second == 2 * first
     assert _fresh(cfg).step("ok")[0] == "ok"
+
+
+def _backoffs(server: EnvServer, worker: str) -> list[float]:
+    """The back-offs the server announced for worker ``w<index>``, in order."""
+    pattern = re.compile(rf"env worker {worker[1:]} \(pid .* restarting it in ([0-9.]+) s")
+    return [float(m.group(1)) for m in pattern.finditer(server.text())]
 
 
 def test_an_answer_that_does_not_decode_fails_that_call_only(faulty_server):
