@@ -20,6 +20,7 @@ from episodes.rollout import (
     Episode,
     RolloutSettings,
     apply_action,
+    env_call,
     make_codec,
     rollout,
     rollout_settings,
@@ -145,7 +146,8 @@ def replay_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> No
         if ep.done:
             break
         apply_action(ep, codec, codec.action(action), None, 0, settings)
-    ep.reward = float(ep.env.evaluate(ep.task))
+    score = env_call(ep, lambda: ep.env.evaluate(ep.task)) if ep.failure is None else None
+    ep.reward = 0.0 if score is None else float(score)
 
 
 def task_record(episodes: list[Episode]) -> dict:
@@ -160,7 +162,9 @@ def task_record(episodes: list[Episode]) -> dict:
             # write the action format scores low here long before it solves anything)
             "valid_steps": sum(s.valid for ep in episodes for s in ep.steps),
             "total_steps": sum(len(ep.steps) for ep in episodes),
-            "actions": [ep.steps[0].action if ep.steps else "" for ep in episodes]}
+            "actions": [ep.steps[0].action if ep.steps else "" for ep in episodes],
+            # episodes a served env failed (EnvFailed): scored 0, though not the policy's doing
+            "env_failed": sum(ep.failure is not None for ep in episodes)}
 
 
 def summarize(records: list[dict]) -> dict:

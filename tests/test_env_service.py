@@ -534,6 +534,21 @@ def test_a_rollout_goes_on_past_an_episode_the_env_failed(faulty_server, files_p
     assert all(len(ep.steps) == 2 for ep in episodes if ep.failure is None)
 
 
+def test_held_out_records_count_the_episodes_the_env_failed(faulty_server, files_policy_path):
+    from transformers import AutoTokenizer
+
+    from episodes.evaluate import evaluate
+    from episodes.rollout import RolloutSettings
+
+    _, cfg = faulty_server
+    tasks = [Task(f"faulty/test/{s}", "faulty", "say ok", s, {}, ["ok"]) for s in (0, 8)]
+    result = evaluate(None, tasks, env_maker(cfg), RolloutSettings(max_turns=2), k=2,
+                      policy="ground-truth",
+                      tokenizer=AutoTokenizer.from_pretrained(files_policy_path))
+    assert [r["env_failed"] for r in result["per_task"]] == [0, 2]
+    assert [r["avg"] for r in result["per_task"]] == [1.0, 0.0]
+
+
 @pytest.mark.timeout(120)
 def test_the_actor_drops_what_the_env_failed_and_the_ledger_stays_exact(
         faulty_server, tmp_path, redis_url, control, files_policy_path):
