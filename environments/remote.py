@@ -16,6 +16,7 @@ thread-safe); a call is sent once and never re-sent, since env calls change stat
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
@@ -110,6 +111,9 @@ class EnvLink:
     def __init__(self, address: str, timeout_s: float):
         self.address, self.timeout_s = address, timeout_s
         self._local = threading.local()
+        # Sessions whose env objects were collected: closed by the next call from any thread.
+        # A finalizer must not use a socket itself: it can run inside a call on this thread.
+        self._to_close: collections.deque = collections.deque()
 
     def _channel(self) -> ZmqChannel:
         channel = getattr(self._local, "channel", None)
@@ -121,6 +125,8 @@ class EnvLink:
     def call(self, request) -> Any:
         """The reply to ``request``; EnvFailed when the service fails it."""
         channel = self._channel()
+        while self._to_close:  # fire and forget: the server drops an unknown one quietly
+            channel.forget(channel.send(wire.EnvClose(self._to_close.popleft())))
         refused = sum(channel.dropped.values())
         msg_id = channel.send(request)
         deadline = time.monotonic() + self.timeout_s
@@ -147,35 +153,25 @@ class EnvLink:
                             f"{type(request).__name__}: {reply.reason}: {reply.detail}")
         return reply
 
-    def send_and_forget(self, request) -> None:
-        """Send without waiting (a session's close from a finalizer): never raises."""
-        try:
-            channel = self._channel()
-            channel.forget(channel.send(request))
-        except Exception:  # a closing interpreter or context: the server evicts it later
-            pass
+    def close_later(self, session: str) -> None:
+        """Close ``session`` with the next call (a finalizer's way: never blocks, never
+        raises). Sessions never closed are evicted by the server in time."""
+        self._to_close.append(session)
 
     def hello(self) -> wire.EnvServed:
         try:
             served = self.call(wire.EnvHello(wire.ENV_WIRE_VERSION))
         except EnvFailed as exc:
-            if exc.reason == "timeout":
-                exc.detail += " (is `autodidact env serve` running there?)"
-                exc.args = (f"env call failed (timeout): {exc.detail}",)
-            raise
+            if exc.reason != "timeout":
+                raise
+            raise EnvFailed("timeout", f"{exc.detail} (is `autodidact env serve` running "
+                            "there?)") from None
         if not isinstance(served, wire.EnvServed):
             raise EnvFailed("bad_reply", f"EnvHello answered {type(served).__name__}")
         return served
 
 
 # --- the env ---------------------------------------------------------------------------------
-
-
-def _expect(value, ok: Callable[[Any], bool], what: str, method: str):
-    if not ok(value):
-        raise EnvFailed("bad_reply", f"{method}() answered {type(value).__name__} where "
-                        f"{what} was expected")
-    return value
 
 
 def _is_str(v) -> bool:
@@ -214,12 +210,12 @@ class RemoteEnv(Environment):
         if not isinstance(opened, wire.EnvOpened):
             raise EnvFailed("bad_reply", f"EnvOpen answered {type(opened).__name__}")
         self.session = opened.session
-        self._closer = weakref.finalize(self, self._link.send_and_forget,
-                                        wire.EnvClose(self.session))
+        self._closer = weakref.finalize(self, self._link.close_later, self.session)
         self._closer.atexit = False  # at exit the server drops every session anyway
 
     def close(self) -> None:
-        """Drop the session on the server now (else when this object is collected)."""
+        """Drop the session on the server (with the link's next call; else once this object
+        is collected)."""
         self._closer()
 
     def _call(self, request_cls, *args):
@@ -241,7 +237,10 @@ class RemoteEnv(Environment):
         if not isinstance(reply, wire.EnvValue):
             raise self._fail(f"{method}() answered {type(reply).__name__}")
         self.responses.extend(reply.appended)
-        return _expect(reply.value, ok, what, method)
+        if not ok(reply.value):
+            raise self._fail(f"{method}() answered {type(reply.value).__name__} where {what} "
+                             "was expected")
+        return reply.value
 
     def _reply(self, request_cls, reply_cls, *args):
         reply = self._call(request_cls, *args)

@@ -86,9 +86,10 @@ class ConfigError(AutodidactError):
 
 class EnvFailed(AutodidactError):
     """A served env's call failed for a reason of the service, not of the env: ``reason`` is
-    ``timeout`` (no answer within ``env.call_timeout_s``) or one of
+    ``timeout`` (no answer within ``env.call_timeout_s``), ``refused`` (the server refused the
+    frame: a client and server of different builds) or one of
     ``protocol.env_wire.FAILURE_REASONS`` (``worker_died``, ``bad_reply``, ...); ``stderr``
-    holds the worker's last stderr lines where the server sent them. The env instance is
+    holds the worker's last output lines where the server sent them. The env instance is
     unusable afterwards: make a fresh one."""
 
     def __init__(self, reason: str, detail: str = "", stderr: list[str] | tuple = ()):
