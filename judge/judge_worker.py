@@ -25,7 +25,7 @@ from pathlib import Path
 from judge.step_judges import Judgement, StepJudge, agreement
 from metrics.jsonl import MetricsWriter
 from protocol.control import ControlPlane
-from protocol.errors import TransportTimeout
+from protocol.errors import EnvFailed, TransportTimeout
 from protocol.messages import Group, StepLabels
 from protocol.replay_client import ReplayClient
 from protocol.role import StopEvent
@@ -98,6 +98,12 @@ class JudgeWorker:
                 except TransportTimeout as exc:  # its lease runs out; it is judged again
                     log.warning("%s: labels for %s not stored: %s", self.judge_id,
                                 group.group_id, exc)
+                    break
+                except EnvFailed as exc:  # a served env failed a replay: as above, the lease
+                    # runs out and the group is judged again (or trains on outcomes alone
+                    # once judge.deadline_s passes)
+                    log.warning("%s: group %s not judged: %s", self.judge_id, group.group_id,
+                                exc)
                     break
             if time.monotonic() >= next_log:
                 self.log_metrics()
