@@ -44,6 +44,7 @@ import zmq
 from protocol import codec
 from protocol import env_wire as wire
 from protocol.errors import SchemaError
+from protocol.security import CurveKeys
 from protocol.transport import LINGER_MS, Incoming, RouterServer
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ServeSettings:
     max_sessions: int = 4096  # env instances one worker holds; the least recently used goes
     call_timeout_s: float = 300.0  # a worker busy with one call longer than this is killed
     no_worker_wait_s: float = 30.0  # how long hello and open wait for a worker to be up
+    keys_dir: str = ""  # CURVE keys (server.key_secret, authorized/): encrypted, clients vetted
 
 
 class EnvBroker:
@@ -100,13 +102,16 @@ class EnvBroker:
 
     def __init__(self, settings: ServeSettings):
         self.settings = settings
+        self.ctx = zmq.Context()
+        # A CURVE server gets a context of its own (its ZAP handler is per context).
+        curve = CurveKeys.load(settings.keys_dir) if settings.keys_dir else None
+        self.front = RouterServer(settings.address, context=None if curve else self.ctx,
+                                  curve=curve)
         self.dir = Path(tempfile.mkdtemp(prefix="autodidact-env-"))
         self.back_address = f"ipc://{self.dir}/workers.sock"
-        self.ctx = zmq.Context()
         self.back = self.ctx.socket(zmq.ROUTER)
         self.back.setsockopt(zmq.LINGER, LINGER_MS)
         self.back.bind(self.back_address)
-        self.front = RouterServer(settings.address, context=self.ctx)
         self.poller = zmq.Poller()
         self.poller.register(self.front.socket, zmq.POLLIN)
         self.poller.register(self.back, zmq.POLLIN)
@@ -431,27 +436,39 @@ def env() -> None:
                                       "killed and restarted (its sessions are lost).")
 @click.option("--no-worker-wait-s", type=click.FloatRange(min=0.0), default=30.0,
               show_default=True, help="How long a new session waits while no worker is up.")
-def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s):
+@click.option("--keys-dir", default="", type=click.Path(file_okay=False),
+              help="CURVE keys from `autodidact keys generate` (with server.key_secret): the "
+                   "link is encrypted and only clients in its authorized/ are served; runs "
+                   "name the same directory as env.keys_dir.")
+@click.option("--allow-plaintext-remote", is_flag=True,
+              help="Bind an address off this machine without --keys-dir.")
+def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s, keys_dir,
+          allow_plaintext_remote):
     """Serve the env SPEC (a registered name such as `files`, or `pkg.module:name`) at
     --address until SIGTERM or Ctrl-C."""
+    from protocol.errors import ConfigError
     from protocol.security import leaves_loopback
 
-    if leaves_loopback(address):
-        raise click.UsageError(f"{address} leaves this machine and the env link has no "
-                               "CURVE yet: bind 127.0.0.1 or an ipc:// address")
+    if leaves_loopback(address) and not keys_dir and not allow_plaintext_remote:
+        raise click.UsageError(f"{address} leaves this machine: give --keys-dir (keys from "
+                               "`autodidact keys generate`) or --allow-plaintext-remote")
     from environments import env_class
 
     try:
         name = env_class(spec).name  # fail here, not in N workers, on a name that is wrong
     except (KeyError, ImportError) as exc:
         raise click.UsageError(f"{spec}: {exc}") from None
-    broker = EnvBroker(ServeSettings(spec, address, workers, max_sessions, call_timeout_s,
-                                     no_worker_wait_s))
+    try:
+        broker = EnvBroker(ServeSettings(spec, address, workers, max_sessions, call_timeout_s,
+                                         no_worker_wait_s, keys_dir))
+    except ConfigError as exc:  # keys that cannot serve (no server.key_secret, no clients)
+        raise click.UsageError(f"--keys-dir: {exc}") from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     click.echo(f"env serve: {name} at {broker.front.bound_address}, {workers} workers "
-               f"(env wire v{wire.ENV_WIRE_VERSION})", err=True)
+               f"(env wire v{wire.ENV_WIRE_VERSION}, {'CURVE' if keys_dir else 'plaintext'})",
+               err=True)
     try:
         broker.serve(stop)
     finally:

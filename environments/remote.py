@@ -37,6 +37,7 @@ from protocol import env_wire as wire
 from protocol.config import EnvConfig
 from protocol.errors import ConfigError, EnvFailed
 from protocol.messages import Error, Task
+from protocol.security import CurveKeys
 from protocol.transport import ZmqChannel
 
 NEVER_RESEND_S = 1e9  # retry_after_s of the channel: an env call is not idempotent
@@ -106,10 +107,12 @@ def raise_from_wire(raised: wire.EnvRaised):
 
 
 class EnvLink:
-    """Calls to the env server at ``address``, each answered within ``timeout_s``."""
+    """Calls to the env server at ``address``, each answered within ``timeout_s``; encrypted
+    with the CURVE keys of ``keys_dir`` when given."""
 
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, keys_dir: str = ""):
         self.address, self.timeout_s = address, timeout_s
+        self.curve = _client_keys(keys_dir) if keys_dir else None
         self._local = threading.local()
         # Sessions whose env objects were collected: closed by the next call from any thread.
         # A finalizer must not use a socket itself: it can run inside a call on this thread.
@@ -118,8 +121,8 @@ class EnvLink:
     def _channel(self) -> ZmqChannel:
         channel = getattr(self._local, "channel", None)
         if channel is None:
-            channel = self._local.channel = ZmqChannel(self.address,
-                                                       retry_after_s=NEVER_RESEND_S)
+            channel = self._local.channel = ZmqChannel(
+                self.address, retry_after_s=NEVER_RESEND_S, curve=self.curve)
         return channel
 
     def call(self, request) -> Any:
@@ -169,6 +172,13 @@ class EnvLink:
         if not isinstance(served, wire.EnvServed):
             raise EnvFailed("bad_reply", f"EnvHello answered {type(served).__name__}")
         return served
+
+
+def _client_keys(keys_dir: str) -> CurveKeys:
+    try:
+        return CurveKeys.load(keys_dir)
+    except ConfigError as exc:
+        raise ConfigError(f"env.keys_dir: {exc}") from None
 
 
 # --- the env ---------------------------------------------------------------------------------
@@ -396,14 +406,14 @@ def answer(env: Environment, request):
 
 # --- the class an EnvConfig with an address names ---------------------------------------------
 
-_SERVED: dict[tuple[str, float], type[RemoteEnv]] = {}
+_SERVED: dict[tuple[str, float, str], type[RemoteEnv]] = {}
 _SERVED_LOCK = threading.Lock()
 
 
 def served_class(env_cfg: EnvConfig) -> type[RemoteEnv]:
     """The class of sessions on the env server at ``env_cfg.address`` (its hello asked once per
     process and server). ConfigError when the server serves another env than ``env.name``."""
-    key = (env_cfg.address, float(env_cfg.call_timeout_s))
+    key = (env_cfg.address, float(env_cfg.call_timeout_s), env_cfg.keys_dir)
     with _SERVED_LOCK:
         cls = _SERVED.get(key)
         if cls is None:

@@ -152,6 +152,13 @@ class EnvConfig:
     """Served env only: the most seconds one env call may take; past it the call fails with
     ``EnvFailed(reason="timeout")`` (environments/remote.py)."""
 
+    keys_dir: str = ""
+    """Served env only: CURVE keys for the env link, a directory made by ``autodidact keys
+    generate`` (the one ``security.keys_dir`` names, usually; the server is started with
+    ``--keys-dir`` on a copy holding ``server.key_secret``). Set, the link is encrypted and
+    the server admits only the client keys in its ``authorized/``. Empty: plaintext, which
+    ``env.address`` may use off this machine only with ``security.allow_plaintext_remote``."""
+
     def check(self):
         _positive(self, "max_turns")
         _positive(self, "max_context")
@@ -960,16 +967,17 @@ class RunConfig:
                               "OpenAI-compatible endpoint), or judge.serve (a model to serve)")
 
     def _check_env_link(self):
-        """The env link has no CURVE yet: an env server off this machine is reached in
-        plaintext only where the config says plaintext may leave it."""
+        """An env server off this machine is reached with CURVE keys (``env.keys_dir``), or
+        in plaintext only where the config says plaintext may leave it."""
         from protocol.security import leaves_loopback
 
-        if self.env.address and leaves_loopback(self.env.address) \
+        env = self.env
+        if env.address and not env.keys_dir and leaves_loopback(env.address) \
                 and not self.security.allow_plaintext_remote:
-            raise ConfigError(f"env.address {self.env.address} leaves this machine, and the "
-                              "env link is not encrypted (no CURVE): serve the env on "
-                              "127.0.0.1 or an ipc:// address, or --set "
-                              "security.allow_plaintext_remote=true")
+            raise ConfigError(f"env.address {env.address} leaves this machine but env.keys_dir "
+                              "is empty: make keys with `autodidact keys generate --out DIR`, "
+                              "serve with --keys-dir and --set env.keys_dir=DIR (or --set "
+                              "security.allow_plaintext_remote=true to send plaintext)")
 
 
 # --- loading -----------------------------------------------------------------------------------

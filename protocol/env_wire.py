@@ -2,7 +2,8 @@
 ``environments.base.Environment``, the replies, and their version.
 
 ``autodidact env serve SPEC`` answers these on one ZeroMQ ROUTER socket through the project's
-codec (msgpack frames, every field validated on decode, nothing evaluated or unpickled);
+codec (msgpack frames, every field validated on decode, nothing evaluated or unpickled; CURVE
+with ``--keys-dir`` / ``env.keys_dir``);
 ``environments.remote.RemoteEnv`` sends them. A served env behaves like the same class in
 process: what a method returns comes back as that value, and the exceptions the interface
 defines (``ActionError``, ``ToolError``, ``NotImplementedError`` of a hook an env lacks, the

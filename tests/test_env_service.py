@@ -251,11 +251,32 @@ def test_every_maker_of_a_run_env_gets_the_served_one(served_files):
 
 
 def test_config_refuses_a_plaintext_env_server_off_this_machine():
-    with pytest.raises(ConfigError, match="env.address"):
-        load_config(None, ["env.address=tcp://10.1.2.3:5560"])
-    load_config(None, ["env.address=tcp://10.1.2.3:5560", "security.allow_plaintext_remote=true"])
+    off = "env.address=tcp://10.1.2.3:5560"
+    with pytest.raises(ConfigError, match="env.keys_dir"):
+        load_config(None, [off])
+    load_config(None, [off, "security.allow_plaintext_remote=true"])
+    load_config(None, [off, "env.keys_dir=/keys"])
     with pytest.raises(ConfigError, match="env.address"):
         load_config(None, ["env.address=http://127.0.0.1:80"])
+
+
+def test_a_curve_server_serves_a_client_with_keys_and_no_plaintext_one(keys_dir, tmp_path):
+    server = EnvServer("files", tmp_path / "serve.log", "--keys-dir", str(keys_dir),
+                       workers=1).start()
+    try:
+        cfg = dataclasses.replace(server.config("files"), keys_dir=str(keys_dir))
+        try:
+            env = env_maker(cfg)()
+        except EnvFailed:
+            pytest.fail(f"env server did not answer:\n{server.text()[-3000:]}")
+        task = FilesEnv().tasks("train")[0]
+        assert env.reset(task) == FilesEnv().reset(task)
+        with pytest.raises(EnvFailed) as info:  # no keys: the handshake never completes
+            EnvLink(server.address, 1.0).hello()
+        assert info.value.reason == "timeout"
+        assert "CURVE" in server.text()
+    finally:
+        server.stop()
 
 
 # --- bad frames ------------------------------------------------------------------------------------
