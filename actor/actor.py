@@ -224,6 +224,8 @@ class Actor:
     def drain_acks(self, timeout_s: float, until_empty: bool = False) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
+            if until_empty and not self.replay.unacked():  # nothing to wait for (at a stop)
+                return
             acks = self.replay.poll_acks(max(0.0, deadline - time.monotonic())
                                          if until_empty else timeout_s)
             acks = self._hold_back_disk_full(acks)
