@@ -120,6 +120,7 @@ class EnvBroker:
         self.lost: collections.OrderedDict = collections.OrderedDict()  # session -> failure
         self.waiting: collections.deque = collections.deque()  # (since, Incoming) for a worker
         self.failures: collections.Counter = collections.Counter()  # reason -> calls failed
+        self.last_tail: list[str] = []  # the last output of the worker that died last
         self._tickets = 0
 
     # -- the loop --
@@ -192,11 +193,12 @@ class EnvBroker:
         if worker is not None:
             worker.sessions.move_to_end(session)
             self._send(worker, incoming)
+        elif isinstance(incoming.msg, wire.EnvClose):  # gone already: nothing left to close
+            self.lost.pop(session, None)
+            self.front.reply(incoming, wire.EnvValue(None))
         elif session in self.lost:
             detail, tail = self.lost[session]
             self._fail(incoming, "worker_died", detail, tail)
-        elif isinstance(incoming.msg, wire.EnvClose):
-            self.front.reply(incoming, wire.EnvValue(None))
         else:
             self._fail(incoming, "no_session", f"no session {session[:64]} here: never "
                        "opened, closed, evicted, or opened before this server started; "
@@ -289,12 +291,13 @@ class EnvBroker:
         while self.waiting and now - self.waiting[0][0] > self.settings.no_worker_wait_s:
             _, incoming = self.waiting.popleft()
             self._fail(incoming, "no_worker", f"no env worker came up within "
-                       f"{self.settings.no_worker_wait_s:g} s; see the server's log")
+                       f"{self.settings.no_worker_wait_s:g} s; see the server's log",
+                       self.last_tail)
 
     def _died(self, worker: Worker, why: str) -> None:
         if worker.reader is not None:
             worker.reader.join(1.0)  # its last lines, written just before it went
-        tail = list(worker.tail)
+        tail = self.last_tail = list(worker.tail)
         lived = time.monotonic() - worker.started_at
         worker.backoff_s = BACKOFF_MIN_S if lived > STABLE_S else min(
             BACKOFF_MAX_S, worker.backoff_s * 2 if worker.restarts else BACKOFF_MIN_S)
