@@ -34,6 +34,7 @@ from helpers_replay import damage, mutate_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autodidact.supervisor import die_with_parent
 from environments import ActionError, FilesEnv, ToolCall, ToolError, env_class, env_maker
 from environments.base import task_env_class
 from environments.remote import EnvLink, RemoteEnv
@@ -61,9 +62,9 @@ class EnvServer:
 
     def start(self) -> EnvServer:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(  # its workers die with it, it dies with pytest
                 self.cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent,
                 env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"})
         return self
 
