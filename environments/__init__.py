@@ -3,8 +3,9 @@
 
 Importing this package registers every built-in environment, so ``make_env("files")`` works
 after ``import environments``, and the maker of served envs (``environments.remote``), so
-``make_env(env_cfg)`` of an ``EnvConfig`` with an ``address`` is a session on that server. A plugin environment registers itself with ``@register_env`` when
-its module is imported (``make_env("my.module:name")`` imports it by name from config).
+``make_env(env_cfg)`` of an ``EnvConfig`` with an ``address`` is a session on that server. A
+plugin environment registers itself with ``@register_env`` when its module is imported
+(``make_env("my.module:name")`` imports it by name from config).
 """
 
 from environments.base import (

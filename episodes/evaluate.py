@@ -146,7 +146,7 @@ def replay_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> No
         if ep.done:
             break
         apply_action(ep, codec, codec.action(action), None, 0, settings)
-    score = env_call(ep, lambda: ep.env.evaluate(ep.task)) if ep.failure is None else None
+    score = env_call(ep, ep.env.evaluate, ep.task) if ep.failure is None else None
     ep.reward = 0.0 if score is None else float(score)
 
 

@@ -106,7 +106,7 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
             ep = Episode(task=task, env=None,
                          traj_id=f"{task.task_id}/{i}/{uuid.uuid4().hex[:8]}")
             episodes.append(ep)
-            opened = env_call(ep, lambda: _open(make_env, task))
+            opened = env_call(ep, _open, make_env, task)
             if opened is None:
                 continue
             ep.env, first, instructions = opened
@@ -126,11 +126,11 @@ def _open(make_env: Callable[[], Environment], task: Task):
     return env, first, env.instructions()
 
 
-def env_call(ep: Episode, call: Callable[[], object]):
-    """``call()``, an env call of ``ep``'s; when a served env fails it (EnvFailed) the episode
-    ends as failed and the answer is None."""
+def env_call(ep: Episode, call: Callable, *args):
+    """``call(*args)``, an env call of ``ep``'s; when a served env fails it (EnvFailed) the
+    episode ends as failed and the answer is None."""
     try:
-        return call()
+        return call(*args)
     except EnvFailed as exc:
         ep.failure, ep.done = exc, True
         return None
@@ -145,7 +145,7 @@ def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: lis
     # surrogates, from an endpoint's JSON or an env echoing an escape) would make the group
     # unencodable and the actor fail at the push, so it is replaced here, on both sides.
     action = _utf8(codec.decode_action(action_ids))
-    stepped = env_call(ep, lambda: ep.env.step(action))
+    stepped = env_call(ep, ep.env.step, action)
     if stepped is None:
         return
     obs, done, info = stepped
@@ -202,8 +202,8 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
         if between_turns is not None:
             between_turns()
     for ep in (ep for ep in episodes if ep.failure is None):
-        score = env_call(ep, lambda: reward(ep) if reward is not None
-                         else ep.env.evaluate(ep.task))
+        score = env_call(ep, reward, ep) if reward is not None \
+            else env_call(ep, ep.env.evaluate, ep.task)
         ep.reward = 0.0 if score is None else float(score)
     return episodes
 

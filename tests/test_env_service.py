@@ -16,6 +16,7 @@ free port, its workers, and clients over real ZeroMQ sockets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import re
@@ -116,7 +117,7 @@ def served_files(files_server) -> EnvConfig:
     return cfg
 
 
-# --- parity ------------------------------------------------------------------------------------
+# --- parity --------------------------------------------------------------------------------------
 
 MALFORMED = ["", "rm", "frobnicate x", "cd 'unclosed", "mv a b c d e f", "ls " + "x" * 300]
 
@@ -154,7 +155,8 @@ def transcript(env, tasks: list[Task], seed: int) -> list:
                         env.canonical_action(action)))
         end = env.state()
         parts = env.describe_changes(start, end)
-        out.append(("changes", parts, _outcome(lambda: env.goal_from_states(start, end)),
+        out.append(("changes", parts, _outcome(functools.partial(env.goal_from_states, start,
+                                                                 end)),
                     env.entities(end), env.goal_of([c for p in parts for c in p.conditions]),
                     env.query_of([p.text for p in parts if p.text])))
         out.append(("refused", _outcome(lambda: env.execute(ToolCall("rm", ("nosuch.md",))))))
@@ -210,8 +212,8 @@ def test_a_seeded_rollout_is_the_same(served_files, files_policy_path):
     from transformers import AutoTokenizer
 
     from episodes.rollout import RolloutSettings, rollout, start_episodes
-    from inference.codecs import make_codec
     from inference.backends import SamplingParams, TransformersBackend
+    from inference.codecs import make_codec
 
     codec_ = make_codec(AutoTokenizer.from_pretrained(files_policy_path))
     tasks = FilesEnv().tasks("train")[:3]
@@ -235,7 +237,7 @@ def _comparable(traj) -> dict:
     return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()}
 
 
-# --- one resolution point -------------------------------------------------------------------------
+# --- one resolution point ------------------------------------------------------------------------
 
 
 def test_every_maker_of_a_run_env_gets_the_served_one(served_files):
@@ -280,7 +282,7 @@ def test_a_curve_server_serves_a_client_with_keys_and_no_plaintext_one(keys_dir,
         server.stop()
 
 
-# --- bad frames ------------------------------------------------------------------------------------
+# --- bad frames ----------------------------------------------------------------------------------
 
 
 def _bad_frames() -> list[tuple[bytes, str]]:
@@ -433,7 +435,7 @@ def test_a_reply_that_does_not_decode_fails_the_call_at_once():
         rogue.close(0)
 
 
-# --- faults ------------------------------------------------------------------------------------------
+# --- faults --------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
