@@ -466,6 +466,24 @@ def _fresh(cfg: EnvConfig, timeout_s: float = 20.0):
                 raise
 
 
+def test_replays_of_a_run_env_task_go_to_the_served_env(faulty_server):
+    """``faulty`` is not importable in this process: replays that reach it were served."""
+    from environments.base import verify_task
+    from navigating.extraction import _replaying_in, _run, make_extractor
+
+    _, cfg = faulty_server
+    task = Task("faulty/train/0", "faulty", "say ok", 0, {}, ["ok"])
+    with pytest.raises(KeyError):
+        env_class("faulty")
+    assert verify_task(task_env_class(task, cfg), task) == (True, "ok")  # tasks verify
+    assert _run(task, ["ok"]) is None  # rule extraction without the run's env: by name
+    with _replaying_in(cfg):  # what ExperienceExtractor(env=cfg.env) does around its rules
+        replay = _run(task, ["ok", "refuse"])
+    assert replay.ok == [True, False] and replay.states[-1] == {"calls": ["ok", "refuse"]}
+    run = load_config(None, [f"env.name={cfg.name}", f"env.address={cfg.address}"])
+    assert make_extractor(run).env == run.env
+
+
 def test_the_interfaces_refusals_cross_as_their_types(faulty_server):
     _, cfg = faulty_server
     env = _fresh(cfg)
