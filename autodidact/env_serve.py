@@ -466,6 +466,8 @@ def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s
                                          no_worker_wait_s, keys_dir))
     except ConfigError as exc:  # keys that cannot serve (no server.key_secret, no clients)
         raise click.UsageError(f"--keys-dir: {exc}") from None
+    except zmq.ZMQError as exc:  # the address is taken, or not one this machine has
+        raise click.UsageError(f"--address {address}: cannot bind ({exc})") from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
