@@ -333,9 +333,21 @@ def _roles(records, pids, heartbeats, state, summary, now, ttl):
             "heartbeat_age_s": hb_age, "heartbeat_ttl_s": ttl,
             "last_metrics_age_s": _age(now, rec), "alive": alive,
             "restarts": restarts.get(name), "groups": (beat or {}).get("groups"),
-            "version": (beat or {}).get("version"),
+            "version": (beat or {}).get("version"), "waiting": _waiting(beat),
         })
     return rows, source
+
+
+def _waiting(beat: dict | None) -> str | None:
+    """What a live role says it waits on, in words: an actor whose served env failed every
+    group of its last batch says ``env_failed`` and its failures by reason."""
+    reason = (beat or {}).get("waiting")
+    if not isinstance(reason, str):  # True: an actor waiting for admission, nothing to say
+        return None
+    counts = (beat or {}).get(reason)
+    if isinstance(counts, dict) and counts:
+        reason += " (" + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ")"
+    return reason
 
 
 def _actor_success(records) -> tuple[float | None, int]:
@@ -453,6 +465,8 @@ def render(snap: dict, console) -> None:
         status = {True: "[green]alive[/]", False: "[red]dead[/]", None: "[yellow]?[/]"}[r["alive"]]
         if r["alive"] is False and snap["finished"]:
             status = "stopped"
+        elif r["alive"] and r.get("waiting"):
+            status += f" [yellow]waiting: {r['waiting']}[/]"
         beat = _fmt_age(r["heartbeat_age_s"]) if r["heartbeat_age_s"] is not None else "-"
         roles.add_row(r["name"], _fmt(r["pid"]), _fmt(r["process"]), beat,
                       _fmt_age(r["last_metrics_age_s"]), _fmt(r["restarts"]), status)

@@ -591,6 +591,17 @@ def test_held_out_records_count_the_episodes_the_env_failed(faulty_server, files
     assert [r["avg"] for r in result["per_task"]] == [1.0, 0.0]
 
 
+def test_status_says_what_an_actor_waits_on():
+    from autodidact.status_cli import _roles
+
+    now = time.time()
+    beats = [{"role": "actor", "id": "actor-0", "t": now, "waiting": "env_failed",
+              "env_failed": {"worker_died": 3, "timeout": 1}},
+             {"role": "actor", "id": "actor-1", "t": now, "waiting": True}]
+    rows, _ = _roles([], {}, beats, {}, {}, now, 10.0)
+    assert [r["waiting"] for r in rows] == ["env_failed (timeout 1, worker_died 3)", None]
+
+
 @pytest.mark.timeout(120)
 def test_the_actor_drops_what_the_env_failed_and_the_ledger_stays_exact(
         faulty_server, tmp_path, redis_url, control, files_policy_path):
