@@ -99,17 +99,27 @@ class Guidance:
 def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environment],
                    codec: Codec,
                    guidance: Sequence[Sequence[Guidance | None]] | None = None) -> list[Episode]:
-    """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th."""
-    episodes = []
+    """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th.
+
+    A served env that cannot even be made (no server, no worker up) fails the batch's other
+    episodes with it at once, rather than each waiting out its own deadline."""
+    episodes, down = [], None
     for ti, task in enumerate(tasks):
         for i in range(n):
             ep = Episode(task=task, env=None,
                          traj_id=f"{task.task_id}/{i}/{uuid.uuid4().hex[:8]}")
             episodes.append(ep)
-            opened = env_call(ep, _open, make_env, task)
-            if opened is None:
+            if down is not None:
+                ep.failure, ep.done = down, True
                 continue
-            ep.env, first, instructions = opened
+            ep.env = env_call(ep, make_env)
+            if ep.failure is not None:
+                down = ep.failure
+                continue
+            first = env_call(ep, ep.env.reset, task)
+            instructions = env_call(ep, ep.env.instructions) if ep.failure is None else None
+            if ep.failure is not None:
+                continue
             guide = guidance[ti][i] if guidance is not None else None
             tokens, span = codec.start(task.query if ep.env.query_in_prompt else "", first,
                                        guide.text if guide else None, instructions)
@@ -118,12 +128,6 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
             if guide is not None:
                 ep.experience_span, ep.experience_ids = span, list(guide.exp_ids)
     return episodes
-
-
-def _open(make_env: Callable[[], Environment], task: Task):
-    env = make_env()
-    first = env.reset(task)
-    return env, first, env.instructions()
 
 
 def env_call(ep: Episode, call: Callable, *args):

@@ -646,3 +646,24 @@ def test_the_actor_drops_what_the_env_failed_and_the_ledger_stays_exact(
     assert counters["actor/env_failed/bad_reply"] == 2 and counters["actor/dropped_env_failed"] == 1
     assert control.admission()["admitted"] == 2  # the dropped group's slot was given back
     assert actor.env_failed == {"bad_reply": 2}
+
+
+def test_a_batch_fails_at_once_when_no_env_can_be_made(files_policy_path):
+    """No server at the address: the first open waits out its deadline, the others do not."""
+    from transformers import AutoTokenizer
+
+    from episodes.rollout import start_episodes
+    from inference.codecs import make_codec
+
+    cfg = EnvConfig(address=f"tcp://127.0.0.1:{free_tcp_port()}", call_timeout_s=0.5)
+    link = EnvLink(cfg.address, cfg.call_timeout_s)
+
+    class Unreachable(RemoteEnv):  # the class of a server that answered once and went away
+        name, _link = "files", link
+
+    codec_ = make_codec(AutoTokenizer.from_pretrained(files_policy_path))
+    t0 = time.monotonic()
+    episodes = start_episodes(FilesEnv().tasks("train")[:3], 2, Unreachable, codec_)
+    assert time.monotonic() - t0 < 2
+    assert [ep.failure.reason for ep in episodes] == ["timeout"] * 6
+    assert all(ep.done and ep.env is None and not ep.tokens for ep in episodes)
