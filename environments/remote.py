@@ -70,29 +70,19 @@ def part_from_wire(part: wire.WirePart) -> GoalPart:
 
 
 def raised_to_wire(exc: Exception) -> wire.EnvRaised:
-    """The reply that makes the client raise ``exc`` again: as the wire type it is an instance
-    of (``wire.RAISED``, most specific first), so an ``except`` that caught it in process
-    catches it served too."""
+    """The reply that makes the client raise ``exc`` again: as its own type where the wire
+    names it (``wire.RAISED``), else as the nearest builtin it derives from, so an ``except``
+    that caught it in process catches it served too."""
     if isinstance(exc, ActionError):
         return wire.EnvRaised("ActionError", str(exc), exc.kind, exc.observation, exc.tool)
     if isinstance(exc, ToolError):
         return wire.EnvRaised("ToolError", str(exc), exc.kind, exc.observation)
-    for name, cls in _BUILTINS.items():
-        if isinstance(exc, cls):
-            return wire.EnvRaised(name, exc.args[0] if name == "KeyError" and exc.args
-                                  and isinstance(exc.args[0], str) else str(exc))
-    return wire.EnvRaised("Exception", f"{type(exc).__name__}: {exc}")
-
-
-# In wire.RAISED's order: NotImplementedError before RuntimeError, its base.
-_BUILTINS = {"NotImplementedError": NotImplementedError, "ValueError": ValueError,
-             "KeyError": KeyError, "TypeError": TypeError, "IndexError": IndexError,
-             "RuntimeError": RuntimeError}
-
-
-class ServedEnvError(Exception):
-    """An exception of a served env of a type the wire does not name (``wire.RAISED``): its
-    type and message, as the worker saw them."""
+    base = next(c for c in type(exc).__mro__ if wire.BUILTIN_ERRORS.get(c.__name__) is c)
+    one_text = len(exc.args) == 1 and isinstance(exc.args[0], str)  # KeyError("x"): not "'x'"
+    detail = exc.args[0] if one_text else str(exc)
+    if base is not type(exc):
+        detail = f"{type(exc).__name__}: {detail}"
+    return wire.EnvRaised(base.__name__, detail)
 
 
 def raise_from_wire(raised: wire.EnvRaised):
@@ -100,7 +90,18 @@ def raise_from_wire(raised: wire.EnvRaised):
         raise ActionError(raised.kind, raised.observation, raised.tool)
     if raised.error == "ToolError":
         raise ToolError(raised.kind, raised.observation)
-    raise _BUILTINS.get(raised.error, ServedEnvError)(raised.detail)
+    raise _rebuilt(wire.BUILTIN_ERRORS[raised.error], raised.detail)
+
+
+def _rebuilt(cls: type, detail: str) -> Exception:
+    """``cls(detail)``, or of its nearest base that takes one message (UnicodeDecodeError
+    wants five arguments; UnicodeError, also a ValueError, takes the message)."""
+    for base in cls.__mro__:
+        try:
+            return base(detail)
+        except TypeError:
+            continue
+    raise AssertionError("Exception takes a message")  # every builtin derives from it
 
 
 # --- the link to one server -------------------------------------------------------------------

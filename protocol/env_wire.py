@@ -33,6 +33,7 @@ everywhere; adding these types needed no bump of it (an older server refuses the
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import field
 from typing import Any
 
@@ -42,12 +43,16 @@ from protocol.messages import Task
 
 ENV_WIRE_VERSION = 1  # bump on any incompatible change to a message below
 
+# Python's own exception types by name (not BaseException's others: a worker that is told to
+# exit, exits). A served env's raise of one is raised again by the client as that type.
+BUILTIN_ERRORS: dict[str, type] = {
+    name: cls for name, cls in vars(builtins).items()
+    if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, Warning)}
 # The exceptions a served env's call may end in, raised again by the client as these types:
-# the two the interface defines, the two its defaults raise (a hook not implemented, a split
-# that does not exist) and the builtins an env's own checks commonly raise. Anything else an
-# env raises comes back as "Exception" with its type name in the detail.
-RAISED = ("ActionError", "ToolError", "NotImplementedError", "ValueError", "KeyError",
-          "TypeError", "IndexError", "RuntimeError", "Exception")
+# the two the interface defines (ActionError, ToolError) and the builtins (its defaults raise
+# NotImplementedError and ValueError). An env's own exception type comes back as the nearest
+# builtin it derives from, its own name in the detail ("Exception" at the least).
+RAISED = ("ActionError", "ToolError", *sorted(BUILTIN_ERRORS))
 
 # Why the service, not the env, failed a call (EnvFailure.reason), and why a client gave up
 # on one (environments.remote.EnvFailed.reason adds "timeout").

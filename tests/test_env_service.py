@@ -177,6 +177,21 @@ def test_every_method_answers_as_in_process(served_files):
     assert got[-1][1][0] == "ValueError"
 
 
+def test_shop_answers_as_in_process(tmp_path):
+    """The other built-in: ids to invent, event goals, and a refusal of a type of its own
+    (an unknown tool: AttributeError), all as in process."""
+    from environments import ShopEnv
+
+    server = EnvServer("shop", tmp_path / "serve.log", workers=1).start()
+    try:
+        served = env_maker(server.config("shop"))()
+        local = ShopEnv()
+        tasks = local.tasks("validation")[:2] + local.tasks("test")[:2]
+        assert transcript(served, tasks, seed=5) == transcript(local, tasks, seed=5)
+    finally:
+        server.stop()
+
+
 def test_step_before_reset_and_a_closed_session(served_files):
     env = env_maker(served_files)()
     with pytest.raises(RuntimeError, match="reset"):
