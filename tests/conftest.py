@@ -19,6 +19,7 @@ import shutil
 import signal
 import time
 import uuid
+from pathlib import Path
 
 # One OpenMP thread for every torch in the suite (this process, the runs it starts): tests run
 # two or three at once on two cores, and a process whose two threads wait on each other at
@@ -32,6 +33,7 @@ import redis  # noqa: E402
 
 from autodidact.embedded_redis import EmbeddedRedis  # noqa: E402
 from protocol.control import ControlPlane  # noqa: E402
+from protocol.run_dir import RunDir  # noqa: E402
 
 SESSION_MARK = f"AUTODIDACT_TEST_SESSION={uuid.uuid4().hex}"
 os.environ["AUTODIDACT_TEST_SESSION"] = SESSION_MARK.partition("=")[2]
@@ -213,6 +215,37 @@ def files_policy_path(tmp_path_factory) -> str:
         return {"path": str(make_tiny_model(folder / "model", words, special))}
 
     return made_once(tmp_path_factory, "files-policy", make)["path"]
+
+
+QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
+
+
+@pytest.fixture(scope="session")
+def quick_warm_start(tmp_path_factory, redis_url):
+    """``place(run_dir)``: put configs/quick.yaml's warm-started policy (seed 0) in
+    ``run_dir/policy_init``, where a run finds it and starts RL from it instead of warm-starting
+    again (autodidact/stages.warm_start_stage). The policy is made once for the session by that
+    same stage, from the same base model, with a Redis for the experiences its examples show,
+    as a run of quick.yaml at seed 0 makes it: the whole-run tests of quick.yaml each spent a
+    warm-start on the same policy. Runs that warm-start themselves:
+    tests/test_explore_integration.py, tests/test_ablation.py, tests/test_netns.py."""
+    def make(folder):
+        from autodidact.base_model import prepare_model
+        from autodidact.resolve import resolve_config
+        from autodidact.stages import warm_start_stage
+
+        cfg = resolve_config(QUICK, ["name=quick-warm-start", f"redis.url={redis_url}",
+                                     f"redis.prefix=quick-warm-{uuid.uuid4().hex[:8]}"])
+        policy = warm_start_stage(cfg, folder, prepare_model(cfg, folder), say=lambda _: None)
+        return {"policy": policy}
+
+    policy = Path(made_once(tmp_path_factory, "quick-warm-start", make)["policy"])
+
+    def place(run_dir: Path) -> Path:
+        shutil.copytree(policy, RunDir(run_dir).policy_init)
+        return run_dir
+
+    return place
 
 
 @pytest.fixture(scope="module")

@@ -80,8 +80,9 @@ def stored_groups(run_dir: Path) -> list[Group]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
+def finished_run(tmp_path_factory, quick_warm_start):
+    # RL starts from quick.yaml's warm-started policy, made once for the session (conftest).
+    run_dir = quick_warm_start(tmp_path_factory.mktemp("run"))
     # Redis is SIGKILLed a third of the way in: the launcher restarts it and every role
     # rides out the gap on its client's back-off (test_roles_rode_out_a_redis_kill).
     proc = run_cli(run_dir, "--max-updates", "30", meanwhile=kill_redis_mid_training)

@@ -69,8 +69,9 @@ def stored_ids(run_dir: Path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("sp")
+def finished(tmp_path_factory, quick_warm_start):
+    # RL starts from quick.yaml's warm-started policy, made once for the session (conftest).
+    run_dir = quick_warm_start(tmp_path_factory.mktemp("sp"))
     threads_before = set(threading.enumerate())
     # Session fixtures (a shared redis-server, multiprocessing's resource tracker) may be
     # children of this process already: only what the run started must be gone.
