@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The whole test suite: set up (once), then pytest with any extra arguments in two tiers at once:
 # the main virtualenv's tests (all but those marked `vllm`) on AUTODIDACT_TEST_WORKERS pytest-xdist
-# workers (default 3; 0: in one process), and beside them the tests marked `vllm` in the engine's
+# workers (default 4; 0: in one process), and beside them the tests marked `vllm` in the engine's
 # virtualenv (the real vLLM engine, one engine thread; see scripts/setup.sh for why it has its own
 # virtualenv), whose output follows the main tier's. Fails if either fails.
 #
 # Whole modules go to one worker (--dist loadfile): their module-scoped runs are made once; the
-# modules that start whole runs form two chains, each on one worker, the third worker takes the
-# rest (tests/conftest.py: WHOLE_RUNS).
+# modules that start whole runs form three chains, each on one worker, the fourth worker takes
+# the rest (tests/conftest.py: WHOLE_RUNS).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
 venv="${AUTODIDACT_VENV:-$root/.venv}"
 vllm_venv="${AUTODIDACT_VLLM_VENV:-$root/.venv-vllm}"
-workers="${AUTODIDACT_TEST_WORKERS:-3}"
+workers="${AUTODIDACT_TEST_WORKERS:-4}"
 cd "$root"
 
 vllm_pid="" vllm_log=""

@@ -84,25 +84,27 @@ def session_processes(workers: bool = False) -> dict[int, str]:
 
 
 # Modules whose tests start whole runs (a launcher, its roles and Redis: a minute or more of a
-# core each), in two chains of about equal length (seconds in the clean-clone suite at 6c9f0b1
-# beside each name). Under pytest-xdist each chain is one unit of work, its modules one after
-# another on one worker (pytest_xdist_make_scheduler), so never more than two whole runs go at
-# once on this 2-core machine; scripts/test.sh starts three workers, the third taking the other
-# modules from the start (their waits then overlap the runs' work instead of ending the suite
-# on idle cores). With two OpenMP threads a process (before this file set one) two whole runs
-# at once each took twice as long or worse and missed their deadlines.
+# core each), in three chains of about equal length (seconds of each in the clean-clone suite of
+# 2026-11-27 beside its name). Under pytest-xdist each chain is one unit of work, its modules one
+# after another on one worker (pytest_xdist_make_scheduler), so never more than three whole runs
+# go at once on this 2-core machine; scripts/test.sh starts four workers, the fourth taking the
+# other modules from the start (their waits then overlap the runs' work instead of ending the
+# suite on idle cores), and each chain's worker takes them too once its chain is done. With two
+# OpenMP threads a process (before this file set one) two whole runs at once each took twice as
+# long or worse and missed their deadlines; with one, three at once keep theirs.
 WHOLE_RUNS = {
-    "test_ablation.py": 0,  # 270 s
-    "test_run_integration.py": 0,  # 215
+    "test_explore_integration.py": 0,  # 340 s
     "test_orphans.py": 0,  # 95
-    "test_bench_scale.py": 0,  # 71
-    "test_env_counter_example.py": 0,  # 25
-    "test_explore_integration.py": 1,  # 335
-    "test_single_process.py": 1,  # 190
-    "test_netns.py": 1,  # 90
-    "test_report.py": 1,  # 70, with test_status.py's tiny run (made once, for both)
+    "test_exactly_once.py": 0,  # 18
+    "test_ablation.py": 1,  # 285
+    "test_report.py": 1,  # 78, with test_status.py's tiny run (made once, for both)
     "test_status.py": 1,
-    "test_exactly_once.py": 1,  # 17
+    "test_bench_scale.py": 1,  # 63
+    "test_env_counter_example.py": 1,  # 28
+    # quick.yaml's shared warm-start (conftest.quick_warm_start): made by the first, reused
+    "test_run_integration.py": 2,  # 200
+    "test_single_process.py": 2,  # 177
+    "test_netns.py": 2,  # 91
 }
 
 
