@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from autodidact.base_model import prepare_model
-from autodidact.cli_common import check_model, config_option, load_run, set_option
+from autodidact.cli_common import check_model, config_option, load, load_run, set_option
 from autodidact.engine_env import ensure_engine
 from autodidact.resolve import Flags
 from autodidact.stages import record_test_look, write_split
@@ -60,12 +60,17 @@ from protocol.run_dir import RunDir
               help="Run directory (default runs/<name>): the tiny model, split.json, eval/.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Per-task JSONL (default <run-dir>/eval/<env>-<split>-<policy>-k<k>.jsonl).")
+@click.option("--final-test", is_flag=True,
+              help="A finished run's one look at test, for a run made without --final-test: "
+                   "its base, warm-start and final policies on test with the run's own "
+                   "settings (its config.yaml; --set still applies), into its summary.json. "
+                   "Needs --run-dir; refused once the run has looked at test.")
 @click.option("--resume", is_flag=True,
               help="Keep the tasks --out already holds from an evaluation with the same "
                    "settings and run only the rest (a larger --per-category holds a smaller "
                    "one's tasks).")
 def eval_command(config, sets, env_name, split, model_path, k, temperature, policy, limit,
-                 per_category, device, batch_tasks, run_dir, out, resume):
+                 per_category, device, batch_tasks, run_dir, out, final_test, resume):
     """Evaluate on the env's held-out tasks: avg@k and best@k, overall and per category.
 
     \b
@@ -75,6 +80,9 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
     """
     if k < 1:
         raise click.UsageError("-k must be at least 1")
+    if final_test:
+        look_at_test_later(run_dir, sets)
+        return
     cfg, path = load_run(config, sets, run_dir,
                          Flags(env=env_name, env_limits=config is None, device=device))
     check_model(model_path or cfg.model.path)
@@ -86,6 +94,25 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
     except (KeyError, ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(render_table(summary))
+
+
+def look_at_test_later(run_dir: str | None, sets: tuple[str, ...]) -> None:
+    """``--final-test``: :func:`autodidact.stages.final_test_later` on the run's own config."""
+    from autodidact.stages import final_test_later
+
+    if not run_dir:
+        raise click.UsageError("--final-test needs --run-dir: the finished run to look at")
+    rd = RunDir(Path(run_dir).resolve())
+    if not rd.config.exists():
+        raise click.UsageError(f"--run-dir {run_dir}: no config.yaml; is it a run directory?")
+    cfg = load(str(rd.config), sets)
+    try:
+        test = final_test_later(cfg, rd.path, say)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    for stage, result in test.items():
+        click.echo(f"test {stage}: avg@{cfg.eval.k} {format_rate(result['avg'], result['avg_ci'])}"
+                   f" on {result['tasks']} tasks")
 
 
 def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, k: int,

@@ -23,6 +23,7 @@ None of them assigns to ``cfg``: the launcher makes the config with the model th
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -284,21 +285,52 @@ def write_records(path: Path, records: list[dict]) -> None:
 
 
 def final_test_eval(cfg: RunConfig, run_dir: Path, policies: dict[str, str],
-                    say: Say = show) -> dict:
+                    say: Say = show, who: str = "autodidact run --final-test") -> dict:
     """The run's one look at the test split: each of ``policies`` (stage -> model folder;
-    a stage whose folder repeats an earlier one's is measured once) evaluated as
-    :func:`held_out_eval` does on validation, the look recorded in ``eval/test_looks.jsonl``."""
+    a stage whose folder repeats an earlier one's is measured once, its records copied)
+    evaluated as :func:`held_out_eval` does on validation, the look recorded in
+    ``eval/test_looks.jsonl`` as made by ``who``."""
     say("  final test evaluation (the test split is looked at once, now)")
     out: dict = {}
     seen: dict[str, str] = {}
+    rd = RunDir(run_dir)
     for stage, model in policies.items():
-        if model in seen:
+        if model in seen:  # the same policy (a run without warm-start): its records stand in
             out[stage] = out[seen[model]]
+            shutil.copyfile(rd.heldout_records("test", seen[model]),
+                            rd.heldout_records("test", stage))
             continue
         seen[model] = stage
         out[stage] = held_out_eval(cfg, run_dir, model, stage, 0, say, split="test")
-        record_test_look(run_dir, "autodidact run --final-test", model, stage)
+        record_test_look(run_dir, who, model, stage)
     return out
+
+
+def final_test_later(cfg: RunConfig, run_dir: Path, say: Say = show) -> dict:
+    """The one look at test of a finished run made without ``--final-test``, taken now with
+    the run's own ``cfg``: its base, warm-start and final policies as ``--final-test`` would
+    have evaluated them, into summary.json (``test``, ``looked_at_test``). Raises ValueError
+    for a run that is not finished, has looked at test before, or whose base model is a named
+    one (not kept in the run directory)."""
+    rd = RunDir(run_dir)
+    summary = json.loads(rd.summary.read_text()) if rd.summary.exists() else {}
+    if "success_rl" not in summary or not (rd.policy_final / "config.json").exists():
+        raise ValueError(f"{run_dir}: not a finished run (no success_rl in summary.json, or "
+                         "no policy_final/): finish it first")
+    if looks := test_looks(run_dir):
+        raise ValueError(f"{run_dir}: looked at test {looks} time(s) already "
+                         f"({rd.test_looks}); one look is all a run gets")
+    if not (rd.model / "config.json").exists():
+        raise ValueError(f"{run_dir}: its base model is a named one, not kept in the run "
+                         "directory: evaluate it with `autodidact eval --split test --model "
+                         "NAME`, and the run's policies with --model")
+    warm = rd.policy_init if (rd.policy_init / "config.json").exists() else rd.model
+    policies = {"base": str(rd.model), "warm": str(warm), "rl": str(rd.policy_final)}
+    summary["test"] = final_test_eval(cfg, run_dir, policies, say,
+                                      who="autodidact eval --final-test")
+    summary["looked_at_test"] = True
+    rd.summary.write_text(json.dumps(summary, indent=2))
+    return summary["test"]
 
 
 def record_test_look(run_dir: Path, who: str, model: str, stage: str = "") -> None:

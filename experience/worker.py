@@ -81,6 +81,11 @@ class ExperienceWorker:
         t0 = time.monotonic()
         groups, next_seq = self._new_groups()
         exps = [e for g in groups for e in self.extractor.from_group(g, version)]
+        if exps and self._stop.is_set():
+            # Told to stop: embedding them (and, the first time, loading the embedder) would
+            # outlast the supervisor's grace. The cursor stays, so a next worker reads them.
+            log.info("experience: stopping; %d groups left for the next pass", len(groups))
+            return {"added": 0}
         counts = self.pool.add(exps) if exps else {"added": 0}
         self.control.set_experience_cursor(next_seq)
         self.metrics.log({"groups": len(groups), "candidates": len(exps),

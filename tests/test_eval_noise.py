@@ -89,13 +89,17 @@ def test_two_arms_compared_per_seed_and_over_seeds(tmp_path):
     assert [p["b_minus_a"]["label"] for p in result["pairs"]] == ["helps"] * 3
     seeds = result["over_seeds"]
     assert seeds["per_seed"] == pytest.approx([0.5, 0.5, 0.75])
-    assert seeds["diff"] == pytest.approx(0.5833, abs=1e-4) and seeds["label"] == "helps"
+    # every seed's 40 tasks pooled: 120 pairs, each task its seed's own
+    assert seeds["pooled"]["tasks"] == 120 and seeds["pooled"]["label"] == "helps"
+    assert seeds["pooled"]["diff"] == pytest.approx(0.5833, abs=1e-4)
     # the t-interval of three differences: mean +- 4.303 * sd 0.1443 / sqrt(3)
-    assert seeds["ci"] == pytest.approx([0.5833 - 0.3586, 0.5833 + 0.3586], abs=1e-3)
+    assert seeds["mean"] == pytest.approx(0.5833, abs=1e-4) and seeds["t_label"] == "helps"
+    assert seeds["t_ci"] == pytest.approx([0.5833 - 0.3586, 0.5833 + 0.3586], abs=1e-3)
     assert result["command"].startswith("python -m bench.compare_arms --a ")
     # one seed: a difference, no interval
     one = main(["--a", str(a[0]), "--b", str(b[0])])["over_seeds"]
-    assert one["ci"] is None and one["label"] == "one seed: no interval"
+    assert one["t_ci"] is None and one["t_label"] == "one seed: no interval"
+    assert one["pooled"]["diff"] == pytest.approx(0.5) and one["pooled"]["tasks"] == 40
 
 
 def test_compare_arms_refuses_unmatched_or_unfinished_runs(tmp_path):

@@ -505,3 +505,36 @@ def test_the_experience_worker_pages_skips_evicted_groups_and_resumes(
         gone.extract_once(3)
     assert control.experience_cursor() == 6
     gone.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_told_to_stop_leaves_its_pass_to_the_next_one(tmp_path, control, replay_server):
+    """SIGTERM mid-pass: the lessons are not embedded (which, the first time, loads the
+    embedder and outlasted the supervisor's grace), and the cursor stays where it was, so a
+    restarted worker extracts the same groups and none is lost."""
+    from helpers_replay import push_all
+
+    from autodidact.wiring import build_experience
+    from protocol.config import RunConfig
+    from protocol.replay_client import ReplayClient
+
+    groups = [worker_group(i) for i in range(3)]
+    actor = ReplayClient(replay_server.address, retry_after_s=0.5, timeout_s=10)
+    push_all(actor, groups)
+    actor.close()
+
+    def worker():
+        return build_experience(RunConfig(), tmp_path, control,
+                                ReplayClient(replay_server.address, retry_after_s=0.5,
+                                             timeout_s=10),
+                                pool=ListPool(), extractor=ExperienceExtractor())
+
+    stopping = worker()
+    stopping.request_stop()
+    assert stopping.extract_once(1) == {"added": 0}
+    assert stopping.pool.added == [] and control.experience_cursor() == 0
+    stopping.close()
+    after = worker()
+    after.extract_once(2)
+    assert made(after.pool) == lessons(groups, 2) and control.experience_cursor() == 3
+    after.close()

@@ -97,18 +97,18 @@ def test_vllm_serve_on_smollm2_as_judge_extractor_and_proposer(tmp_path):
             cfg = load_config(None, ["llm.max_retries=0", "llm.timeout_s=120",
                                      f"llm.structured_outputs={mode}"])
             summaries[mode] = check_endpoint(cfg, tmp_path / mode, server.url, server.name,
-                                             n=3, concurrency=3, max_tokens=96)
+                                             n=2, concurrency=2, max_tokens=96)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the server's whole process group is gone
     for mode, summary in summaries.items():
         for role, s in summary["roles"].items():
-            assert s["requests"] == 3 and sum(s[k] for k in OUTCOMES) == 3, (mode, role, s)
+            assert s["requests"] == 2 and sum(s[k] for k in OUTCOMES) == 2, (mode, role, s)
             assert s["error"] == 0, (mode, role, s)
             replies = _lines(RunDir(tmp_path / mode).llm_replies(f"check-{role}"))
-            assert len(replies) == 3 and all(r["reply"] for r in replies)
+            assert len(replies) == 2 and all(r["reply"] for r in replies)
     # With the format enforced by the server, every judge reply is one label per step.
-    assert summaries["vllm"]["roles"]["judge"]["usable"] == 3
-    assert summaries["vllm"]["roles"]["judge"]["parsed_strict"] == 3
+    assert summaries["vllm"]["roles"]["judge"]["usable"] == 2
+    assert summaries["vllm"]["roles"]["judge"]["parsed_strict"] == 2
 
 
 def test_structured_outputs_ask_the_endpoint_for_each_callers_format(tmp_path):

@@ -276,3 +276,40 @@ def test_a_resumed_run_does_not_mirror_its_old_records_again(tmp_path):
     assert len(histories) == 2
     assert [h["judge/groups_per_s"] for h in histories[0]] == [1.0, 2.0]
     assert [(h["judge/groups_per_s"], h["judge/step"]) for h in histories[1]] == [(3.0, 3)]
+
+
+@pytest.mark.timeout(240)
+def test_a_finished_run_looks_at_test_once_later(run_dir, tmp_path):
+    """``autodidact eval --final-test``: a run made without --final-test gets its one look at
+    test afterwards, with its own settings, as --final-test would have made it; a second look
+    is refused."""
+    from autodidact.cli import main
+    from environments import FilesEnv
+    from protocol.run_dir import RunDir
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("*.sock", "*.lock"))
+    rd = RunDir(copy)
+    before = json.loads(rd.summary.read_text())
+    assert "test" not in before and before["looked_at_test"] is False
+    result = CliRunner().invoke(main, ["eval", "--final-test", "--run-dir", str(copy)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    summary = json.loads(rd.summary.read_text())
+    assert summary["looked_at_test"] is True and set(summary["test"]) == {"base", "warm", "rl"}
+    test_ids = {t.task_id for t in FilesEnv().tasks("test")}
+    for stage, found in summary["test"].items():
+        # the run's own settings: eval.num_tasks=2, eval.k=1 (test_status.TINY_SETS)
+        assert found["split"] == "test" and found["tasks"] == 2, (stage, found)
+        lines = rd.heldout_records("test", stage).read_text().splitlines()
+        assert len(lines) == 2 and {json.loads(x)["task_id"] for x in lines} <= test_ids
+        assert all(len(json.loads(x)["rewards"]) == 1 for x in lines)
+        assert f"test {stage}: avg@1 " in result.output
+    # warmstart.steps=0: the warm-start stage is the base model, measured once
+    looks = [json.loads(x) for x in rd.test_looks.read_text().splitlines()]
+    assert [(x["stage"], x["who"]) for x in looks] == \
+        [("base", "autodidact eval --final-test"), ("rl", "autodidact eval --final-test")]
+    assert summary["success_rl"] == before["success_rl"]  # the run's own numbers untouched
+    again = CliRunner().invoke(main, ["eval", "--final-test", "--run-dir", str(copy)])
+    assert again.exit_code == 1 and "looked at test 2 time(s) already" in again.output
+    unfinished = CliRunner().invoke(main, ["eval", "--final-test", "--run-dir", str(tmp_path)])
+    assert unfinished.exit_code == 2 and "no config.yaml" in unfinished.output

@@ -218,8 +218,10 @@ def test_the_run_evaluates_on_validation_and_never_looks_at_test_unasked(finishe
 def test_resume_continues_version_step_and_ledger(finished_run):
     run_dir, _ = finished_run
     before = torch.load(run_dir / "checkpoints/latest.pt", weights_only=True)
-    # No evaluation: this test reads the checkpoint alone (the run's own were read above).
-    run_cli(run_dir, "--resume", "--max-updates", "34", "--set", "eval.num_tasks=0")
+    # No evaluation and no experience role: this test reads the learner's checkpoint alone
+    # (the run's own evaluations and pool were read above).
+    run_cli(run_dir, "--resume", "--max-updates", "34", "--set", "eval.num_tasks=0",
+            "--set", "experience.enabled=false")
     after = torch.load(run_dir / "checkpoints/latest.pt", weights_only=True)
     assert (before["updates"], after["updates"]) == (30, 34)
     assert after["version"] == before["version"] + 4
