@@ -445,13 +445,20 @@ def env() -> None:
                    "name the same directory as env.keys_dir.")
 @click.option("--allow-plaintext-remote", is_flag=True,
               help="Bind an address off this machine without --keys-dir.")
+@click.option("--openenv", is_flag=True,
+              help="Serve it as an OpenEnv server (openenv-core, the [openenv] extra) at "
+                   "--address http://HOST:PORT, for OpenEnv clients; --max-sessions bounds "
+                   "its WebSocket sessions. No workers, no keys: one process, plain HTTP.")
 def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s, keys_dir,
-          allow_plaintext_remote):
+          allow_plaintext_remote, openenv):
     """Serve the env SPEC (a registered name such as `files`, or `pkg.module:name`) at
     --address until SIGTERM or Ctrl-C."""
     from protocol.errors import ConfigError
     from protocol.security import leaves_loopback
 
+    if openenv:
+        _serve_openenv(spec, address, max_sessions, keys_dir, allow_plaintext_remote)
+        return
     if leaves_loopback(address) and not keys_dir and not allow_plaintext_remote:
         raise click.UsageError(f"{address} leaves this machine: give --keys-dir (keys from "
                                "`autodidact keys generate`) or --allow-plaintext-remote")
@@ -481,6 +488,48 @@ def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s
         broker.close()
         click.echo(f"env serve: stopped; frames refused {rejected or 'none'}, calls failed "
                    f"{dict(broker.failures) or 'none'}", err=True)
+
+
+def _serve_openenv(spec: str, address: str, max_sessions: int, keys_dir: str,
+                   allow_plaintext_remote: bool) -> None:
+    """``env serve --openenv``: SPEC as an OpenEnv server (autodidact/openenv_serve.py)."""
+    from autodidact import openenv_serve
+
+    try:
+        host, port = openenv_serve.parse_http_address(address)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if keys_dir:  # OpenEnv clients speak plain HTTP and WebSocket: no CURVE there
+        raise click.UsageError("--keys-dir does not apply to --openenv (plain HTTP); keep "
+                               "the server on loopback or behind a TLS proxy")
+    if not _loopback_host(host) and not allow_plaintext_remote:
+        raise click.UsageError(f"{address} leaves this machine unencrypted: bind 127.0.0.1 "
+                               "or give --allow-plaintext-remote")
+    try:
+        import openenv.core.env_server  # noqa: F401  (the extra; fail before binding)
+    except ImportError:
+        raise click.UsageError("--openenv needs openenv-core: pip install -e '.[openenv]' "
+                               "(scripts/setup.sh installs it)") from None
+    from environments import env_class
+
+    try:
+        cls = env_class(spec)
+    except (KeyError, ImportError) as exc:
+        raise click.UsageError(f"{spec}: {exc}") from None
+    try:
+        sock = openenv_serve.bind(host, port)
+    except OSError as exc:
+        raise click.UsageError(f"--address {address}: cannot bind ({exc})") from None
+    click.echo(f"env serve: {cls.name} at {address} as an OpenEnv server (WebSocket /ws, "
+               f"{max_sessions} sessions at most)", err=True)
+    openenv_serve.serve_openenv(cls, sock, max_sessions)
+    click.echo("env serve: stopped", err=True)
+
+
+def _loopback_host(host: str) -> bool:
+    from protocol.security import leaves_loopback
+
+    return not leaves_loopback(f"tcp://{host}:0")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

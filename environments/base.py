@@ -507,7 +507,7 @@ def env_names() -> list[str]:
 
 
 # Built-in environments whose modules import optional packages: imported on first use only.
-_LAZY_ENVS = {"bfcl": "environments.bfcl"}
+_LAZY_ENVS = {"bfcl": "environments.bfcl", "openenv": "environments.openenv_adapter"}
 
 
 # Makes the class of a served env from an EnvConfig with an address. environments/remote.py

