@@ -457,6 +457,11 @@ def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s
     from protocol.security import leaves_loopback
 
     if openenv:
+        given = click.get_current_context().get_parameter_source
+        for name in ("workers", "call_timeout_s", "no_worker_wait_s"):
+            if given(name) is not click.core.ParameterSource.DEFAULT:
+                raise click.UsageError(f"--{name.replace('_', '-')} does not apply to "
+                                       "--openenv (one process, no workers)")
         _serve_openenv(spec, address, max_sessions, keys_dir, allow_plaintext_remote)
         return
     if leaves_loopback(address) and not keys_dir and not allow_plaintext_remote:

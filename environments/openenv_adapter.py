@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import urllib.error
 import urllib.request
 import weakref
@@ -81,16 +82,27 @@ JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "
               "array": "list", "object": "dict"}
 MAX_CANDIDATES = 64  # candidate_actions enumerates at most this many calls
 MAX_REPLY_BYTES = 4 << 20  # a WebSocket message larger than this is refused
+# How long close() waits for the server to end the session it asked to end. openenv-core
+# 0.3.0 logs a traceback for every session whose client closed the socket first.
+CLOSE_WAIT_S = 5.0
 
 
 # --- JSON-schema tools as ToolSpecs -------------------------------------------------------------
 
 
+def local_name(name: str) -> str:
+    """An MCP tool name as a name the action parser takes (``get-weather`` -> ``get_weather``):
+    MCP allows hyphens and dots, actions are shell words of ``[A-Za-z][A-Za-z0-9_]*``."""
+    word = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    return (word if word[:1].isalpha() else f"t_{word}")[:64]
+
+
 def tool_from_schema(tool) -> ToolSpec:
     """The ToolSpec of one MCP tool (``{"name", "description", "inputSchema"}``; OpenEnv's own
-    ``Tool`` spells it ``input_schema``). Required arguments come first, in the schema's order.
-    ValueError naming the field when the tool does not fit."""
-    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
+    ``Tool`` spells it ``input_schema``), named by :func:`local_name`. Required arguments come
+    first, in the schema's order. ValueError naming the field when the tool does not fit."""
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str) \
+            or not tool["name"]:
         raise ValueError("tools[].name: missing or not text")
     name = tool["name"]
     schema = tool.get("inputSchema", tool.get("input_schema")) or {}
@@ -101,7 +113,8 @@ def tool_from_schema(tool) -> ToolSpec:
     args = [_arg(name, arg, spec, arg in required) for arg, spec in props.items()]
     args.sort(key=lambda a: not a.required)  # stable: the schema's order within each
     description = tool.get("description") or ""
-    return ToolSpec(name, description if isinstance(description, str) else "", tuple(args))
+    return ToolSpec(local_name(name), description if isinstance(description, str) else "",
+                    tuple(args))
 
 
 def _arg(tool: str, name: str, spec, required: bool) -> ArgSpec:
@@ -169,7 +182,10 @@ class OpenEnvSession:
         ws = self._connect()
         message = {"type": kind} if data is None else {"type": kind, "data": data}
         try:
-            ws.send(json.dumps(message))
+            try:
+                ws.send(json.dumps(message))
+            except ConnectionClosed:  # it may have said why before closing (at capacity)
+                pass
             raw = ws.recv(timeout=self.timeout_s)
         except TimeoutError:
             self.close()
@@ -229,7 +245,8 @@ class OpenEnvSession:
             ws, self._ws = self._ws, None
             try:
                 ws.send(json.dumps({"type": "close"}))
-            except Exception:  # gone already: nothing to end
+                ws.recv(timeout=CLOSE_WAIT_S)  # the server closes first: it frees the env
+            except Exception:  # closed (as asked), gone already or slow: nothing more to end
                 pass
             ws.close()
 
@@ -250,8 +267,7 @@ def _field(data: dict, name: str, ok, what: str, where: str):
 
 
 def _is_reward(v) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) \
-        or isinstance(v, bool)
+    return v is None or isinstance(v, (int, float))  # a bool too: Observation allows one
 
 
 # --- the env ----------------------------------------------------------------------------------
@@ -285,6 +301,7 @@ class OpenEnvEnv(Environment):
         self._tools: list[ToolSpec] | None = None
         self._mcp: bool | None = None  # whether the server lists MCP tools; None: not asked
         self._listed: dict = {}  # its tools/list result
+        self._remote: dict[str, str] = {}  # a tool's local name -> the server's name for it
         self._rewards: list[float] = []
         self.done = False
 
@@ -302,7 +319,7 @@ class OpenEnvEnv(Environment):
                              "reset")
         if self._mcp is None:
             self._mcp = self._lists_tools()
-        if not self._mcp and self._tools is None:
+        if not self._mcp:  # a text-action server's tools are in its reset observation
             self._tools = self._listed_tools(observation)
         return self._text(observation)
 
@@ -344,7 +361,7 @@ class OpenEnvEnv(Environment):
         (observation, the error kind or None)."""
         spec = {t.name: t for t in self.tools()}[call.tool]
         arguments = {a.name: v for a, v in zip(spec.args, call.args)}
-        data = self._step({"type": "call_tool", "tool_name": call.tool,
+        data = self._step({"type": "call_tool", "tool_name": self._remote[call.tool],
                            "arguments": arguments})
         error = data.get("error")
         if isinstance(error, dict):  # the tool failed: a refusal, the step stays valid
@@ -383,11 +400,13 @@ class OpenEnvEnv(Environment):
     # -- tools --
 
     def tools(self) -> list[ToolSpec]:
-        if self._tools is None:
-            if self._mcp is None:
-                self._mcp = self._lists_tools()
-            self._tools = self._mcp_tools() if self._mcp else []
-        return list(self._tools)
+        """An MCP server's tools (asked once); a text-action server's as its last reset
+        observation listed them (none before a reset)."""
+        if self._mcp is None:
+            self._mcp = self._lists_tools()
+        if self._mcp and self._tools is None:
+            self._tools = self._mcp_tools()
+        return list(self._tools or [])
 
     def _lists_tools(self) -> bool:
         """Whether the server answers MCP ``tools/list`` (an MCP-tool server)."""
@@ -405,12 +424,18 @@ class OpenEnvEnv(Environment):
         tools = observation.get("tools")
         return self._specs(tools, "reset observation") if isinstance(tools, list) else []
 
-    @staticmethod
-    def _specs(tools: list, where: str) -> list[ToolSpec]:
+    def _specs(self, tools: list, where: str) -> list[ToolSpec]:
         try:
-            return [tool_from_schema(t) for t in tools]
+            specs = [tool_from_schema(t) for t in tools]
         except ValueError as exc:
             raise EnvFailed("bad_reply", f"OpenEnv {where}: {exc}") from None
+        remote = {s.name: t["name"] for s, t in zip(specs, tools)}
+        if len(remote) < len(specs):
+            raise EnvFailed("bad_reply", f"OpenEnv {where}: two tools share the name "
+                            "(after - and . become _) of one of "
+                            + ", ".join(t["name"] for t in tools))
+        self._remote = remote
+        return specs
 
     def _text_field(self) -> str:
         if not self.action_field:

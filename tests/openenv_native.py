@@ -3,8 +3,8 @@ tests/test_openenv.py: ``python tests/openenv_native.py PORT`` serves it at
 http://127.0.0.1:PORT with ``create_app`` and uvicorn.
 
 A counter to bring to a target: reset(seed) sets the target to ``seed % 4 + 2``; MCP tools
-``add(n: int 1..3)``, ``show()`` and ``paint(colour: red|blue)``; every tool call's reward is
-1.0 once the counter equals the target (then done), else 0.0.
+``add(n: int 1..3)``, ``show()``, ``paint(colour: red|blue)`` and ``zero-out()``; every tool
+call's reward is 1.0 once the counter equals the target (then done), else 0.0.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ class Counter(MCPEnvironment):
             """paint the counter"""
             self.colour = colour
             return f"painted {colour}"
+
+        @mcp.tool(name="zero-out")  # an MCP name the action parser cannot take as it is
+        def zero_out() -> str:
+            """set the counter to 0"""
+            self.value = 0
+            return "counter 0"
 
         super().__init__(mcp)
 

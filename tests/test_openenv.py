@@ -189,8 +189,10 @@ def test_adapter_drives_a_native_mcp_env(servers):
             for t in env.tools()] == [("add", [("n", "int", True, (), (1, 3))]),
                                       ("show", []),
                                       ("paint", [("colour", "str", True, ("red", "blue"),
-                                                  None)])]
-    assert env.candidate_actions() == ["show", "paint red", "paint blue"]
+                                                  None)]),
+                                      ("zero_out", [])]
+    assert env.candidate_actions() == ["show", "paint red", "paint blue", "zero_out"]
+    assert env.step("add 3")[0] == "counter 3" and env.step("zero_out")[0] == "counter 0"
     assert env.step("show") == (f"counter 0 target {target_of(1)}", False,
                                 {"valid": True, "tool": "show", "error": None})
     assert env.step("add 2")[:2] == ("counter 2", False)
@@ -206,6 +208,20 @@ def test_adapter_drives_a_native_mcp_env(servers):
     env.reset(task)  # the same session, a new episode
     assert env.evaluate(task) == 0.0 and not env.done
     env.close()
+
+
+def test_a_server_at_capacity_is_refused_with_a_hint(servers):
+    _, native = servers  # at most 8 sessions
+    envs = [adapter(native.url) for _ in range(9)]
+    try:
+        for env in envs[:8]:
+            env.reset(env.tasks("train")[0])
+        with pytest.raises(EnvFailed, match="CAPACITY_REACHED.*max_concurrent_envs") as full:
+            envs[8].reset(envs[8].tasks("train")[0])
+        assert full.value.reason == "refused"
+    finally:
+        for env in envs:
+            env.close()
 
 
 # --- what an env without state() says ----------------------------------------------------------
@@ -283,9 +299,16 @@ def test_replies_that_do_not_fit_name_the_field():
     (["--address", "tcp://127.0.0.1:5"], "http://HOST:PORT"),
     (["--address", "http://127.0.0.1:5", "--keys-dir", "k"], "--keys-dir does not apply"),
     (["--address", "http://10.1.2.3:5"], "--allow-plaintext-remote"),
+    (["--address", "http://127.0.0.1:5", "--workers", "4"], "--workers does not apply"),
 ])
 def test_serve_flag_refuses_in_one_line(argv, says):
     from autodidact.cli import main
 
     result = CliRunner().invoke(main, ["env", "serve", "files", "--openenv", *argv])
     assert result.exit_code == 2 and says in result.output, result.output
+
+
+def test_servers_logged_no_traceback(servers):
+    """Last: every session above, closed or failed, left the servers' logs clean."""
+    for server in servers:
+        assert "Traceback" not in server.log.read_text(), server.log.read_text()[-3000:]
