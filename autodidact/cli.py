@@ -294,7 +294,10 @@ def explore(config, run_dir, sets, env_name, redis_url, rounds, proposer_url, pr
     if profile_only:
         from questioning.profile import render_toc
 
-        profile = task_factory.profile_only(cfg, path)
+        try:
+            profile = task_factory.profile_only(cfg, path)
+        except (ValueError, RuntimeError) as exc:  # as below: an env without state(), say
+            raise click.ClickException(str(exc)) from None
         click.echo(json.dumps(profile, indent=1) if as_json else render_toc(profile))
         return
     stopping = []

@@ -208,6 +208,11 @@ def test_adapter_drives_a_native_mcp_env(servers):
     env.reset(task)  # the same session, a new episode
     assert env.evaluate(task) == 0.0 and not env.done
     env.close()
+    total = adapter(native.url, reward="sum")  # every step's reward counts, not the last only
+    total.reset(task)
+    assert [total.step(a)[1] for a in ("add 3", "add 1")] == [True, False]
+    assert total.evaluate(task) == 1.0  # with reward=last: 0.0, the last step's
+    total.close()
 
 
 def test_a_server_at_capacity_is_refused_with_a_hint(servers):
@@ -239,13 +244,16 @@ def test_no_state_is_one_clear_line(servers, tmp_path):
     # autodidact explore stops with that line, not a traceback
     from autodidact.cli import main
 
-    result = CliRunner().invoke(main, [
-        "explore", "--run-dir", str(tmp_path / "run"), "--set", "env.name=openenv",
-        "--set", f"env.options.url={native.url}", "--set", "explore.proposer=schema"])
-    assert result.exit_code == 1, result.output
-    lines = result.output.strip().splitlines()
-    assert lines[-1].startswith("Error: openenv: an OpenEnv server offers no state()"), lines
-    assert "Traceback" not in result.output
+    for extra in ([], ["--profile-only"]):
+        result = CliRunner().invoke(main, [
+            "explore", "--run-dir", str(tmp_path / "run"), "--set", "env.name=openenv",
+            "--set", f"env.options.url={native.url}", "--set", "explore.proposer=schema",
+            *extra])
+        assert result.exit_code == 1, result.output
+        lines = result.output.strip().splitlines()
+        assert lines[-1].startswith("Error: openenv: an OpenEnv server offers no state()"), \
+            lines
+        assert "Traceback" not in result.output
 
 
 # --- config, serve flag, failures --------------------------------------------------------------
