@@ -503,11 +503,22 @@ def register_env(name: str):
 
 
 def env_names() -> list[str]:
-    return sorted(set(_ENVS) | set(_LAZY_ENVS))
+    """The environments that make a world with their defaults alone (what a check of every
+    env iterates over); service envs (:data:`_SERVICE_ENVS`) are named by ``known_envs``."""
+    return sorted((set(_ENVS) | set(_LAZY_ENVS)) - set(_SERVICE_ENVS))
+
+
+def known_envs() -> str:
+    """Every name :func:`env_class` resolves without a plugin module, for error messages."""
+    return ", ".join(sorted(set(env_names()) | set(_SERVICE_ENVS))) or "none"
 
 
 # Built-in environments whose modules import optional packages: imported on first use only.
-_LAZY_ENVS = {"bfcl": "environments.bfcl", "openenv": "environments.openenv_adapter"}
+_LAZY_ENVS = {"bfcl": "environments.bfcl"}
+# Built-in envs that are clients of a service whose address their options give (``openenv``:
+# a session on an OpenEnv server): imported on first use, and not in env_names(), since without
+# a server they have no world to make.
+_SERVICE_ENVS = {"openenv": "environments.openenv_adapter"}
 
 
 # Makes the class of a served env from an EnvConfig with an address. environments/remote.py
@@ -541,13 +552,12 @@ def env_class(spec: str | EnvConfig) -> type[Environment]:
     if ":" in name:
         module, name = name.split(":", 1)
         importlib.import_module(module)  # config-named plugin; its decorator registers it
-    elif name not in _ENVS and name in _LAZY_ENVS:
-        importlib.import_module(_LAZY_ENVS[name])
+    elif name not in _ENVS and name in (lazy := {**_LAZY_ENVS, **_SERVICE_ENVS}):
+        importlib.import_module(lazy[name])
     try:
         return _ENVS[name]
     except KeyError:
-        known = ", ".join(env_names()) or "none"
-        raise KeyError(f"unknown environment {name!r}; known: {known}") from None
+        raise KeyError(f"unknown environment {name!r}; known: {known_envs()}") from None
 
 
 def task_env_name(task: Task) -> str:
@@ -599,7 +609,7 @@ def check_env_options(env: EnvConfig) -> None:
         cls = env_class(env.name)
     except KeyError:
         raise ConfigError(f"env.name: unknown environment {env.name!r}; known: "
-                          f"{', '.join(env_names())}") from None
+                          f"{known_envs()}") from None
     except ImportError:  # this machine lacks the env's extra; the role that makes it will say
         return
     params = inspect.signature(cls.__init__).parameters

@@ -30,7 +30,14 @@ import pytest
 from click.testing import CliRunner
 
 from autodidact.supervisor import die_with_parent
-from environments import FilesEnv, check_env_options, env_class, env_maker, world_split
+from environments import (
+    FilesEnv,
+    check_env_options,
+    env_class,
+    env_maker,
+    env_names,
+    world_split,
+)
 from environments.base import ToolCall, ToolError
 from protocol.config import EnvConfig
 from protocol.errors import ConfigError, EnvFailed
@@ -261,6 +268,8 @@ def test_no_state_is_one_clear_line(servers, tmp_path):
 
 def test_config_names_the_adapter_and_checks_its_options():
     assert env_class("openenv").name == "openenv"
+    # a service env: not among the envs a check of every env makes with their defaults
+    assert "openenv" not in env_names()
     check_env_options(EnvConfig(name="openenv", options={"url": "http://h:1", "seeds": 3}))
     with pytest.raises(ConfigError, match="env.options.seeds"):
         check_env_options(EnvConfig(name="openenv", options={"seeds": "many"}))
