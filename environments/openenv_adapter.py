@@ -133,12 +133,15 @@ def _arg(tool: str, name: str, spec, required: bool) -> ArgSpec:
 
 
 def _json_type(spec: Mapping):
-    """``type``, or the one non-null type of an ``anyOf`` (pydantic's ``Optional[int]``)."""
-    if "type" in spec:
-        return spec["type"]
-    kinds = [s.get("type") for s in spec.get("anyOf", []) if isinstance(s, Mapping)]
+    """``type``: the one non-null type of ``type: [t, "null"]`` or of an ``anyOf`` (pydantic's
+    ``Optional[int]``); None when there is not exactly one."""
+    kinds = spec.get("type")
+    if kinds is None:
+        kinds = [s.get("type") for s in spec.get("anyOf", []) if isinstance(s, Mapping)]
+    if not isinstance(kinds, list):
+        return kinds if isinstance(kinds, str) else None
     kinds = [k for k in kinds if k != "null"]
-    return kinds[0] if len(kinds) == 1 else None
+    return kinds[0] if len(kinds) == 1 and isinstance(kinds[0], str) else None
 
 
 def _numbers(*values) -> bool:

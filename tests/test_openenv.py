@@ -305,11 +305,27 @@ def test_replies_that_do_not_fit_name_the_field():
         tool_from_schema({"name": "t", "inputSchema": {"properties": {"x": {"type": "when"}}}})
     with pytest.raises(ValueError, match="tools\\[\\].name"):
         tool_from_schema({"description": "no name"})
-    opt = tool_from_schema({"name": "t", "inputSchema": {"properties": {
-        "a": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "b": {"type": "string"}},
+    with pytest.raises(ValueError, match=r"properties.x.type: None"):  # two types: which?
+        tool_from_schema({"name": "t", "inputSchema": {"properties": {
+            "x": {"type": ["integer", "string"]}}}})
+    opt = tool_from_schema({"name": "get-it", "inputSchema": {"properties": {
+        "a": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "b": {"type": "string"},
+        "c": {"type": ["number", "null"], "minimum": 0, "maximum": 1.5}},
         "required": ["b"]}})
-    assert [(a.name, a.type, a.required) for a in opt.args] == [("b", "str", True),
-                                                                  ("a", "int", False)]
+    assert opt.name == "get_it"
+    assert [(a.name, a.type, a.required, a.bounds) for a in opt.args] == [
+        ("b", "str", True, None), ("a", "int", False, None), ("c", "float", False, (0, 1.5))]
+
+
+def test_default_import_leaves_openenv_out():
+    """openenv-core and its web stack load only when an OpenEnv path runs."""
+    code = ("import sys, environments, autodidact.cli, autodidact.env_serve\n"
+            "environments.env_class('openenv')\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'openenv', 'websockets', "
+            "'uvicorn', 'fastapi', 'gradio', 'fastmcp'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
 
 
 @pytest.mark.parametrize("argv, says", [
