@@ -21,6 +21,9 @@ worker that opened it, and answers for a worker that cannot:
 Broker and worker speak over an ipc socket in a private temporary directory: ``[ticket,
 frame]`` both ways, the frame the same codec frame a client sends (the worker's first message
 is ``[b"ready", b""]``).
+
+With ``--openenv`` none of this runs: the env is served as an OpenEnv server instead
+(``autodidact/openenv_serve.py``), for OpenEnv clients.
 """
 
 from __future__ import annotations
@@ -429,7 +432,7 @@ def env() -> None:
 @click.argument("spec")
 @click.option("--address", required=True,
               help="ZeroMQ address to bind, e.g. tcp://127.0.0.1:5560 or ipc:///tmp/env.sock; "
-                   "runs name it as env.address.")
+                   "runs name it as env.address. With --openenv: http://HOST:PORT.")
 @click.option("--workers", type=click.IntRange(1, 1024), default=2, show_default=True,
               help="Worker processes; each holds the env instances of its sessions.")
 @click.option("--max-sessions", type=click.IntRange(1), default=4096, show_default=True,

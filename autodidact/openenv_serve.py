@@ -123,5 +123,7 @@ def serve_openenv(cls: type[AutodidactEnv], sock: socket.socket, max_sessions: i
     """Serve ``cls`` on ``sock`` until SIGTERM or Ctrl-C (uvicorn's own handlers)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(openenv_app(cls, max_sessions), log_level="warning"))
+    # A session still open at SIGTERM is closed after 5 s rather than waited for.
+    server = uvicorn.Server(uvicorn.Config(openenv_app(cls, max_sessions), log_level="warning",
+                                           timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

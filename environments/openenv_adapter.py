@@ -236,8 +236,10 @@ class OpenEnvSession:
         try:
             with urllib.request.urlopen(self.url + "/schema", timeout=self.timeout_s) as r:
                 body = json.loads(r.read(MAX_REPLY_BYTES))
-        except (OSError, ValueError, urllib.error.URLError) as exc:
-            raise EnvFailed("bad_reply", f"GET {self.url}/schema: {exc}") from None
+        except (OSError, urllib.error.URLError) as exc:  # URLError: gone, or answered 4xx/5xx
+            raise EnvFailed("no_worker", f"GET {self.url}/schema: {exc}") from None
+        except ValueError:
+            raise EnvFailed("bad_reply", f"GET {self.url}/schema: not JSON") from None
         if not isinstance(body, dict) or not isinstance(body.get("action"), dict):
             raise EnvFailed("bad_reply", f"GET {self.url}/schema: field action missing")
         return body
@@ -324,6 +326,7 @@ class OpenEnvEnv(Environment):
             self._mcp = self._lists_tools()
         if not self._mcp:  # a text-action server's tools are in its reset observation
             self._tools = self._listed_tools(observation)
+            self._text_field()  # asked now, while the session is known to be up
         return self._text(observation)
 
     def step(self, action_text: str) -> tuple[str, bool, dict]:

@@ -107,6 +107,7 @@ def servers(tmp_path_factory):
         ours.start()
         native.start()
         deadline = time.monotonic() + START_S
+        import openenv.core.generic_client  # noqa: F401  (its ~5 s while the servers start)
         ours.wait_up(deadline)
         native.wait_up(deadline)
         yield ours, native
