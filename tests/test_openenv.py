@@ -155,6 +155,39 @@ def test_adapter_drives_our_served_env_like_in_process(servers):
     env.close()
 
 
+def test_a_rollout_through_the_adapter_replays_in_process(servers, files_policy_path):
+    """The actor's own rollout path (episodes.rollout, a tiny policy, sampled) on the
+    adapter: each episode's actions replayed in FilesEnv give its observations, and its reward
+    is the in-process goal_progress."""
+    from transformers import AutoTokenizer
+
+    from episodes.rollout import RolloutSettings, rollout, start_episodes
+    from inference.backends import SamplingParams, TransformersBackend
+    from inference.codecs import make_codec
+
+    ours, _ = servers
+    make = env_maker(EnvConfig(name="openenv", options={"url": ours.url, "seeds": 5}))
+    tasks = make().tasks("train")[:2]
+    local_tasks = FilesEnv().tasks("train")
+    codec_ = make_codec(AutoTokenizer.from_pretrained(files_policy_path))
+    with TransformersBackend(files_policy_path, version=0) as backend:
+        episodes = start_episodes(tasks, 2, make, codec_)
+        rollout(backend, episodes, codec_, SamplingParams(
+            temperature=1.0, max_new_tokens=16, stop_token_ids=(codec_.eoa_id,), seed=5),
+            RolloutSettings(max_turns=3))
+    steps = 0
+    for ep in episodes:
+        traj = ep.to_trajectory()
+        local, task = FilesEnv(), local_tasks[ep.task.seed]  # seed k: the k-th train task
+        local.reset(task)
+        for step in traj.steps:
+            assert local.step(step.action)[0] == step.observation
+        steps += len(traj.steps)
+        assert traj.reward == local.goal_progress(task) == ep.env.evaluate(ep.task)
+        ep.env.close()
+    assert steps > 0
+
+
 def test_openenv_client_drives_our_served_env(servers):
     from openenv.core.generic_client import GenericEnvClient
 
