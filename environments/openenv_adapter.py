@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 import weakref
@@ -248,9 +249,11 @@ class OpenEnvSession:
         """Say close (the server then ends the session itself) and close the socket."""
         if self._ws is not None:
             ws, self._ws = self._ws, None
+            deadline = time.monotonic() + CLOSE_WAIT_S
             try:
                 ws.send(json.dumps({"type": "close"}))
-                ws.recv(timeout=CLOSE_WAIT_S)  # the server closes first: it frees the env
+                while (left := deadline - time.monotonic()) > 0:  # the server closes first
+                    ws.recv(timeout=left)  # a late reply (after a timeout) is dropped
             except Exception:  # closed (as asked), gone already or slow: nothing more to end
                 pass
             ws.close()

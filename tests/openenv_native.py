@@ -3,13 +3,15 @@ tests/test_openenv.py: ``python tests/openenv_native.py PORT`` serves it at
 http://127.0.0.1:PORT with ``create_app`` and uvicorn.
 
 A counter to bring to a target: reset(seed) sets the target to ``seed % 4 + 2``; MCP tools
-``add(n: int 1..3)``, ``show()``, ``paint(colour: red|blue)`` and ``zero-out()``; every tool
-call's reward is 1.0 once the counter equals the target (then done), else 0.0.
+``add(n: int 1..3)``, ``show()``, ``paint(colour: red|blue)``, ``zero-out()`` and ``nap()`` (0.6 s
+asleep); every tool call's reward is 1.0 once the counter equals the target (then
+done), else 0.0.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Annotated, Literal
 
 from fastmcp import FastMCP
@@ -53,6 +55,12 @@ class Counter(MCPEnvironment):
             """set the counter to 0"""
             self.value = 0
             return "counter 0"
+
+        @mcp.tool
+        def nap() -> str:
+            """sleep 0.6 s (a call past a client's deadline)"""
+            time.sleep(0.6)
+            return "awake"
 
         super().__init__(mcp)
 

@@ -7,8 +7,10 @@
 * the same server driven by openenv-core's own ``GenericEnvClient``;
 * ``tests/openenv_native.py``, an MCP-tool env written only with openenv-core's classes, driven
   by the adapter: JSON-schema tools as ToolSpecs, reward and done from the server;
-* what an env without state() says, the config, the serve flag's refusals, and replies that
-  do not fit (one EnvFailed naming the field).
+* the actor's rollout path (a tiny sampled policy) on the adapter, replayed in process;
+* what an env without state() says, the config, the serve flag's refusals, a server at
+  capacity, a call past the deadline, and replies that do not fit (one EnvFailed naming the
+  field).
 
 One server of each kind for the whole module; each is started with the parent-death signal in
 a session of its own and killed in the fixture's finally, so nothing outlives the tests.
@@ -231,8 +233,8 @@ def test_adapter_drives_a_native_mcp_env(servers):
                                       ("show", []),
                                       ("paint", [("colour", "str", True, ("red", "blue"),
                                                   None)]),
-                                      ("zero_out", [])]
-    assert env.candidate_actions() == ["show", "paint red", "paint blue", "zero_out"]
+                                      ("zero_out", []), ("nap", [])]
+    assert env.candidate_actions() == ["show", "paint red", "paint blue", "zero_out", "nap"]
     assert env.step("add 3")[0] == "counter 3" and env.step("zero_out")[0] == "counter 0"
     assert env.step("show") == (f"counter 0 target {target_of(1)}", False,
                                 {"valid": True, "tool": "show", "error": None})
@@ -318,6 +320,19 @@ def test_no_server_is_env_failed():
     with pytest.raises(EnvFailed) as failed:
         env.reset(env.tasks("train")[0])
     assert failed.value.reason == "no_worker" and "env.options.url" in str(failed.value)
+
+
+def test_a_call_past_the_deadline_is_env_failed(servers):
+    _, native = servers
+    env = adapter(native.url, timeout_s=0.2)
+    task = env.tasks("train")[0]
+    env.reset(task)
+    with pytest.raises(EnvFailed) as late:
+        env.step("nap")
+    assert late.value.reason == "timeout" and "env.options.timeout_s" in str(late.value)
+    env.reset(task)  # the late session was closed (its reply dropped); a new one works
+    assert env.step("show")[0].startswith("counter 0")
+    env.close()
 
 
 def test_replies_that_do_not_fit_name_the_field():
