@@ -83,6 +83,8 @@ JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "
               "array": "list", "object": "dict"}
 MAX_CANDIDATES = 64  # candidate_actions enumerates at most this many calls
 MAX_REPLY_BYTES = 4 << 20  # a WebSocket message larger than this is refused
+# Error codes after which an openenv-core server closes the session (others leave it open).
+SESSION_ENDING = ("CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR")
 # How long close() waits for the server to end the session it asked to end. openenv-core
 # 0.3.0 logs a traceback for every session whose client closed the socket first.
 CLOSE_WAIT_S = 5.0
@@ -204,6 +206,7 @@ class OpenEnvSession:
 
     def _connect(self):
         if self._ws is None:
+            from websockets.exceptions import WebSocketException
             from websockets.sync.client import connect
 
             try:
@@ -211,7 +214,8 @@ class OpenEnvSession:
                 # warns about a connect() never entered); close() ends it.
                 self._ws = connect(self.ws_url, open_timeout=self.timeout_s,
                                    max_size=MAX_REPLY_BYTES).__enter__()
-            except (OSError, TimeoutError) as exc:
+            except (OSError, TimeoutError, WebSocketException) as exc:  # WebSocketException:
+                # something answers there, but not a WebSocket at /ws (no OpenEnv server)
                 raise EnvFailed("no_worker", f"no OpenEnv server answers at {self.ws_url} "
                                 f"({exc}); env.options.url names it") from None
         return self._ws
@@ -227,6 +231,8 @@ class OpenEnvSession:
                             "not an object")
         if reply.get("type") == "error":
             error = reply["data"]
+            if error.get("code") in SESSION_ENDING:  # the server closes it: so do we
+                self.close()
             raise EnvFailed("refused", f"the OpenEnv server at {self.url} refused {kind}: "
                             f"{error.get('code', '?')}: {error.get('message', '')}"
                             + _capacity_hint(error))

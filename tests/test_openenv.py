@@ -315,11 +315,16 @@ def test_config_names_the_adapter_and_checks_its_options():
         adapter("tcp://127.0.0.1:1")
 
 
-def test_no_server_is_env_failed():
+def test_no_server_is_env_failed(servers):
     env = adapter(f"http://127.0.0.1:{free_tcp_port()}", timeout_s=2)
     with pytest.raises(EnvFailed) as failed:
         env.reset(env.tasks("train")[0])
     assert failed.value.reason == "no_worker" and "env.options.url" in str(failed.value)
+    ours, _ = servers  # something answers HTTP there, but not a WebSocket
+    env = adapter(ours.url + "/health")
+    with pytest.raises(EnvFailed) as failed:
+        env.reset(env.tasks("train")[0])
+    assert failed.value.reason == "no_worker"
 
 
 def test_a_call_past_the_deadline_is_env_failed(servers):
