@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import time
 import urllib.error
@@ -281,7 +282,8 @@ def _field(data: dict, name: str, ok, what: str, where: str):
 
 
 def _is_reward(v) -> bool:
-    return v is None or isinstance(v, (int, float))  # a bool too: Observation allows one
+    # a bool too (Observation allows one); JSON's NaN and Infinity are no reward
+    return v is None or (isinstance(v, (int, float)) and math.isfinite(v))
 
 
 # --- the env ----------------------------------------------------------------------------------

@@ -341,7 +341,12 @@ def test_a_call_past_the_deadline_is_env_failed(servers):
 
 
 def test_replies_that_do_not_fit_name_the_field():
-    from environments.openenv_adapter import OpenEnvSession, _field, tool_from_schema
+    from environments.openenv_adapter import (
+        OpenEnvSession,
+        _field,
+        _is_reward,
+        tool_from_schema,
+    )
 
     session = OpenEnvSession("http://127.0.0.1:1", 1.0)
     for raw, field in [("not json", "not JSON"), ("[1]", "field data"),
@@ -353,8 +358,9 @@ def test_replies_that_do_not_fit_name_the_field():
         session._data("reset", json.dumps({"type": "error", "data": {
             "code": "CAPACITY_REACHED", "message": "full"}}))
     assert failed.value.reason == "refused"
-    with pytest.raises(EnvFailed, match="field reward"):
-        _field({"reward": "high"}, "reward", lambda v: isinstance(v, float), "a number", "step")
+    for reward in ("high", float("nan")):
+        with pytest.raises(EnvFailed, match="field reward"):
+            _field({"reward": reward}, "reward", _is_reward, "a number", "step")
     with pytest.raises(ValueError, match=r"inputSchema.properties.x.type"):
         tool_from_schema({"name": "t", "inputSchema": {"properties": {"x": {"type": "when"}}}})
     with pytest.raises(ValueError, match="tools\\[\\].name"):
