@@ -312,8 +312,10 @@ def final_test_later(cfg: RunConfig, run_dir: Path, say: Say = show) -> dict:
     have evaluated them, into summary.json (``test``, ``looked_at_test``). Raises ValueError
     for a run that is not finished, has looked at test before, or whose base model is a named
     one (not kept in the run directory)."""
+    from autodidact.tracking import read_summary
+
     rd = RunDir(run_dir)
-    summary = json.loads(rd.summary.read_text()) if rd.summary.exists() else {}
+    summary = read_summary(run_dir)
     if "success_rl" not in summary or not (rd.policy_final / "config.json").exists():
         raise ValueError(f"{run_dir}: not a finished run (no success_rl in summary.json, or "
                          "no policy_final/): finish it first")
@@ -324,8 +326,8 @@ def final_test_later(cfg: RunConfig, run_dir: Path, say: Say = show) -> dict:
         raise ValueError(f"{run_dir}: its base model is a named one, not kept in the run "
                          "directory: evaluate it with `autodidact eval --split test --model "
                          "NAME`, and the run's policies with --model")
-    warm = rd.policy_init if (rd.policy_init / "config.json").exists() else rd.model
-    policies = {"base": str(rd.model), "warm": str(warm), "rl": str(rd.policy_final)}
+    policies = {"base": str(rd.model), "warm": resumed_policy(cfg, run_dir, str(rd.model)),
+                "rl": str(rd.policy_final)}
     summary["test"] = final_test_eval(cfg, run_dir, policies, say,
                                       who="autodidact eval --final-test")
     summary["looked_at_test"] = True
