@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def start_server(workers: int, sessions: int) -> tuple[subprocess.Popen, str]:
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    per_worker = -(-sessions // workers) + 1  # every session stays open: none is evicted
+    # Every session stays open: opens are not spread evenly over the workers, so each may
+    # have to hold all of them before any is evicted.
+    per_worker = sessions
     proc = subprocess.Popen(
         [sys.executable, "-m", "autodidact.cli", "env", "serve", "files", "--address", address,
          "--workers", str(workers), "--max-sessions", str(per_worker)],
