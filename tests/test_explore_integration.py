@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 from helpers_learning import reward_contrast
+from helpers_runs import run_autodidact
 from test_run_integration import QUICK, stored_groups
 
 from environments import FilesEnv
@@ -115,17 +116,15 @@ def test_run_on_synthetic_tasks_only_learns_the_original_held_out_tasks(explored
     shutil.copytree(explored[0], run_dir)
     with TaskStore(run_dir, readonly=True) as store:
         stored = {t.task_id for t in store.all()}
-    proc = subprocess.run(
-        [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir), "-c",
-         str(QUICK), "--set", "name=itest-synth", "--set", "tasks.synthetic_share=1.0",
-         # quick.yaml's 60 warm-start steps leave held-out success within noise of base
-         # (1.2% -> 3.8% seen); 150 steps separate them by several standard errors.
-         "--set", "warmstart.steps=150", "--max-updates", "20",
-         # Experiences drawn from the explorations (embedding them all) are not what this run
-         # checks; the ablation's full arm runs that path.
-         "--set", "experience.init_from_explorations=false"],
-        capture_output=True, text=True, timeout=420, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_autodidact(
+        run_dir, "run", "--run-dir", str(run_dir), "-c", str(QUICK),
+        "--set", "name=itest-synth", "--set", "tasks.synthetic_share=1.0",
+        # quick.yaml's 60 warm-start steps leave held-out success within noise of base
+        # (1.2% -> 3.8% seen); 150 steps separate them by several standard errors.
+        "--set", "warmstart.steps=150", "--max-updates", "20",
+        # Experiences drawn from the explorations (embedding them all) are not what this run
+        # checks; the ablation's full arm runs that path.
+        "--set", "experience.init_from_explorations=false", timeout=540)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["synthetic_share"] == 1.0
     assert len(stored) >= 200 and summary["explore"] is None  # reused, not explored again

@@ -13,14 +13,15 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers_learning import reward_contrast
+from helpers_runs import run_autodidact
 
 from autodidact.embedded_redis import EmbeddedRedis
 from environments import FilesEnv
@@ -31,27 +32,26 @@ from protocol.messages import Group
 from protocol.run_dir import RunDir
 from replay.store import Store, read_stats
 
-pytestmark = pytest.mark.slow
+# The module fixture (warm-start, then a run) counts against its first test's timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
 
 
-def run_cli(run_dir: Path, *extra: str, timeout: int = 420,
+def run_cli(run_dir: Path, *extra: str, timeout: int = 600,
             meanwhile=None) -> subprocess.CompletedProcess:
-    """``autodidact run`` to completion; ``meanwhile(run_dir)`` runs in a thread alongside."""
+    """``autodidact run`` to completion; ``meanwhile(run_dir)`` runs in a thread alongside.
+    The timeout is for a hang: the run takes minutes in the loaded suite, not ten."""
     # Guidance sooner and from similar tasks too: with the defaults (first extraction after 10
     # updates, same-task lessons only) 30 updates may end before a guided group is trained,
     # and this run is here to exercise that path.
-    args = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
-            "-c", str(QUICK), "--set", "name=itest", "--set", "experience.update_every=3",
-            "--set", "experience.min_similarity=0.5"]
+    args = ["run", "--run-dir", str(run_dir), "-c", str(QUICK), "--set", "name=itest",
+            "--set", "experience.update_every=3", "--set", "experience.min_similarity=0.5"]
     helper = threading.Thread(target=meanwhile, args=(run_dir,), daemon=True) if meanwhile \
         else None
     if helper:
         helper.start()
-    proc = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_autodidact(run_dir, *args, *extra, timeout=timeout)
     if helper:
         helper.join(5)
     return proc
@@ -191,9 +191,11 @@ def test_judges_kept_up_and_the_learner_trained_on_step_labels(finished_run):
     assert labelled >= 0.9 * (labelled + timeouts), (labelled, timeouts)  # the judge kept up
     judge_rows = [r for r in read_metrics(run_dir, "judge") if "judge/groups_per_s" in r]
     assert judge_rows and all(r["judge/how_reference"] == 1.0 for r in judge_rows)
-    # Successful rollouts of a warm-started policy are mostly GOOD steps, failed ones not.
-    last = judge_rows[-1]
-    assert last["judge/good_frac_success"] > last.get("judge/good_frac_failure", 0.0)
+    # Successful rollouts of a warm-started policy are mostly GOOD steps, failed ones not. Over
+    # the whole run: one flush window may hold only failed rollouts (seen in a loaded suite).
+    success = [r["judge/good_frac_success"] for r in judge_rows if "judge/good_frac_success" in r]
+    failure = [r["judge/good_frac_failure"] for r in judge_rows if "judge/good_frac_failure" in r]
+    assert success and np.mean(success) > (np.mean(failure) if failure else 0.0)
     stats = read_stats(run_dir)
     assert stats["judged"] >= labelled
 
