@@ -29,6 +29,7 @@ With ``--openenv`` none of this runs: the env is served as an OpenEnv server ins
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -418,6 +419,72 @@ def run_worker(spec: str, address: str, identity: str) -> None:
 
 def _exit_now(*_):
     raise SystemExit(0)
+
+
+# --- a server as a child process ---------------------------------------------------------------
+
+
+class EnvServerProcess:
+    """``autodidact env serve SPEC`` started by this process (a bench, a test), in a process
+    group of its own so that stopping it takes its workers too, and dying with its parent.
+
+    ``address`` defaults to a free loopback TCP port; its output goes to ``log`` (appended)
+    or nowhere; ``pythonpath`` is put before the inherited one (where a plugin env lives)."""
+
+    def __init__(self, spec: str, *options: str, workers: int = 2, address: str = "",
+                 log: Path | None = None, pythonpath: str = ""):
+        from protocol.transport import free_tcp_port
+
+        self.address = address or f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.log = log
+        self.argv = [sys.executable, "-m", "autodidact.cli", "env", "serve", spec,
+                     "--address", self.address, "--workers", str(workers), *options]
+        self.pythonpath = pythonpath
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> EnvServerProcess:
+        from autodidact.supervisor import die_with_parent
+
+        root = str(Path(__file__).resolve().parents[1])
+        paths = [p for p in (self.pythonpath, root, os.environ.get("PYTHONPATH", "")) if p]
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+        finally:
+            if self.log:
+                out.close()
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM to the group (the broker stops its workers), SIGKILL to what is left."""
+        if self.proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):  # a worker the broker did not stop
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.poll()
+
+    def text(self) -> str:
+        """What the server has printed so far (its log)."""
+        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    def __enter__(self) -> EnvServerProcess:
+        return self.start()
+
+    def __exit__(self, *_) -> None:
+        self.stop()
 
 
 # --- the command --------------------------------------------------------------------------------

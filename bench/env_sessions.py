@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,37 +26,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from autodidact.supervisor import die_with_parent
+from autodidact.env_serve import EnvServerProcess
 from environments import FilesEnv, env_class
 from protocol.config import EnvConfig
-from protocol.transport import free_tcp_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def start_server(workers: int, sessions: int) -> tuple[subprocess.Popen, str]:
-    address = f"tcp://127.0.0.1:{free_tcp_port()}"
-    # Every session stays open: opens are not spread evenly over the workers, so each may
-    # have to hold all of them before any is evicted.
-    per_worker = sessions
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "autodidact.cli", "env", "serve", "files", "--address", address,
-         "--workers", str(workers), "--max-sessions", str(per_worker)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, preexec_fn=die_with_parent)
-    return proc, address
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait_s)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def resident_mib(pid: int) -> float:
@@ -104,19 +74,18 @@ def percentiles(seconds: list[float]) -> dict:
 def measure(sessions: int, workers: int, steps: int, threads: int) -> dict:
     train = FilesEnv().tasks("train")
     tasks = [train[i % len(train)] for i in range(sessions)]
-    proc, address = start_server(workers, sessions)
-    try:
-        cfg = EnvConfig(name="files", address=address, call_timeout_s=60.0)
+    # Every session stays open: opens are not spread evenly over the workers, so each may
+    # have to hold all of them before any is evicted.
+    with EnvServerProcess("files", "--max-sessions", str(sessions), workers=workers) as server:
+        cfg = EnvConfig(name="files", address=server.address, call_timeout_s=60.0)
         served_cls = env_class(cfg)  # the hello waits until the workers are up
-        idle_mib = resident_mib(proc.pid)
+        idle_mib = resident_mib(server.proc.pid)
         t0 = time.perf_counter()
         served = episodes(served_cls, tasks, steps, threads)
         wall = time.perf_counter() - t0
-        open_mib = resident_mib(proc.pid)
+        open_mib = resident_mib(server.proc.pid)
         for env in served.pop("envs"):
             env.close()
-    finally:
-        stop_server(proc)
     local = episodes(FilesEnv, tasks, steps, 1)
     local.pop("envs")
     return {"sessions_open_at_once": served["open"], "workers": workers, "steps": steps,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocol.config import EnvConfig, coerce
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, EnvFailed
 from protocol.messages import SPLITS, Task
 
 MAX_ACTION_CHARS = 256  # longer text is rejected before tokenizing: bounds parser work
@@ -386,6 +386,20 @@ class Environment(ABC):
         took them."""
         return []
 
+    @classmethod
+    def call_each(cls, envs: Sequence[Environment], method: str,
+                  args: Sequence[tuple]) -> list:
+        """``env.method(*a)`` for each env of this class and its ``a``, in order; an
+        EnvFailed in place of a result the service failed. One by one here; a served env
+        sends them to its server together."""
+        results = []
+        for env, a in zip(envs, args):
+            try:
+                results.append(getattr(env, method)(*a))
+            except EnvFailed as exc:
+                results.append(exc)
+        return results
+
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         """Parse and run one action: (observation, done, info with valid / tool / error)."""
         if self.task is None:
@@ -584,6 +598,24 @@ def task_env_maker(task: Task, env_cfg: EnvConfig | None = None) -> Callable[[],
     options) for a task of the env it names, else the class the task names, with its
     defaults."""
     return env_maker(env_cfg) if _of_run_env(task, env_cfg) else env_class(task_env_name(task))
+
+
+def call_each(envs: Sequence[Environment], method: str,
+              args: Sequence[tuple] | None = None) -> list:
+    """``envs[i].method(*args[i])`` for every i (no arguments when ``args`` is None): the
+    results in order, an EnvFailed in place of each the service failed. What a rollout asks of
+    all its episodes each turn: the sessions of one env server get their calls at once, so the
+    server answers them side by side instead of one round trip after another."""
+    args = [()] * len(envs) if args is None else args
+    results: list = [None] * len(envs)
+    by_class: dict[type, list[int]] = {}
+    for i, env in enumerate(envs):
+        by_class.setdefault(type(env), []).append(i)
+    for cls, members in by_class.items():
+        answers = cls.call_each([envs[i] for i in members], method, [args[i] for i in members])
+        for i, answer in zip(members, answers):
+            results[i] = answer
+    return results
 
 
 def env_maker(env_cfg: EnvConfig) -> Callable[[], Environment]:

@@ -17,10 +17,11 @@ thread-safe); a call is sent once and never re-sent, since env calls change stat
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from environments.base import (
@@ -42,6 +43,7 @@ from protocol.transport import ZmqChannel
 
 NEVER_RESEND_S = 1e9  # retry_after_s of the channel: an env call is not idempotent
 POLL_S = 0.2  # how often a waiting call looks at the channel's refused-reply count
+TIMINGS_KEPT = 100_000  # call timings a link keeps (the oldest go first)
 
 
 # --- the interface's values on the wire, both ways ------------------------------------------
@@ -118,6 +120,9 @@ class EnvLink:
         # Sessions whose env objects were collected: closed by the next call from any thread.
         # A finalizer must not use a socket itself: it can run inside a call on this thread.
         self._to_close: collections.deque = collections.deque()
+        # (request type, seconds to its answer) of recent calls, any thread: what the env
+        # socket costs a rollout (bench/env_rollouts.py reads it).
+        self.timings: collections.deque = collections.deque(maxlen=TIMINGS_KEPT)
 
     def _channel(self) -> ZmqChannel:
         channel = getattr(self._local, "channel", None)
@@ -128,33 +133,60 @@ class EnvLink:
 
     def call(self, request) -> Any:
         """The reply to ``request``; EnvFailed when the service fails it."""
+        reply = self.call_many([request])[0]
+        if isinstance(reply, EnvFailed):
+            raise reply
+        return reply
+
+    def call_many(self, requests: Sequence) -> list:
+        """The reply to each request, or the EnvFailed that fails it, in order. All are sent
+        at once (the server works on them side by side where they are on different workers);
+        each must be answered within ``timeout_s`` of the last answer, as one call would."""
         channel = self._channel()
         while self._to_close:  # fire and forget: the server drops an unknown one quietly
             channel.forget(channel.send(wire.EnvClose(self._to_close.popleft())))
         refused = sum(channel.dropped.values())
-        msg_id = channel.send(request)
+        sent = time.perf_counter()
+        waiting = {channel.send(request): i for i, request in enumerate(requests)}
+        replies: list = [None] * len(requests)
         deadline = time.monotonic() + self.timeout_s
-        while True:
+        while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                channel.forget(msg_id)
-                raise EnvFailed("timeout", f"{type(request).__name__} not answered within "
-                                f"{self.timeout_s:g} s (env.call_timeout_s) by the env server "
-                                f"at {self.address}")
+                self._fail_waiting(channel, waiting, requests, replies,
+                                   sum(channel.dropped.values()) > refused)
+                break
             for rid, reply in channel.poll(min(left, POLL_S)):
-                if rid == msg_id:
-                    return self._checked(reply, request)
-            if sum(channel.dropped.values()) > refused:  # one call in flight: that was ours
-                channel.forget(msg_id)
-                raise EnvFailed("bad_reply", f"the env server at {self.address} answered "
-                                f"{type(request).__name__} with a frame that does not decode")
+                i = waiting.pop(rid, None)
+                if i is not None:
+                    self.timings.append((type(requests[i]).__name__, time.perf_counter() - sent))
+                    replies[i] = self._checked(reply, requests[i])
+                    deadline = time.monotonic() + self.timeout_s
+            if waiting and sum(channel.dropped.values()) - refused >= len(waiting):
+                # as many replies refused as calls wait: those were theirs
+                self._fail_waiting(channel, waiting, requests, replies, True)
+        return replies
+
+    def _fail_waiting(self, channel: ZmqChannel, waiting: dict, requests, replies,
+                      refused: bool) -> None:
+        """Fail every call still waiting: a reply that did not decode (``refused``, which of
+        them it answered unknown) or none in time."""
+        for rid, i in waiting.items():
+            channel.forget(rid)
+            what = type(requests[i]).__name__
+            replies[i] = EnvFailed("bad_reply", f"the env server at {self.address} answered "
+                                   f"{what} with a frame that does not decode") if refused \
+                else EnvFailed("timeout", f"{what} not answered within {self.timeout_s:g} s "
+                               f"(env.call_timeout_s) by the env server at {self.address}")
+        waiting.clear()
 
     def _checked(self, reply, request):
+        """The reply, or the EnvFailed it stands for."""
         if isinstance(reply, wire.EnvFailure):
-            raise EnvFailed(reply.reason, reply.detail, reply.stderr)
+            return EnvFailed(reply.reason, reply.detail, reply.stderr)
         if isinstance(reply, Error):
-            raise EnvFailed("refused", f"the env server at {self.address} refused "
-                            f"{type(request).__name__}: {reply.reason}: {reply.detail}")
+            return EnvFailed("refused", f"the env server at {self.address} refused "
+                             f"{type(request).__name__}: {reply.reason}: {reply.detail}")
         return reply
 
     def close_later(self, session: str) -> None:
@@ -205,6 +237,20 @@ def _is_map(v) -> bool:
     return isinstance(v, dict)
 
 
+def _session_call(calls: Callable[..., Generator]):
+    """A session method written as a generator that yields its request and is sent back the
+    reply, run here as one call; ``RemoteEnv.call_each`` runs many sessions' side by side."""
+    @functools.wraps(calls)
+    def method(self, *args):
+        result = _run_calls(self._link, [self], [calls(self, *args)])[0]
+        if isinstance(result, EnvFailed):
+            raise result
+        return result
+
+    method.calls = calls
+    return method
+
+
 class RemoteEnv(Environment):
     """One session on an env server; see the module docstring. Made by :func:`served_class`,
     which binds ``_link`` and the served class's facts."""
@@ -224,37 +270,46 @@ class RemoteEnv(Environment):
         self._closer = weakref.finalize(self, self._link.close_later, self.session)
         self._closer.atexit = False  # at exit the server drops every session anyway
 
+    @classmethod
+    def drain_timings(cls) -> list[tuple[str, float]]:
+        """(request type, seconds to its answer) of the calls this process made to this
+        server since the last drain, every session's."""
+        timings = cls._link.timings
+        return [timings.popleft() for _ in range(len(timings))]
+
     def close(self) -> None:
         """Drop the session on the server (with the link's next call; else once this object
         is collected)."""
         self._closer()
 
-    def _call(self, request_cls, *args):
+    @classmethod
+    def call_each(cls, envs: Sequence[Environment], method: str,
+                  args: Sequence[tuple]) -> list:
+        """One call of ``method`` per session, sent to the server together (see
+        :func:`environments.base.call_each`)."""
+        calls = getattr(getattr(cls, method), "calls", None)
+        if calls is None:  # not a session call (vocabulary)
+            return super().call_each(envs, method, args)
+        return _run_calls(cls._link, envs, [calls(env, *a) for env, a in zip(envs, args)])
+
+    def _request(self, request_cls, *args):
         if self._failed is not None:
             raise EnvFailed(self._failed.reason, f"this env failed before: "
                             f"{self._failed.detail}", self._failed.stderr)
-        try:
-            reply = self._link.call(request_cls(self.session, *args))
-        except EnvFailed as exc:
-            self._failed = exc
-            raise
-        if isinstance(reply, wire.EnvRaised):
-            raise_from_wire(reply)
-        return reply
+        return request_cls(self.session, *args)
 
     def _value(self, request_cls, *args, ok=lambda v: True, what: str = "a value"):
-        reply = self._call(request_cls, *args)
-        method = wire.SESSION_REQUESTS[request_cls]
-        if not isinstance(reply, wire.EnvValue):
-            raise self._fail(f"{method}() answered {type(reply).__name__}")
+        reply = yield from self._reply(request_cls, wire.EnvValue, *args)
         self.responses.extend(reply.appended)
         if not ok(reply.value):
-            raise self._fail(f"{method}() answered {type(reply.value).__name__} where {what} "
-                             "was expected")
+            raise self._fail(f"{wire.SESSION_REQUESTS[request_cls]}() answered "
+                             f"{type(reply.value).__name__} where {what} was expected")
         return reply.value
 
     def _reply(self, request_cls, reply_cls, *args):
-        reply = self._call(request_cls, *args)
+        reply = yield self._request(request_cls, *args)
+        if isinstance(reply, wire.EnvRaised):
+            raise_from_wire(reply)
         if not isinstance(reply, reply_cls):
             raise self._fail(f"{wire.SESSION_REQUESTS[request_cls]}() answered "
                              f"{type(reply).__name__}")
@@ -264,89 +319,150 @@ class RemoteEnv(Environment):
         self._failed = EnvFailed("bad_reply", detail)
         return self._failed
 
-    # -- the interface --
+    # -- the interface: each a session call (one request, its reply read back) --
 
+    @_session_call
     def reset(self, task: Task) -> str:
         self.responses = []
-        observation = self._value(wire.EnvReset, task, ok=_is_str, what="an observation")
+        observation = yield from self._value(wire.EnvReset, task, ok=_is_str,
+                                             what="an observation")
         self.task = task
         return observation
 
+    @_session_call
     def step(self, action_text: str) -> tuple[str, bool, dict]:
         if self.task is None:
             raise RuntimeError("reset() must be called before step()")
         if not isinstance(action_text, str):  # the wire carries text; the parser's refusal
             return "error : action is not text", False, {"valid": False, "tool": None,
                                                          "error": "not_text"}
-        stepped = self._reply(wire.EnvStep, wire.EnvStepped, action_text)
+        stepped = yield from self._reply(wire.EnvStep, wire.EnvStepped, action_text)
         self.responses.extend(stepped.appended)
         return stepped.observation, stepped.done, stepped.info
 
+    @_session_call
     def execute(self, call: ToolCall) -> str:
-        return self._value(wire.EnvExecute, call.tool, list(call.args), ok=_is_str,
-                           what="an observation")
+        return (yield from self._value(wire.EnvExecute, call.tool, list(call.args), ok=_is_str,
+                                       what="an observation"))
 
+    @_session_call
     def tools(self) -> list[ToolSpec]:
-        return [tool_from_wire(t) for t in self._reply(wire.EnvTools, wire.EnvToolList).tools]
+        listed = yield from self._reply(wire.EnvTools, wire.EnvToolList)
+        return [tool_from_wire(t) for t in listed.tools]
 
+    @_session_call
     def state(self) -> dict:
-        return self._value(wire.EnvState, ok=_is_map, what="a map")
+        return (yield from self._value(wire.EnvState, ok=_is_map, what="a map"))
 
+    @_session_call
     def evaluate(self, task: Task) -> float:
-        return float(self._value(wire.EnvEvaluate, task, ok=_is_number, what="a number"))
+        return float((yield from self._value(wire.EnvEvaluate, task, ok=_is_number,
+                                             what="a number")))
 
+    @_session_call
     def goal_progress(self, task: Task) -> float:
-        return float(self._value(wire.EnvGoalProgress, task, ok=_is_number, what="a number"))
+        return float((yield from self._value(wire.EnvGoalProgress, task, ok=_is_number,
+                                             what="a number")))
 
+    @_session_call
     def tasks(self, split: str) -> list[Task]:
-        return list(self._reply(wire.EnvTasks, wire.EnvTaskList, split).tasks)
+        return list((yield from self._reply(wire.EnvTasks, wire.EnvTaskList, split)).tasks)
 
+    @_session_call
     def candidate_actions(self) -> list[str]:
-        return self._value(wire.EnvCandidateActions, ok=_is_texts, what="a list of texts")
+        return (yield from self._value(wire.EnvCandidateActions, ok=_is_texts,
+                                       what="a list of texts"))
 
+    @_session_call
     def instructions(self) -> str | None:
-        return self._value(wire.EnvInstructions, ok=_is_text_or_none, what="text or None")
+        return (yield from self._value(wire.EnvInstructions, ok=_is_text_or_none,
+                                       what="text or None"))
 
+    @_session_call
     def example_action(self) -> str | None:
-        return self._value(wire.EnvExampleAction, ok=_is_text_or_none, what="text or None")
+        return (yield from self._value(wire.EnvExampleAction, ok=_is_text_or_none,
+                                       what="text or None"))
 
+    @_session_call
     def canonical_action(self, text: str) -> str:
-        return self._value(wire.EnvCanonicalAction, text, ok=_is_str, what="text")
+        return (yield from self._value(wire.EnvCanonicalAction, text, ok=_is_str, what="text"))
 
     @classmethod
     def vocabulary(cls) -> list[str]:
         return list(cls._vocabulary)
 
+    @_session_call
     def goal_from_states(self, before: dict, after: dict) -> dict:
-        return self._value(wire.EnvGoalFromStates, before, after, ok=_is_map, what="a goal")
+        return (yield from self._value(wire.EnvGoalFromStates, before, after, ok=_is_map,
+                                       what="a goal"))
 
+    @_session_call
     def describe_changes(self, before: dict, after: dict) -> list[GoalPart]:
-        parts = self._reply(wire.EnvDescribeChanges, wire.EnvParts, before, after).parts
+        parts = (yield from self._reply(wire.EnvDescribeChanges, wire.EnvParts, before,
+                                        after)).parts
         return [part_from_wire(p) for p in parts]
 
+    @_session_call
     def describe_event(self, action: str, observation: str, before: dict,
                        after: dict) -> GoalPart | None:
-        return self._one_part(wire.EnvDescribeEvent, action, observation, before, after)
+        return (yield from self._one_part(wire.EnvDescribeEvent, action, observation, before,
+                                          after))
 
+    @_session_call
     def describe_response(self, action: str, observation: str, before: dict) -> GoalPart | None:
-        return self._one_part(wire.EnvDescribeResponse, action, observation, before)
+        return (yield from self._one_part(wire.EnvDescribeResponse, action, observation,
+                                          before))
 
-    def _one_part(self, request_cls, *args) -> GoalPart | None:
-        parts = self._reply(request_cls, wire.EnvParts, *args).parts
+    def _one_part(self, request_cls, *args):
+        parts = (yield from self._reply(request_cls, wire.EnvParts, *args)).parts
         if len(parts) > 1:
             raise self._fail(f"{wire.SESSION_REQUESTS[request_cls]}() answered "
                              f"{len(parts)} parts where one at most was expected")
         return part_from_wire(parts[0]) if parts else None
 
+    @_session_call
     def entities(self, state: dict) -> list[dict]:
-        return self._value(wire.EnvEntities, state, ok=lambda v: isinstance(v, list),
-                           what="a list")
+        return (yield from self._value(wire.EnvEntities, state,
+                                       ok=lambda v: isinstance(v, list), what="a list"))
 
+    @_session_call
     def goal_of(self, conditions: Sequence) -> dict:
-        return self._value(wire.EnvGoalOf, list(conditions), ok=_is_map, what="a goal")
+        return (yield from self._value(wire.EnvGoalOf, list(conditions), ok=_is_map,
+                                       what="a goal"))
 
+    @_session_call
     def query_of(self, texts: Sequence[str]) -> str:
-        return self._value(wire.EnvQueryOf, list(texts), ok=_is_str, what="a query")
+        return (yield from self._value(wire.EnvQueryOf, list(texts), ok=_is_str,
+                                       what="a query"))
+
+
+def _run_calls(link: EnvLink, envs: Sequence[RemoteEnv], calls: list[Generator]) -> list:
+    """Run session calls side by side: each generator yields its request (a method may ask
+    more than once), every round's requests go out together, and each gets its reply back.
+    Returns each call's result, or the EnvFailed that failed it, in order; any other exception
+    (the env's own, raised again here) propagates."""
+    results: list = [None] * len(calls)
+    replies: list = [None] * len(calls)
+    live = list(range(len(calls)))
+    while live:
+        asked = []
+        for i in live:
+            try:
+                asked.append((i, calls[i].send(replies[i])))
+            except StopIteration as done:
+                results[i] = done.value
+            except EnvFailed as exc:
+                results[i] = exc
+        answers = link.call_many([request for _, request in asked]) if asked else []
+        live = []
+        for (i, _), reply in zip(asked, answers):
+            if isinstance(reply, EnvFailed):
+                envs[i]._failed = results[i] = reply
+                calls[i].close()
+            else:
+                replies[i] = reply
+                live.append(i)
+    return results
 
 
 # --- the server's end: one request answered by one env instance -----------------------------

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from environments.base import Environment
+from environments.base import Environment, call_each
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
 from protocol.config import RunConfig
@@ -103,30 +103,32 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
 
     A served env that cannot even be made (no server, no worker up) fails the batch's other
     episodes with it at once, rather than each waiting out its own deadline."""
-    episodes, down = [], None
+    episodes, guides, down = [], [], None
     for ti, task in enumerate(tasks):
         for i in range(n):
             ep = Episode(task=task, env=None,
                          traj_id=f"{task.task_id}/{i}/{uuid.uuid4().hex[:8]}")
             episodes.append(ep)
+            guides.append(guidance[ti][i] if guidance is not None else None)
             if down is not None:
                 ep.failure, ep.done = down, True
                 continue
             ep.env = env_call(ep, make_env)
-            if ep.failure is not None:
-                down = ep.failure
-                continue
-            first = env_call(ep, ep.env.reset, task)
-            instructions = env_call(ep, ep.env.instructions) if ep.failure is None else None
-            if ep.failure is not None:
-                continue
-            guide = guidance[ti][i] if guidance is not None else None
-            tokens, span = codec.start(task.query if ep.env.query_in_prompt else "", first,
-                                       guide.text if guide else None, instructions)
-            ep.extend(tokens)
-            ep.prompt_len = len(ep.tokens)
-            if guide is not None:
-                ep.experience_span, ep.experience_ids = span, list(guide.exp_ids)
+            down = ep.failure
+    live = [(ep, guide) for ep, guide in zip(episodes, guides) if ep.failure is None]
+    firsts = env_calls([ep for ep, _ in live], "reset", [(ep.task,) for ep, _ in live])
+    live = [(ep, guide, first) for (ep, guide), first in zip(live, firsts)
+            if ep.failure is None]
+    instructions = env_calls([ep for ep, _, _ in live], "instructions")
+    for (ep, guide, first), instruction in zip(live, instructions):
+        if ep.failure is not None:
+            continue
+        tokens, span = codec.start(ep.task.query if ep.env.query_in_prompt else "", first,
+                                   guide.text if guide else None, instruction)
+        ep.extend(tokens)
+        ep.prompt_len = len(ep.tokens)
+        if guide is not None:
+            ep.experience_span, ep.experience_ids = span, list(guide.exp_ids)
     return episodes
 
 
@@ -140,18 +142,40 @@ def env_call(ep: Episode, call: Callable, *args):
         return None
 
 
+def env_calls(eps: Sequence[Episode], method: str, args: Sequence[tuple] | None = None) -> list:
+    """``ep.env.method(*args[i])`` of every episode, the calls to one env server sent together
+    (:func:`environments.base.call_each`); each episode whose call the service failed ends
+    as failed, its answer None."""
+    answers = call_each([ep.env for ep in eps], method, args)
+    for ep, answer in zip(eps, answers):
+        if isinstance(answer, EnvFailed):
+            ep.failure, ep.done = answer, True
+    return [None if isinstance(a, EnvFailed) else a for a in answers]
+
+
 def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: list[float],
                  version: int, settings: RolloutSettings) -> None:
     """Append one action and the environment's answer; decide whether the episode ends."""
+    start, action = take_action(ep, codec, action_ids, logprobs, version)
+    stepped = env_call(ep, ep.env.step, action)
+    if stepped is not None:
+        observe(ep, codec, start, action, stepped, settings)
+
+
+def take_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: list[float] | None,
+                version: int) -> tuple[int, str]:
+    """Append the generated action; its start in the tokens and its text for the env."""
     start = len(ep.tokens)
     ep.extend(action_ids, logprobs, version, generated=True)
     # What the env saw is what is recorded and pushed: text that UTF-8 cannot carry (lone
     # surrogates, from an endpoint's JSON or an env echoing an escape) would make the group
     # unencodable and the actor fail at the push, so it is replaced here, on both sides.
-    action = _utf8(codec.decode_action(action_ids))
-    stepped = env_call(ep, ep.env.step, action)
-    if stepped is None:
-        return
+    return start, _utf8(codec.decode_action(action_ids))
+
+
+def observe(ep: Episode, codec: Codec, start: int, action: str, stepped: tuple,
+            settings: RolloutSettings) -> None:
+    """Record the env's answer to the action at ``start``; append it unless the episode ends."""
     obs, done, info = stepped
     obs = _utf8(obs)
     ep.steps.append(Step(action=action, observation=obs, start=start, end=len(ep.tokens),
@@ -195,14 +219,19 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             break
         constraints = None
         if settings.constrained:
-            allowed = [(ep, env_call(ep, ep.env.candidate_actions)) for ep in active]
-            active = [ep for ep, _ in allowed if ep.failure is None]
-            if not active:
+            allowed = zip(active, env_calls(active, "candidate_actions"))
+            allowed = [(ep, actions) for ep, actions in allowed if ep.failure is None]
+            if not allowed:
                 continue
-            constraints = [codec.constraint(a) for ep, a in allowed if ep.failure is None]
+            active = [ep for ep, _ in allowed]
+            constraints = [codec.constraint(actions) for _, actions in allowed]
         gens = backend.generate([ep.tokens for ep in active], params, constraints)
-        for ep, gen in zip(active, gens):
-            apply_action(ep, codec, gen.token_ids, gen.logprobs, gen.version, settings)
+        taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version)
+                 for ep, g in zip(active, gens)]
+        answers = env_calls(active, "step", [(action,) for _, action in taken])
+        for ep, (start, action), stepped in zip(active, taken, answers):
+            if stepped is not None:
+                observe(ep, codec, start, action, stepped, settings)
         if between_turns is not None:
             between_turns()
     for ep in (ep for ep in episodes if ep.failure is None):

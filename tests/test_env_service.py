@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,9 +31,9 @@ from helpers_replay import damage, mutate_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autodidact.supervisor import die_with_parent
+from autodidact.env_serve import EnvServerProcess
 from environments import ActionError, FilesEnv, ToolCall, ToolError, env_class, env_maker
-from environments.base import task_env_class
+from environments.base import call_each, task_env_class
 from environments.remote import EnvLink, RemoteEnv
 from protocol import codec
 from protocol import env_wire as wire
@@ -46,45 +42,14 @@ from protocol.errors import REJECT_REASONS, ConfigError, EnvFailed, SchemaError
 from protocol.messages import SPLITS, StatsRequest, Task
 from protocol.transport import free_tcp_port
 
-ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
 
-class EnvServer:
-    """``autodidact env serve SPEC`` in a process group of its own (its workers with it), so a
-    failed test still takes every process down."""
+class EnvServer(EnvServerProcess):
+    """``autodidact env serve SPEC`` logging to ``log``; the test envs importable by it."""
 
     def __init__(self, spec: str, log: Path, *options: str, workers: int = 2):
-        self.address = f"tcp://127.0.0.1:{free_tcp_port()}"
-        self.log = log
-        self.cmd = [sys.executable, "-m", "autodidact.cli", "env", "serve", spec, "--address",
-                    self.address, "--workers", str(workers), *options]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> EnvServer:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(  # its workers die with it, it dies with pytest
-                self.cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"})
-        return self
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        try:  # a worker the broker could not stop
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__(spec, *options, workers=workers, log=log, pythonpath=str(HERE))
 
     def config(self, name: str, timeout_s: float = 20.0) -> EnvConfig:
         return EnvConfig(name=name, address=self.address, call_timeout_s=timeout_s)
@@ -175,6 +140,26 @@ def test_every_method_answers_as_in_process(served_files):
         assert have == want
     assert [g[1][0] for g in got if g[0] == "refused"] == ["ToolError"] * len(tasks)
     assert got[-1][1][0] == "ValueError"
+
+
+def test_calls_of_many_sessions_sent_together_answer_as_one_by_one(served_files):
+    """call_each, what a rollout asks of all its episodes each turn, in order and the same."""
+    tasks = FilesEnv().tasks("train")[:6]
+    local = [FilesEnv() for _ in tasks]
+    served = [env_maker(served_files)() for _ in tasks]
+    both = (local, served)
+    resets = [call_each(envs, "reset", [(t,) for t in tasks]) for envs in both]
+    assert resets[1] == resets[0] == [env.reset(t) for env, t in zip(local, tasks)]
+    for turn in range(4):
+        choices = [call_each(envs, "candidate_actions") for envs in both]
+        assert choices[1] == choices[0]
+        actions = [(c[turn % len(c)],) for c in choices[0]]
+        steps = [call_each(envs, "step", actions) for envs in both]
+        assert steps[1] == steps[0]
+    assert call_each(served, "state") == [env.state() for env in local]
+    assert [env.responses for env in served] == [env.responses for env in local]
+    scores = [call_each(envs, "evaluate", [(t,) for t in tasks]) for envs in both]
+    assert scores[1] == scores[0]
 
 
 def test_shop_answers_as_in_process(tmp_path):
@@ -569,6 +554,19 @@ def test_an_answer_that_does_not_decode_fails_that_call_only(faulty_server):
         env.state()  # {1: ...}: msgpack packs it, the codec refuses a non-text key
     assert info.value.reason == "bad_reply" and "does not decode" in info.value.detail
     assert _fresh(cfg).step("ok")[0] == "ok"  # the worker lives on
+
+
+def test_a_failed_call_among_many_fails_only_its_session(faulty_server):
+    _, cfg = faulty_server
+    envs = [_fresh(cfg) for _ in range(4)]
+    answers = call_each(envs, "step", [("ok",), ("garble",), ("ok",), ("ok",)])
+    assert [a[0] for i, a in enumerate(answers) if i != 1] == ["ok"] * 3
+    failed = call_each(envs, "state")
+    assert isinstance(failed[1], EnvFailed) and failed[1].reason == "bad_reply"
+    assert not any(isinstance(a, EnvFailed) for i, a in enumerate(failed) if i != 1)
+    again = call_each(envs, "step", [("ok",)] * 4)  # the failed one stays failed, alone
+    assert isinstance(again[1], EnvFailed) and "failed before" in again[1].detail
+    assert [a[0] for i, a in enumerate(again) if i != 1] == ["ok"] * 3
 
 
 def test_a_rollout_goes_on_past_an_episode_the_env_failed(faulty_server, files_policy_path):
