@@ -387,15 +387,14 @@ class Environment(ABC):
         return []
 
     @classmethod
-    def call_each(cls, envs: Sequence[Environment], method: str,
-                  args: Sequence[tuple]) -> list:
-        """``env.method(*a)`` for each env of this class and its ``a``, in order; an
+    def call_all(cls, calls: Sequence[tuple[Environment, str, tuple]]) -> list:
+        """``env.method(*args)`` for each ``(env, method, args)`` of this class, in order; an
         EnvFailed in place of a result the service failed. One by one here; a served env
         sends them to its server together."""
         results = []
-        for env, a in zip(envs, args):
+        for env, method, args in calls:
             try:
-                results.append(getattr(env, method)(*a))
+                results.append(getattr(env, method)(*args))
             except EnvFailed as exc:
                 results.append(exc)
         return results
@@ -600,22 +599,27 @@ def task_env_maker(task: Task, env_cfg: EnvConfig | None = None) -> Callable[[],
     return env_maker(env_cfg) if _of_run_env(task, env_cfg) else env_class(task_env_name(task))
 
 
-def call_each(envs: Sequence[Environment], method: str,
-              args: Sequence[tuple] | None = None) -> list:
-    """``envs[i].method(*args[i])`` for every i (no arguments when ``args`` is None): the
-    results in order, an EnvFailed in place of each the service failed. What a rollout asks of
-    all its episodes each turn: the sessions of one env server get their calls at once, so the
-    server answers them side by side instead of one round trip after another."""
-    args = [()] * len(envs) if args is None else args
-    results: list = [None] * len(envs)
+def call_all(calls: Sequence[tuple[Environment, str, tuple]]) -> list:
+    """``env.method(*args)`` for every ``(env, method, args)``: the results in order, an
+    EnvFailed in place of each the service failed. What a rollout asks of all its episodes
+    each turn: the calls to one env server are sent together, so the server answers them side
+    by side instead of one round trip after another, and one session's calls in the order
+    given."""
+    results: list = [None] * len(calls)
     by_class: dict[type, list[int]] = {}
-    for i, env in enumerate(envs):
+    for i, (env, _, _) in enumerate(calls):
         by_class.setdefault(type(env), []).append(i)
     for cls, members in by_class.items():
-        answers = cls.call_each([envs[i] for i in members], method, [args[i] for i in members])
-        for i, answer in zip(members, answers):
+        for i, answer in zip(members, cls.call_all([calls[i] for i in members])):
             results[i] = answer
     return results
+
+
+def call_each(envs: Sequence[Environment], method: str,
+              args: Sequence[tuple] | None = None) -> list:
+    """:func:`call_all` of ``envs[i].method(*args[i])`` (no arguments when ``args`` is None)."""
+    args = [()] * len(envs) if args is None else args
+    return call_all([(env, method, a) for env, a in zip(envs, args)])
 
 
 def env_maker(env_cfg: EnvConfig) -> Callable[[], Environment]:

@@ -283,14 +283,13 @@ class RemoteEnv(Environment):
         self._closer()
 
     @classmethod
-    def call_each(cls, envs: Sequence[Environment], method: str,
-                  args: Sequence[tuple]) -> list:
-        """One call of ``method`` per session, sent to the server together (see
-        :func:`environments.base.call_each`)."""
-        calls = getattr(getattr(cls, method), "calls", None)
-        if calls is None:  # not a session call (vocabulary)
-            return super().call_each(envs, method, args)
-        return _run_calls(cls._link, envs, [calls(env, *a) for env, a in zip(envs, args)])
+    def call_all(cls, calls: Sequence[tuple[Environment, str, tuple]]) -> list:
+        """Every call's request sent to the server together, one session's in the order
+        given (see :func:`environments.base.call_all`)."""
+        if any(getattr(getattr(cls, method), "calls", None) is None for _, method, _ in calls):
+            return super().call_all(calls)  # not all session calls (vocabulary)
+        return _run_calls(cls._link, [env for env, _, _ in calls],
+                          [getattr(cls, method).calls(env, *args) for env, method, args in calls])
 
     def _request(self, request_cls, *args):
         if self._failed is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from environments.base import Environment, call_each
+from environments.base import Environment, call_all
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
 from protocol.config import RunConfig
@@ -116,11 +116,9 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
             ep.env = env_call(ep, make_env)
             down = ep.failure
     live = [(ep, guide) for ep, guide in zip(episodes, guides) if ep.failure is None]
-    firsts = env_calls([ep for ep, _ in live], "reset", [(ep.task,) for ep, _ in live])
-    live = [(ep, guide, first) for (ep, guide), first in zip(live, firsts)
-            if ep.failure is None]
-    instructions = env_calls([ep for ep, _, _ in live], "instructions")
-    for (ep, guide, first), instruction in zip(live, instructions):
+    answers = ask_envs([call for ep, _ in live
+                        for call in ((ep, "reset", (ep.task,)), (ep, "instructions", ()))])
+    for (ep, guide), first, instruction in zip(live, answers[::2], answers[1::2]):
         if ep.failure is not None:
             continue
         tokens, span = codec.start(ep.task.query if ep.env.query_in_prompt else "", first,
@@ -142,13 +140,13 @@ def env_call(ep: Episode, call: Callable, *args):
         return None
 
 
-def env_calls(eps: Sequence[Episode], method: str, args: Sequence[tuple] | None = None) -> list:
-    """``ep.env.method(*args[i])`` of every episode, the calls to one env server sent together
-    (:func:`environments.base.call_each`); each episode whose call the service failed ends
-    as failed, its answer None."""
-    answers = call_each([ep.env for ep in eps], method, args)
-    for ep, answer in zip(eps, answers):
-        if isinstance(answer, EnvFailed):
+def ask_envs(calls: Sequence[tuple[Episode, str, tuple]]) -> list:
+    """``ep.env.method(*args)`` for every ``(ep, method, args)``, the calls to one env server
+    sent together (:func:`environments.base.call_all`); an episode a call of which the
+    service failed ends as failed, that answer None."""
+    answers = call_all([(ep.env, method, args) for ep, method, args in calls])
+    for (ep, _, _), answer in zip(calls, answers):
+        if isinstance(answer, EnvFailed) and ep.failure is None:
             ep.failure, ep.done = answer, True
     return [None if isinstance(a, EnvFailed) else a for a in answers]
 
@@ -210,6 +208,9 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             reward: Callable[[Episode], float] | None = None) -> list[Episode]:
     """Advance every episode to its end, one batched generation per turn; ``reward`` scores a
     finished episode (default: the env's check of the task's goal)."""
+    # Constrained, an episode's candidate actions for its next turn are asked with its step
+    # (after it, in the same round trip to a served env): one exchange a turn, not two.
+    candidates: dict[int, list[str]] = {}
     while True:
         for ep in episodes:  # a prompt with no room left for an action (long instructions)
             if not ep.done and len(ep.tokens) + settings.max_action_tokens > settings.max_context:
@@ -219,19 +220,28 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             break
         constraints = None
         if settings.constrained:
-            allowed = zip(active, env_calls(active, "candidate_actions"))
-            allowed = [(ep, actions) for ep, actions in allowed if ep.failure is None]
-            if not allowed:
+            first = [ep for ep in active if id(ep) not in candidates]
+            for ep, actions in zip(first, ask_envs([(ep, "candidate_actions", ())
+                                                    for ep in first])):
+                candidates[id(ep)] = actions
+            active = [ep for ep in active if ep.failure is None]
+            if not active:
                 continue
-            active = [ep for ep, _ in allowed]
-            constraints = [codec.constraint(actions) for _, actions in allowed]
+            constraints = [codec.constraint(candidates.pop(id(ep))) for ep in active]
         gens = backend.generate([ep.tokens for ep in active], params, constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version)
                  for ep, g in zip(active, gens)]
-        answers = env_calls(active, "step", [(action,) for _, action in taken])
+        calls = [(ep, "step", (action,)) for ep, (_, action) in zip(active, taken)]
+        if settings.constrained:
+            calls += [(ep, "candidate_actions", ()) for ep in active
+                      if len(ep.steps) + 1 < settings.max_turns]
+        answers = ask_envs(calls)
         for ep, (start, action), stepped in zip(active, taken, answers):
             if stepped is not None:
                 observe(ep, codec, start, action, stepped, settings)
+        for (ep, _, _), actions in zip(calls[len(active):], answers[len(active):]):
+            if not ep.done:
+                candidates[id(ep)] = actions
         if between_turns is not None:
             between_turns()
     for ep in (ep for ep in episodes if ep.failure is None):
