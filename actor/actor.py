@@ -195,7 +195,7 @@ class Actor:
                                 stop_token_ids=(self.codec.eoa_id,), seed=self._seed,
                                 logprobs_mode="raw")
         rollout(self.backend, episodes, self.codec, params, self.rollout,
-                between_turns=self.maybe_load_weights, reward=self.reward)
+                between_turns=self.maybe_load_weights, reward=self.reward.grade)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
         episodes = self._without_failed_groups(episodes, n)
         if self.navigator:

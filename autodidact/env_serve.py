@@ -59,6 +59,9 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
 STABLE_S = 30.0  # a worker that lived this long starts its next back-off from the minimum
 POLL_MS = 100  # the broker's longest wait before it looks at its workers again
 MAX_LOST = 100_000  # lost sessions remembered, to answer their late calls worker_died
+# Worker replies whose body the broker reads: a new session to route, a failure to count.
+ACTED_ON = frozenset({wire.EnvOpened.TYPE, wire.EnvFailure.TYPE})
+FLUSH_S = 0.005  # a worker holds a batch's replies back this long at most
 
 
 # --- the broker ---------------------------------------------------------------------------------
@@ -126,6 +129,8 @@ class EnvBroker:
         self.failures: collections.Counter = collections.Counter()  # reason -> calls failed
         self.last_tail: list[str] = []  # the last output of the worker that died last
         self._tickets = 0
+        # worker identity -> [ticket, frame, ...] while a batch is read
+        self._outbox: dict | None = None
 
     # -- the loop --
 
@@ -169,10 +174,33 @@ class EnvBroker:
                 "unexpected_type", f"{type(msg).__name__} is not an env request (this is an "
                 "env socket: protocol/env_wire.py)"))
             return
-        if isinstance(msg, (wire.EnvHello, wire.EnvOpen)):
+        if isinstance(msg, wire.EnvBatch):
+            self._from_batch(incoming)
+        elif isinstance(msg, (wire.EnvHello, wire.EnvOpen)):
             self._to_any_worker(incoming)
         else:
             self._to_session(incoming)
+
+    def _from_batch(self, batch: Incoming) -> None:
+        """Each request of a batch as if it had come alone, those for one worker sent to it in
+        one message. A request that does not decode refuses the batch whole, none sent."""
+        inner = [self.front.incoming(batch.route, frame, batch.peer_key)
+                 for frame in batch.msg.frames]
+        for i, request in enumerate(inner):
+            error = request.error or (None if type(request.msg) in wire.BATCHED else SchemaError(
+                "unexpected_type", f"{type(request.msg).__name__} cannot be batched"))
+            if error is not None:
+                self.front.reject(batch, SchemaError(error.reason, f"request {i} of the batch: "
+                                                     f"{error}"))
+                return
+        self._outbox = collections.defaultdict(list)
+        try:
+            for request in inner:
+                self._from_client(request)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for identity, parts in outbox.items():
+                self.back.send_multipart([identity, *parts])
 
     def _to_any_worker(self, incoming: Incoming) -> None:
         if incoming.msg.version != wire.ENV_WIRE_VERSION:
@@ -220,8 +248,12 @@ class EnvBroker:
         if not worker.inflight:
             worker.busy_since = time.monotonic()
         worker.inflight[ticket] = Pending(incoming, opens)
-        frame = codec.encode(incoming.msg, incoming.msg_id)
-        self.back.send_multipart([worker.identity, ticket, frame])
+        # The client's body as it came (validated on receipt), under the broker's envelope.
+        frame = codec.pack_frame(incoming.msg.TYPE, incoming.msg_id, incoming.body)
+        if self._outbox is not None:  # a batch's: sent with the rest of its worker's share
+            self._outbox[worker.identity] += [ticket, frame]
+        else:
+            self.back.send_multipart([worker.identity, ticket, frame])
 
     def _evict(self, worker: Worker) -> None:
         """Close the worker's least recently used session to make room (no client waits)."""
@@ -236,18 +268,17 @@ class EnvBroker:
     def _from_workers(self) -> None:
         while True:
             try:
-                identity, ticket, frame = self.back.recv_multipart(zmq.NOBLOCK)
+                identity, *pairs = self.back.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            except ValueError:  # not three parts: not one of our workers' frames
-                continue
             worker = next((w for w in self.workers if w.identity == identity), None)
-            if worker is None:
+            if worker is None or len(pairs) % 2:  # not one of our workers' [ticket, frame]s
                 continue
-            if ticket == READY:
-                self._ready(worker)
-            else:
-                self._answer(worker, worker.inflight.pop(ticket, None), frame)
+            for ticket, frame in zip(pairs[0::2], pairs[1::2]):
+                if ticket == READY:
+                    self._ready(worker)
+                else:
+                    self._answer(worker, worker.inflight.pop(ticket, None), frame)
 
     def _ready(self, worker: Worker) -> None:
         worker.ready = True
@@ -260,8 +291,12 @@ class EnvBroker:
         worker.busy_since = time.monotonic() if worker.inflight else None
         if pending is None:  # the reply to an eviction's close
             return
+        # A worker checks that its reply decodes before sending it (EnvWorker.reply_frame), so
+        # the broker reads only the envelope, and the body of the few replies it acts on.
         try:
-            _, reply = codec.decode(frame)
+            envelope = codec.unpack_envelope(frame)
+            reply = codec.decode_body(envelope.type_tag, envelope.body) \
+                if envelope.type_tag in ACTED_ON else None
         except SchemaError as exc:
             log.warning("env worker %d answered %s with a frame that does not decode (%s)",
                         worker.index, type(pending.incoming.msg).__name__, exc)
@@ -277,7 +312,11 @@ class EnvBroker:
         if isinstance(reply, wire.EnvFailure):
             self.failures[reply.reason] += 1
             reply.stderr = list(worker.tail)
-        self.front.reply(pending.incoming, reply)
+            log.warning("env worker %d failed %s: %s: %s", worker.index,
+                        type(pending.incoming.msg).__name__, reply.reason, reply.detail)
+            self.front.reply(pending.incoming, reply)
+        else:
+            self.front.reply_frame(pending.incoming, frame)
 
     def _watch(self) -> None:
         now = time.monotonic()
@@ -362,16 +401,20 @@ class EnvWorker:
         self.sessions: dict = {}
 
     def reply_frame(self, frame: bytes) -> bytes:
+        """The frame answering ``frame``: one that decodes, checked here (in parallel over the
+        workers) so that the broker can pass it on unread."""
         env, msg = codec.decode(frame)  # the broker validated it: this cannot fail
         reply = self.answer(msg)
         try:
-            return codec.encode(reply, env.msg_id)
+            out = codec.encode(reply, env.msg_id)
+            codec.decode(out)
+            return out
         except Exception as exc:  # the env returned what the wire cannot carry
             method = wire.SESSION_REQUESTS.get(type(msg), type(msg).__name__)
             return codec.encode(wire.EnvFailure(
                 "bad_reply", f"{self.cls.name}.{method}() returned a value the env wire "
-                f"cannot carry ({type(exc).__name__}: {exc}); env values must be JSON-like"),
-                env.msg_id)
+                f"cannot carry, its reply does not decode ({type(exc).__name__}: {exc}); "
+                "env values must be JSON-like"), env.msg_id)
 
     def answer(self, msg):
         from environments.remote import answer, raised_to_wire, served_facts
@@ -410,8 +453,18 @@ def run_worker(spec: str, address: str, identity: str) -> None:
     sock.send_multipart([READY, b""])
     try:
         while True:
-            ticket, frame = sock.recv_multipart()
-            sock.send_multipart([ticket, worker.reply_frame(frame)])
+            # [ticket, frame] pairs, several from a batch: their replies go back together,
+            # or as they come once an env call takes longer (the broker's deadline and the
+            # client's see progress).
+            parts = sock.recv_multipart()
+            replies, flushed = [], time.monotonic()
+            for ticket, frame in zip(parts[0::2], parts[1::2]):
+                replies += [ticket, worker.reply_frame(frame)]
+                if time.monotonic() - flushed > FLUSH_S:
+                    sock.send_multipart(replies)
+                    replies, flushed = [], time.monotonic()
+            if replies:
+                sock.send_multipart(replies)
     finally:
         sock.close(0)
         ctx.term()

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from autodidact.env_serve import EnvServerProcess
 from protocol.config import load_config
@@ -54,6 +55,7 @@ def actor(job: dict, ready, go, results) -> None:
 
     cfg = load_config(None, job["overrides"])
     torch.set_num_threads(cfg.actor.torch_threads)
+    env_s = _time_env_calls()
     env_cfg = dataclasses.replace(cfg.env, address=job["address"], call_timeout_s=60.0)
     backend = make_backend(cfg, job["policy"])
     codec, settings, make = make_codec(backend.tokenizer), rollout_settings(cfg), env_maker(env_cfg)
@@ -76,15 +78,37 @@ def actor(job: dict, ready, go, results) -> None:
         served.drain_timings()
     ready.put(job["index"])
     go.wait()
-    t0 = time.perf_counter()
+    env_s[0] = 0.0
+    t0, cpu0 = time.perf_counter(), time.process_time()
     episodes = [ep for b in range(job["batches"]) for ep in batch(b)]
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     digest = hashlib.sha256(json.dumps([[ep.tokens, ep.reward] for ep in episodes]).encode())
-    results.put({"index": job["index"], "wall_s": wall, "rollouts": len(episodes),
+    results.put({"index": job["index"], "wall_s": wall, "cpu_s": cpu, "env_s": env_s[0],
+                 "rollouts": len(episodes),
                  "steps": sum(len(ep.steps) for ep in episodes),
                  "failed": sum(ep.failure is not None for ep in episodes),
                  "digest": digest.hexdigest(),
                  "timings": served.drain_timings() if served is not None else []})
+
+
+def _time_env_calls() -> list[float]:
+    """Seconds the rollouts spend in env calls (making envs and every call of theirs), summed
+    into the returned one-element list: the env's share of an actor's time, either arm."""
+    from episodes import rollout
+
+    spent = [0.0]
+
+    def timed(call):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return wrapper
+
+    rollout.call_all, rollout.make_envs = timed(rollout.call_all), timed(rollout.make_envs)
+    return spent
 
 
 def arm(address: str, args, policy: str) -> dict:
@@ -111,9 +135,19 @@ def arm(address: str, args, policy: str) -> dict:
     wall = max(r["wall_s"] for r in done)
     rollouts = sum(r["rollouts"] for r in done)
     return {"served": bool(address), "rollouts": rollouts, "wall_s": wall,
-            "rollouts_per_s": rollouts / wall, "steps": sum(r["steps"] for r in done),
+            "rollouts_per_s": rollouts / wall,
+            "env_share": sum(r["env_s"] for r in done) / sum(r["wall_s"] for r in done),
+            "actor_cpu_s": sum(r["cpu_s"] for r in done),
+            "steps": sum(r["steps"] for r in done),
             "failed": sum(r["failed"] for r in done), "digests": [r["digest"] for r in done],
             "timings": [t for r in done for t in r["timings"]]}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every process under it (the env server's
+    broker and workers)."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
 
 
 def latency(timings: list) -> dict:
@@ -138,10 +172,15 @@ def measure(args) -> dict:
         with EnvServerProcess(cfg.env.name, workers=args.workers) as server:
             for _ in range(args.repeats):
                 for address in ("", server.address):
+                    cpu0 = _cpu_s(server.proc.pid)
                     arms.append(arm(address, args, str(policy)))
+                    arms[-1]["env_server_cpu_s"] = _cpu_s(server.proc.pid) - cpu0
                     print(f"  {'served    ' if address else 'in process'}: "
                           f"{arms[-1]['rollouts_per_s']:.2f} rollouts/s "
-                          f"({arms[-1]['rollouts']} in {arms[-1]['wall_s']:.1f} s)", flush=True)
+                          f"({arms[-1]['rollouts']} in {arms[-1]['wall_s']:.1f} s, "
+                          f"{arms[-1]['env_share']:.0%} of it in env calls; CPU s: actors "
+                          f"{arms[-1]['actor_cpu_s']:.1f}, env server "
+                          f"{arms[-1]['env_server_cpu_s']:.1f})", flush=True)
     local = [a for a in arms if not a["served"]]
     served = [a for a in arms if a["served"]]
     ratios = [s["rollouts_per_s"] / i["rollouts_per_s"] for i, s in zip(local, served)]

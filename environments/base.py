@@ -387,6 +387,11 @@ class Environment(ABC):
         return []
 
     @classmethod
+    def open_many(cls, n: int, options: Mapping) -> list:
+        """``n`` instances made with ``options`` (see :func:`make_envs`)."""
+        return _each_made(lambda: cls(**options), n)
+
+    @classmethod
     def call_all(cls, calls: Sequence[tuple[Environment, str, tuple]]) -> list:
         """``env.method(*args)`` for each ``(env, method, args)`` of this class, in order; an
         EnvFailed in place of a result the service failed. One by one here; a served env
@@ -622,11 +627,42 @@ def call_each(envs: Sequence[Environment], method: str,
     return call_all([(env, method, a) for env, a in zip(envs, args)])
 
 
-def env_maker(env_cfg: EnvConfig) -> Callable[[], Environment]:
+@dataclass(frozen=True)
+class EnvMaker:
+    """A zero-argument factory of ``cls`` with ``options``; :func:`make_envs` makes many."""
+
+    cls: type[Environment]
+    options: dict = field(default_factory=dict)
+
+    def __call__(self) -> Environment:
+        return self.cls(**self.options)
+
+
+def env_maker(env_cfg: EnvConfig) -> EnvMaker:
     """A zero-argument factory for the environment an ``EnvConfig`` names, with its options:
     a session on the env server at ``env_cfg.address`` when that is set."""
-    cls, options = env_class(env_cfg), dict(env_cfg.options)
-    return lambda: cls(**options)
+    return EnvMaker(env_class(env_cfg), dict(env_cfg.options))
+
+
+def make_envs(make_env: Callable[[], Environment], n: int) -> list:
+    """``n`` envs from ``make_env`` (an :class:`EnvMaker`, an env class or any factory), an
+    EnvFailed in place of each the service could not open; a served env's sessions are
+    opened together."""
+    if isinstance(make_env, EnvMaker):
+        return make_env.cls.open_many(n, make_env.options)
+    if isinstance(make_env, type) and issubclass(make_env, Environment):
+        return make_env.open_many(n, {})
+    return _each_made(make_env, n)
+
+
+def _each_made(factory: Callable[[], Environment], n: int) -> list:
+    made: list = []
+    for _ in range(n):
+        try:
+            made.append(factory())
+        except EnvFailed as exc:
+            made.append(exc)
+    return made
 
 
 def make_env(spec: str | EnvConfig, **kwargs) -> Environment:

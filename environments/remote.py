@@ -34,12 +34,13 @@ from environments.base import (
     ToolSpec,
     register_served,
 )
+from protocol import codec
 from protocol import env_wire as wire
 from protocol.config import EnvConfig
 from protocol.errors import ConfigError, EnvFailed
 from protocol.messages import Error, Task
 from protocol.security import CurveKeys
-from protocol.transport import ZmqChannel
+from protocol.transport import ZmqChannel, new_id
 
 NEVER_RESEND_S = 1e9  # retry_after_s of the channel: an env call is not idempotent
 POLL_S = 0.2  # how often a waiting call looks at the channel's refused-reply count
@@ -139,15 +140,29 @@ class EnvLink:
         return reply
 
     def call_many(self, requests: Sequence) -> list:
-        """The reply to each request, or the EnvFailed that fails it, in order. All are sent
-        at once (the server works on them side by side where they are on different workers);
-        each must be answered within ``timeout_s`` of the last answer, as one call would."""
+        """The reply to each request, or the EnvFailed that fails it, in order. They go out
+        in one frame (``EnvBatch``; the server works on them side by side where they are on
+        different workers); each must be answered within ``timeout_s`` of the last answer,
+        as one call would."""
+        replies: list = []
+        for start in range(0, len(requests), wire.MAX_BATCH_CALLS):
+            replies += self._call_batch(requests[start:start + wire.MAX_BATCH_CALLS])
+        return replies
+
+    def _call_batch(self, requests: Sequence) -> list:
         channel = self._channel()
         while self._to_close:  # fire and forget: the server drops an unknown one quietly
             channel.forget(channel.send(wire.EnvClose(self._to_close.popleft())))
         refused = sum(channel.dropped.values())
         sent = time.perf_counter()
-        waiting = {channel.send(request): i for i, request in enumerate(requests)}
+        if len(requests) == 1:
+            batch_id, waiting = None, {channel.send(requests[0]): 0}
+        else:
+            waiting = {new_id(): i for i in range(len(requests))}
+            for msg_id, i in waiting.items():
+                channel.expect(msg_id, requests[i])
+            batch_id = channel.send(wire.EnvBatch([codec.encode(requests[i], msg_id)
+                                                   for msg_id, i in waiting.items()]))
         replies: list = [None] * len(requests)
         deadline = time.monotonic() + self.timeout_s
         while waiting:
@@ -157,6 +172,13 @@ class EnvLink:
                                    sum(channel.dropped.values()) > refused)
                 break
             for rid, reply in channel.poll(min(left, POLL_S)):
+                if rid == batch_id:  # the server refused the batch whole
+                    failed = self._checked(reply, wire.EnvBatch([]))
+                    for msg_id, i in waiting.items():
+                        channel.forget(msg_id)
+                        replies[i] = failed
+                    waiting.clear()
+                    break
                 i = waiting.pop(rid, None)
                 if i is not None:
                     self.timings.append((type(requests[i]).__name__, time.perf_counter() - sent))
@@ -165,6 +187,8 @@ class EnvLink:
             if waiting and sum(channel.dropped.values()) - refused >= len(waiting):
                 # as many replies refused as calls wait: those were theirs
                 self._fail_waiting(channel, waiting, requests, replies, True)
+        if batch_id is not None:
+            channel.forget(batch_id)
         return replies
 
     def _fail_waiting(self, channel: ZmqChannel, waiting: dict, requests, replies,
@@ -259,9 +283,28 @@ class RemoteEnv(Environment):
     _vocabulary: tuple[str, ...] = ()
 
     def __init__(self, **options):
+        self._open(self._link.call(wire.EnvOpen(wire.ENV_WIRE_VERSION, dict(options))))
+
+    @classmethod
+    def open_many(cls, n: int, options) -> list:
+        """``n`` sessions, their opens sent together."""
+        made: list = []
+        for opened in cls._link.call_many([wire.EnvOpen(wire.ENV_WIRE_VERSION, dict(options))
+                                           for _ in range(n)]):
+            env = cls.__new__(cls)
+            try:
+                env._open(opened)
+                made.append(env)
+            except EnvFailed as exc:
+                made.append(exc)
+        return made
+
+    def _open(self, opened) -> None:
+        """Become the session the reply to an EnvOpen names (EnvFailed: none was opened)."""
         super().__init__()
         self._failed: EnvFailed | None = None
-        opened = self._link.call(wire.EnvOpen(wire.ENV_WIRE_VERSION, dict(options)))
+        if isinstance(opened, EnvFailed):
+            raise opened
         if isinstance(opened, wire.EnvRaised):  # the constructor refused the options
             raise_from_wire(opened)
         if not isinstance(opened, wire.EnvOpened):

@@ -22,10 +22,16 @@ class OutcomeReward:
         self.ungraded = 0  # episodes that wanted the grader when none was configured
 
     def __call__(self, ep: Episode) -> float:
+        score = self.grade(ep)
+        return float(ep.env.evaluate(ep.task)) if score is None else score
+
+    def grade(self, ep: Episode) -> float | None:
+        """The grader's score of ``ep``, or None where the environment's check decides (a
+        rollout then asks every such episode's env at once)."""
         wants_grader = self.mode == "llm" or (self.mode == "auto"
                                               and described_only(ep.task.goal))
         if not wants_grader:
-            return float(ep.env.evaluate(ep.task))
+            return None
         if self.grader is None:
             self.ungraded += 1
             if self.ungraded == 1:

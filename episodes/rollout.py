@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from environments.base import Environment, call_all
+from environments.base import Environment, call_all, make_envs
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
 from protocol.config import RunConfig
@@ -101,20 +101,20 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
                    guidance: Sequence[Sequence[Guidance | None]] | None = None) -> list[Episode]:
     """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th.
 
-    A served env that cannot even be made (no server, no worker up) fails the batch's other
-    episodes with it at once, rather than each waiting out its own deadline."""
-    episodes, guides, down = [], [], None
+    The envs are made together (a served env's sessions opened at once), so a server that
+    cannot make them (none there, no worker up) fails the batch after one deadline, not one
+    deadline per episode."""
+    episodes, guides = [], []
     for ti, task in enumerate(tasks):
         for i in range(n):
-            ep = Episode(task=task, env=None,
-                         traj_id=f"{task.task_id}/{i}/{uuid.uuid4().hex[:8]}")
-            episodes.append(ep)
+            episodes.append(Episode(task=task, env=None,
+                                    traj_id=f"{task.task_id}/{i}/{uuid.uuid4().hex[:8]}"))
             guides.append(guidance[ti][i] if guidance is not None else None)
-            if down is not None:
-                ep.failure, ep.done = down, True
-                continue
-            ep.env = env_call(ep, make_env)
-            down = ep.failure
+    for ep, env in zip(episodes, make_envs(make_env, len(episodes))):
+        if isinstance(env, EnvFailed):
+            ep.failure, ep.done = env, True
+        else:
+            ep.env = env
     live = [(ep, guide) for ep, guide in zip(episodes, guides) if ep.failure is None]
     answers = ask_envs([call for ep, _ in live
                         for call in ((ep, "reset", (ep.task,)), (ep, "instructions", ()))])
@@ -205,9 +205,10 @@ def _utf8(value):
 def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             params: SamplingParams, settings: RolloutSettings,
             between_turns: Callable[[], None] | None = None,
-            reward: Callable[[Episode], float] | None = None) -> list[Episode]:
+            reward: Callable[[Episode], float | None] | None = None) -> list[Episode]:
     """Advance every episode to its end, one batched generation per turn; ``reward`` scores a
-    finished episode (default: the env's check of the task's goal)."""
+    finished episode, or answers None where the env's check of the task's goal does (the
+    default for all), those envs asked at once."""
     # Constrained, an episode's candidate actions for its next turn are asked with its step
     # (after it, in the same round trip to a served env): one exchange a turn, not two.
     candidates: dict[int, list[str]] = {}
@@ -244,9 +245,12 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
                 candidates[id(ep)] = actions
         if between_turns is not None:
             between_turns()
-    for ep in (ep for ep in episodes if ep.failure is None):
-        score = env_call(ep, reward, ep) if reward is not None \
-            else env_call(ep, ep.env.evaluate, ep.task)
+    finished = [ep for ep in episodes if ep.failure is None]
+    graded = [reward(ep) if reward is not None else None for ep in finished]
+    for ep, score in zip(finished, graded):
+        ep.reward = 0.0 if score is None else float(score)
+    by_env = [ep for ep, score in zip(finished, graded) if score is None]
+    for ep, score in zip(by_env, ask_envs([(ep, "evaluate", (ep.task,)) for ep in by_env])):
         ep.reward = 0.0 if score is None else float(score)
     return episodes
 

@@ -302,17 +302,45 @@ def _check(hint, value, path: str):
     raise TypeError(f"unsupported schema type {hint!r} at {path}")
 
 
+_PLAIN_SCALARS = (str, int, float, bool, bytes, type(None))
+MAX_PLAIN_DEPTH = 32
+
+
 def _check_plain(value, path: str, depth: int = 0):
-    """JSON-like data only (no arrays) in free-form maps such as ``info``."""
-    if depth > 32:
+    """JSON-like data only (no arrays) in free-form maps such as ``info``. Checked without
+    building a path per element (an env's candidate actions are hundreds of texts a call);
+    the path is worked out only for the refusal."""
+    if not _is_plain(value, depth):
+        _refuse_plain(value, path, depth)
+
+
+def _is_plain(value, depth: int) -> bool:
+    if depth > MAX_PLAIN_DEPTH:
+        return False
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    inner_scalars_ok = depth < MAX_PLAIN_DEPTH
+    if isinstance(value, list):
+        return all((inner_scalars_ok and isinstance(v, _PLAIN_SCALARS)) or _is_plain(v, depth + 1)
+                   for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and ((inner_scalars_ok and isinstance(v, _PLAIN_SCALARS))
+                                           or _is_plain(v, depth + 1))
+                   for k, v in value.items())
+    return False
+
+
+def _refuse_plain(value, path: str, depth: int = 0):
+    """Raise the SchemaError naming where ``value`` stops being JSON-like."""
+    if depth > MAX_PLAIN_DEPTH:
         raise SchemaError("invalid", "nesting deeper than 32", path)
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise SchemaError("wrong_type", "map keys must be strings", path)
-            _check_plain(v, f"{path}.{k}", depth + 1)
+            _refuse_plain(v, f"{path}.{k}", depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_plain(v, f"{path}[{i}]", depth + 1)
+            _refuse_plain(v, f"{path}[{i}]", depth + 1)
     elif not (value is None or isinstance(value, (str, int, float, bool, bytes))):
         raise SchemaError("wrong_type", "free-form data must be JSON-like", path)

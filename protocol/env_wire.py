@@ -18,6 +18,7 @@ A conversation::
     EnvStep(session, action)         -> EnvStepped(observation, done, info, appended)
     ...                              (any request below, naming the session)
     EnvClose(session)                -> EnvValue(None)
+    EnvBatch([frame, frame, ...])    -> each request's own reply, as if sent one by one
 
 Any request may instead be answered :class:`EnvRaised` (the env raised) or
 :class:`EnvFailure` (the service failed it: its worker died, the session is unknown, the
@@ -41,7 +42,8 @@ from protocol.codec import message
 from protocol.errors import SchemaError
 from protocol.messages import Task
 
-ENV_WIRE_VERSION = 1  # bump on any incompatible change to a message below
+# v2: EnvBatch. Bump on any incompatible change to a message below.
+ENV_WIRE_VERSION = 2
 
 # Python's own exception types by name (not BaseException's others: a worker that is told to
 # exit, exits). A served env's raise of one is raised again by the client as that type.
@@ -306,7 +308,26 @@ SESSION_REQUESTS: dict[type, str] = {
     EnvDescribeEvent: "describe_event", EnvDescribeResponse: "describe_response",
     EnvEntities: "entities", EnvGoalOf: "goal_of", EnvQueryOf: "query_of",
 }
-REQUESTS = (EnvHello, EnvOpen, *SESSION_REQUESTS)  # everything an env server is sent
+BATCHED = (EnvOpen, *SESSION_REQUESTS)  # what an EnvBatch may carry
+MAX_BATCH_CALLS = 4096  # requests in one EnvBatch
+
+
+@message("env_batch")
+class EnvBatch:
+    """Several requests in one frame: what a rollout asks of all its episodes in one turn. The
+    server handles each as if it had come alone, in the order given (one session's calls run
+    in that order), and answers each with its own reply frame under its own msg_id; the batch
+    itself gets no reply unless it is refused whole."""
+
+    frames: list[bytes]  # whole codec frames, each an EnvOpen or a session request
+
+    def validate(self):
+        if not 0 < len(self.frames) <= MAX_BATCH_CALLS:
+            raise SchemaError("invalid", f"a batch holds 1 to {MAX_BATCH_CALLS} requests",
+                              "frames")
+
+
+REQUESTS = (EnvHello, EnvBatch, *BATCHED)  # everything an env server is sent
 
 
 # --- replies ----------------------------------------------------------------------------------

@@ -131,6 +131,11 @@ class RouterServer:
             batch.append(self._decode(parts, peer_key))
         return batch
 
+    def incoming(self, route: list[bytes], frame: bytes, peer_key: bytes = b"") -> Incoming:
+        """A frame that came inside another (an env server's batch), decoded as if it had
+        come alone from ``route``."""
+        return self._decode([*route, frame], peer_key)
+
     def _decode(self, parts: list[bytes], peer_key: bytes = b"") -> Incoming:
         self.counters.received += 1
         # DEALER peers send [route, frame]; REQ peers add an empty delimiter frame.
@@ -150,7 +155,11 @@ class RouterServer:
         return incoming
 
     def reply(self, incoming: Incoming, msg) -> None:
-        frame = codec.encode(msg, incoming.msg_id)
+        self.reply_frame(incoming, codec.encode(msg, incoming.msg_id))
+
+    def reply_frame(self, incoming: Incoming, frame: bytes) -> None:
+        """Answer with a frame already encoded (with ``incoming.msg_id``): a broker passing
+        on its worker's reply."""
         try:
             self._sock.send_multipart([*incoming.route, frame], zmq.NOBLOCK)
             self.counters.replied += 1
@@ -269,6 +278,11 @@ class ZmqChannel(Channel):
         self._pending[msg_id] = _Pending(msg, frame, time.monotonic())
         self._send_frame(frame)
         return msg_id
+
+    def expect(self, msg_id: str, msg) -> None:
+        """Take an answer to ``msg`` under ``msg_id``, sent inside another message (an env
+        server's batch); it is never re-sent on its own."""
+        self._pending[msg_id] = _Pending(msg, b"", float("inf"))
 
     def _send_frame(self, frame: bytes) -> None:
         try:

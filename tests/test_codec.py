@@ -3,6 +3,8 @@
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocol import codec
 from protocol.errors import SchemaError
@@ -132,3 +134,30 @@ def test_the_credential_rides_in_the_envelope_not_the_body():
     assert b"secret" not in env.body  # what a store keeps never holds it
     old = codec.pack_frame("task", "m", codec.encode_body(task), version=4)
     assert codec.decode(old)[0].credential == ""  # a v4 frame still decodes, with none
+
+
+# Free-form values (an info map, an env's answer): JSON-like, nested at most 32 deep.
+_plain_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+    | st.binary(max_size=4) | st.sampled_from([object(), 1j, (1, 2)]),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=3),
+    max_leaves=30)
+
+
+@given(_plain_values, st.integers(min_value=0, max_value=34))
+def test_free_form_values_are_refused_exactly_when_not_json_like(value, depth):
+    """The fast check (no path per element) and the one that names the path agree."""
+    from protocol.codec import _check_plain, _is_plain, _refuse_plain
+
+    try:
+        _refuse_plain(value, "v", depth)
+        refused = False
+    except SchemaError:
+        refused = True
+    assert _is_plain(value, depth) is not refused
+    if refused:
+        with pytest.raises(SchemaError):
+            _check_plain(value, "v", depth)
+    else:
+        _check_plain(value, "v", depth)

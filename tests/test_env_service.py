@@ -39,7 +39,7 @@ from protocol import codec
 from protocol import env_wire as wire
 from protocol.config import EnvConfig, load_config
 from protocol.errors import REJECT_REASONS, ConfigError, EnvFailed, SchemaError
-from protocol.messages import SPLITS, StatsRequest, Task
+from protocol.messages import SPLITS, Error, StatsRequest, Task
 from protocol.transport import free_tcp_port
 
 HERE = Path(__file__).resolve().parent
@@ -335,6 +335,26 @@ def test_bad_frames_are_refused_one_line_each_and_the_server_keeps_serving(
     assert env.reset(FilesEnv().tasks("train")[0]).startswith("path :")
 
 
+def test_a_batch_with_a_request_that_does_not_decode_is_refused_whole(files_server,
+                                                                       served_files):
+    env = env_maker(served_files)()
+    env.reset(FilesEnv().tasks("train")[0])
+    good = codec.encode(wire.EnvStep(env.session, "cd docs"), "good")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(files_server.address)
+    try:
+        sock.send(codec.encode(wire.EnvBatch([good, b"\x93garbage"]), "batch"))
+        assert sock.poll(5000), "no answer"
+        envelope, reply = codec.decode(sock.recv())
+        assert envelope.msg_id == "batch" and isinstance(reply, Error)
+        assert "request 1 of the batch" in reply.detail
+        assert not sock.poll(300)  # nothing else: the good request was not run either
+    finally:
+        sock.close(0)
+    assert "games/" in env.step("ls")[0]  # still at the root, and still served
+
+
 TASK = Task("files/x", "files", "move ideas.md into music", 3, {"all": [{"path": "a"}]},
             ["mv ideas.md music"])
 S = "w0.0-" + "ab" * 12
@@ -349,6 +369,8 @@ ENV_SAMPLES = {m.TYPE: codec.encode_body(m) for m in [
     wire.EnvDescribeEvent(S, "rm x", "ok", {}, {}), wire.EnvDescribeResponse(S, "ls", "x", {}),
     wire.EnvEntities(S, {"tree": {}}), wire.EnvGoalOf(S, [{"path": "a"}]),
     wire.EnvQueryOf(S, ["a", "b"]),
+    wire.EnvBatch([codec.encode(wire.EnvStep(S, "ls"), "i1"), codec.encode(wire.EnvState(S),
+                                                                           "i2")]),
     wire.EnvServed(1, "files", ["a"], True, {"max_turns": 3}), wire.EnvOpened(S),
     wire.EnvValue({"x": [1, 2.5, None]}, ["ok"]), wire.EnvStepped("ok", False, {"valid": True}),
     wire.EnvToolList([wire.WireTool("mv", "move", [wire.WireArg("n", "int", bounds=[1, 9])])]),
