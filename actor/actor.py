@@ -24,6 +24,7 @@ and says so in its heartbeat (``waiting: env_failed``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -188,20 +189,41 @@ class Actor:
         ac = self.settings.actor
         n = ac.group_size
         guidance = self.navigator.guide(tasks, n) if self.navigator else None
-        episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance)
         self._seed += 1
         params = SamplingParams(temperature=ac.temperature, top_p=ac.top_p,
                                 max_new_tokens=ac.max_action_tokens,
                                 stop_token_ids=(self.codec.eoa_id,), seed=self._seed,
                                 logprobs_mode="raw")
-        rollout(self.backend, episodes, self.codec, params, self.rollout,
-                between_turns=self.maybe_load_weights, reward=self.reward.grade)
+        with self._beating():
+            episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance)
+            rollout(self.backend, episodes, self.codec, params, self.rollout,
+                    between_turns=self.maybe_load_weights, reward=self.reward.grade)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
         episodes = self._without_failed_groups(episodes, n)
         if self.navigator:
             self.navigator.record(episodes)
             self._navigation = self.navigator.metrics(episodes, n)
         return to_groups(episodes, n, self.actor_id, time.time())
+
+    @contextlib.contextmanager
+    def _beating(self):
+        """The heartbeat refreshed from a thread while a rollout runs: one call of a served env
+        may take up to ``env.call_timeout_s``, longer than the heartbeat lives."""
+        done = threading.Event()
+
+        def beat():
+            while not done.wait(self.control.heartbeat_ttl_s / 3):
+                try:
+                    self.control.heartbeat("actor", self.actor_id, groups=self.groups_done,
+                                           rolling=True)
+                except Exception as exc:  # Redis away: the loop's own calls ride it out
+                    log.debug("%s heartbeat: %s", self.actor_id, exc)
+
+        threading.Thread(target=beat, daemon=True, name=f"{self.actor_id}-heartbeat").start()
+        try:
+            yield
+        finally:
+            done.set()  # not joined: a beat blocked on a Redis outage ends on its own
 
     def _without_failed_groups(self, episodes, n: int):
         """The episodes of the groups the env failed none of; each failed episode counted by

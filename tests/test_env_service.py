@@ -683,6 +683,44 @@ def test_the_actor_drops_what_the_env_failed_and_the_ledger_stays_exact(
     assert actor.env_failed == {"bad_reply": 2}
 
 
+def test_an_actor_waiting_on_a_long_env_call_keeps_its_heartbeat(
+        faulty_server, tmp_path, redis_url, control, files_policy_path):
+    """World 9's first step hangs until the 1.5 s deadline: ten heartbeat lifetimes."""
+    from autodidact.wiring import build_actor
+    from protocol.config import RunConfig
+    from protocol.replay_client import ReplayClient
+
+    _, env_cfg = faulty_server
+    control.heartbeat_ttl_s = 0.15
+    cfg = RunConfig()
+    cfg.model.path, cfg.replay.address = files_policy_path, "tcp://127.0.0.1:9"  # never pushed
+    cfg.redis.url, cfg.redis.prefix = redis_url, control.keys.prefix
+    cfg.experience.enabled = False
+    cfg.env = dataclasses.replace(env_cfg, max_turns=1)
+    cfg.actor.group_size, cfg.actor.groups_in_flight, cfg.actor.constrained = 1, 1, False
+    (tmp_path / "run").mkdir()
+    actor = build_actor(cfg, tmp_path / "run", control, ReplayClient(
+        cfg.replay.address, retry_after_s=0.5, timeout_s=1), "actor-0")
+    seen, rolled = [], threading.Event()
+
+    def watch():  # what `autodidact status` reads, every 50 ms
+        while not rolled.wait(0.05):
+            seen.append(any(h["id"] == "actor-0" for h in control.alive()))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        watcher.start()
+        t0 = time.monotonic()
+        actor.roll([Task("faulty/train/9", "faulty", "say ok", 9, {}, ["ok"])])
+        waited = time.monotonic() - t0
+    finally:
+        rolled.set()
+        watcher.join(5)
+        actor.close()
+    assert waited > 1.4 and actor.env_failed == {"timeout": 1}
+    assert len(seen) > 10 and all(seen[2:]), seen  # alive the whole wait, after its first beat
+
+
 def test_a_batch_fails_at_once_when_no_env_can_be_made(files_policy_path):
     """No server at the address: the first open waits out its deadline, the others do not."""
     from transformers import AutoTokenizer
