@@ -37,6 +37,7 @@ import numpy as np
 import psutil
 
 from autodidact.env_serve import EnvServerProcess
+from bench.env_sessions import percentiles
 from protocol.config import load_config
 
 START_TIMEOUT_S = 600.0  # loading a policy and the first batch, on a loaded machine
@@ -152,14 +153,9 @@ def _cpu_s(pid: int) -> float:
 
 def latency(timings: list) -> dict:
     """p50/p99 in ms of every call, and of each request type."""
-    def pct(seconds) -> dict:
-        ms = np.asarray(seconds) * 1000
-        return {"calls": len(ms), "p50_ms": float(np.percentile(ms, 50)),
-                "p99_ms": float(np.percentile(ms, 99))}
-
     kinds = sorted({kind for kind, _ in timings})
-    return {"all": pct([s for _, s in timings]),
-            **{kind: pct([s for k, s in timings if k == kind]) for kind in kinds}}
+    return {"all": percentiles([s for _, s in timings]),
+            **{kind: percentiles([s for k, s in timings if k == kind]) for kind in kinds}}
 
 
 def measure(args) -> dict:
