@@ -45,6 +45,7 @@ from protocol.transport import ZmqChannel, new_id
 NEVER_RESEND_S = 1e9  # retry_after_s of the channel: an env call is not idempotent
 POLL_S = 0.2  # how often a waiting call looks at the channel's refused-reply count
 TIMINGS_KEPT = 100_000  # call timings a link keeps (the oldest go first)
+BATCH_CALLS = wire.MAX_BATCH_CALLS // 2  # calls in one EnvBatch, and as many closes before them
 
 
 # --- the interface's values on the wire, both ways ------------------------------------------
@@ -145,24 +146,26 @@ class EnvLink:
         different workers); each must be answered within ``timeout_s`` of the last answer,
         as one call would."""
         replies: list = []
-        for start in range(0, len(requests), wire.MAX_BATCH_CALLS):
-            replies += self._call_batch(requests[start:start + wire.MAX_BATCH_CALLS])
+        for start in range(0, len(requests), BATCH_CALLS):
+            replies += self._call_batch(requests[start:start + BATCH_CALLS])
         return replies
 
     def _call_batch(self, requests: Sequence) -> list:
         channel = self._channel()
-        while self._to_close:  # fire and forget: the server drops an unknown one quietly
-            channel.forget(channel.send(wire.EnvClose(self._to_close.popleft())))
+        # Sessions to close go first, in the same frame; fire and forget (their replies are
+        # dropped unread, and the server drops an unknown session quietly).
+        closes = [codec.encode(wire.EnvClose(self._to_close.popleft()), "")
+                  for _ in range(min(len(self._to_close), BATCH_CALLS))]
         refused = sum(channel.dropped.values())
         sent = time.perf_counter()
-        if len(requests) == 1:
+        if len(requests) == 1 and not closes:
             batch_id, waiting = None, {channel.send(requests[0]): 0}
         else:
             waiting = {new_id(): i for i in range(len(requests))}
             for msg_id, i in waiting.items():
                 channel.expect(msg_id, requests[i])
-            batch_id = channel.send(wire.EnvBatch([codec.encode(requests[i], msg_id)
-                                                   for msg_id, i in waiting.items()]))
+            batch_id = channel.send(wire.EnvBatch(closes + [codec.encode(requests[i], msg_id)
+                                                            for msg_id, i in waiting.items()]))
         replies: list = [None] * len(requests)
         deadline = time.monotonic() + self.timeout_s
         while waiting:

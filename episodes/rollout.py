@@ -116,9 +116,12 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         else:
             ep.env = env
     live = [(ep, guide) for ep, guide in zip(episodes, guides) if ep.failure is None]
-    answers = ask_envs([call for ep, _ in live
-                        for call in ((ep, "reset", (ep.task,)), (ep, "instructions", ()))])
-    for (ep, guide), first, instruction in zip(live, answers[::2], answers[1::2]):
+    asked = ["reset", "instructions"] if codec.shows_instructions else ["reset"]
+    answers = ask_envs([(ep, method, (ep.task,) if method == "reset" else ())
+                        for ep, _ in live for method in asked])
+    firsts = answers[::len(asked)]
+    instructions = answers[1::2] if codec.shows_instructions else [None] * len(live)
+    for (ep, guide), first, instruction in zip(live, firsts, instructions):
         if ep.failure is not None:
             continue
         tokens, span = codec.start(ep.task.query if ep.env.query_in_prompt else "", first,

@@ -44,6 +44,8 @@ def special_tokens(tokenizer) -> dict[str, int]:
 class Codec(abc.ABC):
     """Text pieces of a rollout -> token ids; ``eoa_id`` ends every action."""
 
+    shows_instructions = True  # whether start() puts the env's instructions in the prompt
+
     eoa_id: int
 
     def __init__(self, tokenizer, cache_size: int = 50_000):
@@ -111,6 +113,8 @@ class Codec(abc.ABC):
 
 class MarkerCodec(Codec):
     """The word-level marker format; instructions are left out (see the module docstring)."""
+
+    shows_instructions = False
 
     def __init__(self, tokenizer, cache_size: int = 50_000):
         super().__init__(tokenizer, cache_size)
