@@ -80,10 +80,15 @@ class ExperienceWorker:
         """Extract from every group stored since the last pass; returns the pool's counts."""
         t0 = time.monotonic()
         groups, next_seq = self._new_groups()
-        exps = [e for g in groups for e in self.extractor.from_group(g, version)]
-        if exps and self._stop.is_set():
-            # Told to stop: embedding them (and, the first time, loading the embedder) would
-            # outlast the supervisor's grace. The cursor stays, so a next worker reads them.
+        exps = []
+        for group in groups:
+            if self._stop.is_set():
+                break
+            exps += self.extractor.from_group(group, version)
+        if groups and self._stop.is_set():
+            # Told to stop: replaying the rest (one served-env call after another) or embedding
+            # the lessons (the first time, loading the embedder) would outlast the supervisor's
+            # grace. The cursor stays, so a next worker reads them all.
             log.info("experience: stopping; %d groups left for the next pass", len(groups))
             return {"added": 0}
         counts = self.pool.add(exps) if exps else {"added": 0}

@@ -523,16 +523,24 @@ def test_a_worker_told_to_stop_leaves_its_pass_to_the_next_one(tmp_path, control
     push_all(actor, groups)
     actor.close()
 
+    class Counting(ExperienceExtractor):
+        replayed = 0
+
+        def from_group(self, group, version):
+            self.replayed += 1
+            return super().from_group(group, version)
+
     def worker():
         return build_experience(RunConfig(), tmp_path, control,
                                 ReplayClient(replay_server.address, retry_after_s=0.5,
                                              timeout_s=10),
-                                pool=ListPool(), extractor=ExperienceExtractor())
+                                pool=ListPool(), extractor=Counting())
 
     stopping = worker()
     stopping.request_stop()
     assert stopping.extract_once(1) == {"added": 0}
     assert stopping.pool.added == [] and control.experience_cursor() == 0
+    assert stopping.extractor.replayed == 0  # not one group replayed (a served env: slow)
     stopping.close()
     after = worker()
     after.extract_once(2)
