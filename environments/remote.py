@@ -152,20 +152,9 @@ class EnvLink:
 
     def _call_batch(self, requests: Sequence) -> list:
         channel = self._channel()
-        # Sessions to close go first, in the same frame; fire and forget (their replies are
-        # dropped unread, and the server drops an unknown session quietly).
-        closes = [codec.encode(wire.EnvClose(self._to_close.popleft()), "")
-                  for _ in range(min(len(self._to_close), BATCH_CALLS))]
         refused = sum(channel.dropped.values())
         sent = time.perf_counter()
-        if len(requests) == 1 and not closes:
-            batch_id, waiting = None, {channel.send(requests[0]): 0}
-        else:
-            waiting = {new_id(): i for i in range(len(requests))}
-            for msg_id, i in waiting.items():
-                channel.expect(msg_id, requests[i])
-            batch_id = channel.send(wire.EnvBatch(closes + [codec.encode(requests[i], msg_id)
-                                                            for msg_id, i in waiting.items()]))
+        batch_id, waiting = self._send(channel, requests)
         replies: list = [None] * len(requests)
         deadline = time.monotonic() + self.timeout_s
         while waiting:
@@ -175,17 +164,17 @@ class EnvLink:
                                    sum(channel.dropped.values()) > refused)
                 break
             for rid, reply in channel.poll(min(left, POLL_S)):
-                if rid == batch_id:  # the server refused the batch whole
-                    failed = self._checked(reply, wire.EnvBatch([]))
-                    for msg_id, i in waiting.items():
-                        channel.forget(msg_id)
+                if rid == batch_id:  # the server refused the batch whole: none of it ran
+                    failed = self._checked(reply, "a batch")
+                    for i in waiting.values():
                         replies[i] = failed
-                    waiting.clear()
+                    self._fail_waiting(channel, waiting, requests, replies, False)
                     break
                 i = waiting.pop(rid, None)
                 if i is not None:
-                    self.timings.append((type(requests[i]).__name__, time.perf_counter() - sent))
-                    replies[i] = self._checked(reply, requests[i])
+                    what = type(requests[i]).__name__
+                    self.timings.append((what, time.perf_counter() - sent))
+                    replies[i] = self._checked(reply, what)
                     deadline = time.monotonic() + self.timeout_s
             if waiting and sum(channel.dropped.values()) - refused >= len(waiting):
                 # as many replies refused as calls wait: those were theirs
@@ -194,12 +183,29 @@ class EnvLink:
             channel.forget(batch_id)
         return replies
 
+    def _send(self, channel: ZmqChannel, requests: Sequence) -> tuple[str | None, dict]:
+        """Send ``requests``: one alone as itself, else in one EnvBatch after the sessions
+        waiting to be closed (fire and forget: their replies are dropped unread, and the
+        server drops an unknown session quietly). Returns the batch's msg_id (None when there
+        is none) and each request's msg_id -> its index."""
+        closes = [codec.encode(wire.EnvClose(self._to_close.popleft()), "")
+                  for _ in range(min(len(self._to_close), BATCH_CALLS))]
+        if len(requests) == 1 and not closes:
+            return None, {channel.send(requests[0]): 0}
+        waiting = {new_id(): i for i in range(len(requests))}
+        for msg_id, i in waiting.items():
+            channel.expect(msg_id, requests[i])
+        frames = [codec.encode(requests[i], msg_id) for msg_id, i in waiting.items()]
+        return channel.send(wire.EnvBatch(closes + frames)), waiting
+
     def _fail_waiting(self, channel: ZmqChannel, waiting: dict, requests, replies,
                       refused: bool) -> None:
         """Fail every call still waiting: a reply that did not decode (``refused``, which of
         them it answered unknown) or none in time."""
         for rid, i in waiting.items():
             channel.forget(rid)
+            if replies[i] is not None:  # failed already (a batch refused whole)
+                continue
             what = type(requests[i]).__name__
             replies[i] = EnvFailed("bad_reply", f"the env server at {self.address} answered "
                                    f"{what} with a frame that does not decode") if refused \
@@ -207,13 +213,13 @@ class EnvLink:
                                f"(env.call_timeout_s) by the env server at {self.address}")
         waiting.clear()
 
-    def _checked(self, reply, request):
-        """The reply, or the EnvFailed it stands for."""
+    def _checked(self, reply, what: str):
+        """The reply to a ``what`` request, or the EnvFailed it stands for."""
         if isinstance(reply, wire.EnvFailure):
             return EnvFailed(reply.reason, reply.detail, reply.stderr)
         if isinstance(reply, Error):
             return EnvFailed("refused", f"the env server at {self.address} refused "
-                             f"{type(request).__name__}: {reply.reason}: {reply.detail}")
+                             f"{what}: {reply.reason}: {reply.detail}")
         return reply
 
     def close_later(self, session: str) -> None:

@@ -457,6 +457,35 @@ def test_a_reply_that_does_not_decode_fails_the_call_at_once():
         rogue.close(0)
 
 
+def test_a_batch_refused_whole_fails_each_of_its_calls_at_once():
+    """A server refusing a batch (one Error under the batch's id): every call in it fails as
+    refused, none waits out the deadline."""
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+
+    def refuse():
+        if rogue.poll(10_000):
+            route, frame = rogue.recv_multipart()
+            envelope, batch = codec.decode(frame)
+            assert isinstance(batch, wire.EnvBatch) and len(batch.frames) == 3
+            rogue.send_multipart([route, codec.encode(Error("invalid", "no"), envelope.msg_id)])
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        failed = EnvLink(f"tcp://127.0.0.1:{port}", 10.0).call_many(
+            [wire.EnvState(S), wire.EnvState(S), wire.EnvTools(S)])
+        assert time.monotonic() - t0 < 5
+        assert [f.reason for f in failed] == ["refused"] * 3
+        assert all("refused a batch: invalid" in f.detail for f in failed)
+    finally:
+        thread.join(10)
+        rogue.close(0)
+
+
 # --- faults --------------------------------------------------------------------------------------
 
 
