@@ -11,7 +11,9 @@ worker that died, a reply that does not decode or fit) raises
 :class:`~protocol.errors.EnvFailed` instead, after which the instance is unusable.
 
 One DEALER socket per thread and server carries every session's calls (zmq sockets are not
-thread-safe); a call is sent once and never re-sent, since env calls change state.
+thread-safe); a call is sent once and never re-sent, since env calls change state. The calls a
+rollout makes of all its episodes at once (``environments.base.call_all``) go in one
+``EnvBatch`` frame, each still answered, and failed, on its own.
 """
 
 from __future__ import annotations
@@ -272,7 +274,7 @@ def _is_map(v) -> bool:
 
 def _session_call(calls: Callable[..., Generator]):
     """A session method written as a generator that yields its request and is sent back the
-    reply, run here as one call; ``RemoteEnv.call_each`` runs many sessions' side by side."""
+    reply, run here as one call; ``RemoteEnv.call_all`` runs many side by side."""
     @functools.wraps(calls)
     def method(self, *args):
         result = _run_calls(self._link, [self], [calls(self, *args)])[0]
