@@ -3,7 +3,7 @@ tests/test_openenv.py: ``python tests/openenv_native.py PORT`` serves it at
 http://127.0.0.1:PORT with ``create_app`` and uvicorn.
 
 A counter to bring to a target: reset(seed) sets the target to ``seed % 4 + 2``; MCP tools
-``add(n: int 1..3)``, ``show()``, ``paint(colour: red|blue)``, ``zero-out()`` and ``nap()`` (0.6 s
+``add(n: int 1..3)``, ``show()``, ``paint(colour: red|blue)``, ``zero-out()`` and ``nap()`` (3 s
 asleep); every tool call's reward is 1.0 once the counter equals the target (then
 done), else 0.0.
 """
@@ -58,8 +58,8 @@ class Counter(MCPEnvironment):
 
         @mcp.tool
         def nap() -> str:
-            """sleep 0.6 s (a call past a client's deadline)"""
-            time.sleep(0.6)
+            """sleep 3 s (a call past a client's deadline)"""
+            time.sleep(3.0)
             return "awake"
 
         super().__init__(mcp)

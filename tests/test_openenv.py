@@ -329,7 +329,8 @@ def test_no_server_is_env_failed(servers):
 
 def test_a_call_past_the_deadline_is_env_failed(servers):
     _, native = servers
-    env = adapter(native.url, timeout_s=0.2)
+    # nap takes 3 s; 1 s leaves a loaded machine room for the reconnect and reset after it
+    env = adapter(native.url, timeout_s=1.0)
     task = env.tasks("train")[0]
     env.reset(task)
     with pytest.raises(EnvFailed) as late:
