@@ -29,7 +29,6 @@ With ``--openenv`` none of this runs: the env is served as an OpenEnv server ins
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import shutil
@@ -496,7 +495,7 @@ class EnvServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> EnvServerProcess:
-        from autodidact.supervisor import die_with_parent
+        from autodidact.supervisor import parent_death_preexec
 
         root = str(Path(__file__).resolve().parents[1])
         paths = [p for p in (self.pythonpath, root, os.environ.get("PYTHONPATH", "")) if p]
@@ -504,7 +503,7 @@ class EnvServerProcess:
         try:
             self.proc = subprocess.Popen(
                 self.argv, cwd=root, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent,
+                start_new_session=True, preexec_fn=parent_death_preexec(),
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
         finally:
             if self.log:
@@ -513,21 +512,10 @@ class EnvServerProcess:
 
     def stop(self) -> None:
         """SIGTERM to the group (the broker stops its workers), SIGKILL to what is left."""
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):  # a worker the broker did not stop
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.poll()
+        from autodidact.supervisor import stop_process_group
+
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s=10.0, kill_wait_s=5.0)
 
     def text(self) -> str:
         """What the server has printed so far (its log)."""

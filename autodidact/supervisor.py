@@ -75,6 +75,31 @@ def parent_death_preexec():
     return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
+def stop_process_group(proc: subprocess.Popen, grace_s: float, kill_wait_s: float = 10.0,
+                       reap_s: float = 10.0) -> None:
+    """Stop a child started with ``start_new_session``: SIGTERM to its group, SIGKILL after
+    ``grace_s``, then SIGKILL to whatever is left of the group until it is empty (a child of
+    the child may outlive it; an orphan is gone only once init has reaped it)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    deadline = time.monotonic() + reap_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.1)
+    proc.poll()
+
+
 @dataclass
 class RoleSpec:
     name: str  # unique label, e.g. "replay" or "actor-1"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -19,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from autodidact.supervisor import parent_death_preexec
+from autodidact.supervisor import parent_death_preexec, stop_process_group
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -103,37 +102,14 @@ class VLLMServer:
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        _reap_group(proc.pid)
+        if proc is not None:  # the engine-core child may outlive its parent: the group goes
+            stop_process_group(proc, grace_s)
 
     def __enter__(self) -> VLLMServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _reap_group(pgid: int, timeout_s: float = 10.0) -> None:
-    """SIGKILL whatever is left of the group (the engine-core child may outlive its parent)
-    and wait until the group is empty: an orphan is gone only once init has reaped it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.1)
 
 
 @contextlib.contextmanager
