@@ -340,10 +340,12 @@ class RemoteEnv(Environment):
     def call_all(cls, calls: Sequence[tuple[Environment, str, tuple]]) -> list:
         """Every call's request sent to the server together, one session's in the order
         given (see :func:`environments.base.call_all`)."""
-        if any(getattr(getattr(cls, method), "calls", None) is None for _, method, _ in calls):
+        generators = [getattr(getattr(cls, method), "calls", None) for _, method, _ in calls]
+        if None in generators:
             return super().call_all(calls)  # not all session calls (vocabulary)
         return _run_calls(cls._link, [env for env, _, _ in calls],
-                          [getattr(cls, method).calls(env, *args) for env, method, args in calls])
+                          [calls_of(env, *args) for calls_of, (env, _, args)
+                           in zip(generators, calls)])
 
     def _request(self, request_cls, *args):
         if self._failed is not None:

@@ -342,5 +342,5 @@ def _refuse_plain(value, path: str, depth: int = 0):
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _refuse_plain(v, f"{path}[{i}]", depth + 1)
-    elif not (value is None or isinstance(value, (str, int, float, bool, bytes))):
+    elif not isinstance(value, _PLAIN_SCALARS):
         raise SchemaError("wrong_type", "free-form data must be JSON-like", path)

@@ -15,6 +15,7 @@ free port, its workers, and clients over real ZeroMQ sockets.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import random
@@ -433,57 +434,52 @@ def test_the_server_answers_every_mutated_request(files_server, served_files, ta
     assert files_server.proc.poll() is None
 
 
-def test_a_reply_that_does_not_decode_fails_the_call_at_once():
-    """A rogue server answering garbage: the client raises bad_reply, not a timeout."""
-    ctx = zmq.Context.instance()
-    rogue = ctx.socket(zmq.ROUTER)
+@contextlib.contextmanager
+def rogue_server(answer):
+    """A ROUTER at a loopback address that answers the first frame it gets with
+    ``answer(frame)``, the bytes sent back, from a thread; yields its address."""
+    rogue = zmq.Context.instance().socket(zmq.ROUTER)
     rogue.setsockopt(zmq.LINGER, 0)
     port = rogue.bind_to_random_port("tcp://127.0.0.1")
 
-    def answer_garbage():
+    def serve_one():
         if rogue.poll(10_000):
-            route, _ = rogue.recv_multipart()
-            rogue.send_multipart([route, b"\x93garbage"])
+            route, frame = rogue.recv_multipart()
+            rogue.send_multipart([route, answer(frame)])
 
-    thread = threading.Thread(target=answer_garbage, daemon=True)
+    thread = threading.Thread(target=serve_one, daemon=True)
     thread.start()
     try:
-        t0 = time.monotonic()
-        with pytest.raises(EnvFailed) as info:
-            EnvLink(f"tcp://127.0.0.1:{port}", 10.0).hello()
-        assert info.value.reason == "bad_reply" and time.monotonic() - t0 < 5
+        yield f"tcp://127.0.0.1:{port}"
     finally:
         thread.join(10)
         rogue.close(0)
+
+
+def test_a_reply_that_does_not_decode_fails_the_call_at_once():
+    """A rogue server answering garbage: the client raises bad_reply, not a timeout."""
+    with rogue_server(lambda frame: b"\x93garbage") as address:
+        t0 = time.monotonic()
+        with pytest.raises(EnvFailed) as info:
+            EnvLink(address, 10.0).hello()
+        assert info.value.reason == "bad_reply" and time.monotonic() - t0 < 5
 
 
 def test_a_batch_refused_whole_fails_each_of_its_calls_at_once():
     """A server refusing a batch (one Error under the batch's id): every call in it fails as
     refused, none waits out the deadline."""
-    ctx = zmq.Context.instance()
-    rogue = ctx.socket(zmq.ROUTER)
-    rogue.setsockopt(zmq.LINGER, 0)
-    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    def refuse(frame):
+        envelope, batch = codec.decode(frame)
+        assert isinstance(batch, wire.EnvBatch) and len(batch.frames) == 3
+        return codec.encode(Error("invalid", "no"), envelope.msg_id)
 
-    def refuse():
-        if rogue.poll(10_000):
-            route, frame = rogue.recv_multipart()
-            envelope, batch = codec.decode(frame)
-            assert isinstance(batch, wire.EnvBatch) and len(batch.frames) == 3
-            rogue.send_multipart([route, codec.encode(Error("invalid", "no"), envelope.msg_id)])
-
-    thread = threading.Thread(target=refuse, daemon=True)
-    thread.start()
-    try:
+    with rogue_server(refuse) as address:
         t0 = time.monotonic()
-        failed = EnvLink(f"tcp://127.0.0.1:{port}", 10.0).call_many(
+        failed = EnvLink(address, 10.0).call_many(
             [wire.EnvState(S), wire.EnvState(S), wire.EnvTools(S)])
         assert time.monotonic() - t0 < 5
         assert [f.reason for f in failed] == ["refused"] * 3
         assert all("refused a batch: invalid" in f.detail for f in failed)
-    finally:
-        thread.join(10)
-        rogue.close(0)
 
 
 # --- faults --------------------------------------------------------------------------------------
