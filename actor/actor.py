@@ -195,9 +195,10 @@ class Actor:
                                 stop_token_ids=(self.codec.eoa_id,), seed=self._seed,
                                 logprobs_mode="raw")
         with self._beating():
-            episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance)
+            episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance,
+                                      constrained=self.rollout.constrained)
             rollout(self.backend, episodes, self.codec, params, self.rollout,
-                    between_turns=self.maybe_load_weights, reward=self.reward.grade)
+                    between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
         episodes = self._without_failed_groups(episodes, n)
         if self.navigator:

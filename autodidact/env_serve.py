@@ -18,9 +18,10 @@ worker that opened it, and answers for a worker that cannot:
 * a worker reply that does not decode: ``EnvFailure(bad_reply)``;
 * no worker up: hello and open wait up to ``--no-worker-wait-s``, then ``EnvFailure(no_worker)``.
 
-Broker and worker speak over an ipc socket in a private temporary directory: ``[ticket,
-frame]`` both ways, the frame the same codec frame a client sends (the worker's first message
-is ``[b"ready", b""]``).
+Broker and worker speak over an ipc socket in a private temporary directory: one msgpack
+list ``[ticket, frame, ticket, frame, ...]`` a message both ways, each frame the same codec
+frame a client sends (the worker's first message is ``[b"ready", b""]``). The replies to a
+client's batch go back to it bundled, one ``EnvAnswers`` per worker message.
 
 With ``--openenv`` none of this runs: the env is served as an OpenEnv server instead
 (``autodidact/openenv_serve.py``), for OpenEnv clients.
@@ -29,6 +30,7 @@ With ``--openenv`` none of this runs: the env is served as an OpenEnv server ins
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+import msgpack
 import zmq
 
 from protocol import codec
@@ -130,6 +133,9 @@ class EnvBroker:
         self._tickets = 0
         # worker identity -> [ticket, frame, ...] while a batch is read
         self._outbox: dict | None = None
+        # (client route, batch msg_id) -> reply frames while a batch or a worker's message is
+        # handled: sent as one EnvAnswers each, as the client's batch was one message
+        self._replies: dict | None = None
 
     # -- the loop --
 
@@ -143,7 +149,8 @@ class EnvBroker:
                     self._from_client(incoming)
             if self.back in events:
                 self._from_workers()
-            self._watch()
+            with self._replies_together():
+                self._watch()
 
     def close(self) -> None:
         for worker in self.workers:
@@ -183,8 +190,7 @@ class EnvBroker:
     def _from_batch(self, batch: Incoming) -> None:
         """Each request of a batch as if it had come alone, those for one worker sent to it in
         one message. A request that does not decode refuses the batch whole, none sent."""
-        inner = [self.front.incoming(batch.route, frame, batch.peer_key)
-                 for frame in batch.msg.frames]
+        inner = [self.front.incoming(batch, frame) for frame in batch.msg.frames]
         for i, request in enumerate(inner):
             error = request.error or (None if type(request.msg) in wire.BATCHED else SchemaError(
                 "unexpected_type", f"{type(request.msg).__name__} cannot be batched"))
@@ -194,12 +200,13 @@ class EnvBroker:
                 return
         self._outbox = collections.defaultdict(list)
         try:
-            for request in inner:
-                self._from_client(request)
+            with self._replies_together():
+                for request in inner:
+                    self._from_client(request)
         finally:
             outbox, self._outbox = self._outbox, None
             for identity, parts in outbox.items():
-                self.back.send_multipart([identity, *parts])
+                self.back.send_multipart([identity, _packed(parts)])
 
     def _to_any_worker(self, incoming: Incoming) -> None:
         if incoming.msg.version != wire.ENV_WIRE_VERSION:
@@ -226,7 +233,7 @@ class EnvBroker:
             self._send(worker, incoming)
         elif isinstance(incoming.msg, wire.EnvClose):  # gone already: nothing left to close
             self.lost.pop(session, None)
-            self.front.reply(incoming, wire.EnvValue(None))
+            self._reply(incoming, wire.EnvValue(None))
         elif session in self.lost:
             detail, tail = self.lost[session]
             self._fail(incoming, "worker_died", detail, tail)
@@ -237,7 +244,38 @@ class EnvBroker:
 
     def _fail(self, incoming: Incoming, reason: str, detail: str, tail=()) -> None:
         self.failures[reason] += 1
-        self.front.reply(incoming, wire.EnvFailure(reason, detail, list(tail)))
+        self._reply(incoming, wire.EnvFailure(reason, detail, list(tail)))
+
+    def _reply(self, incoming: Incoming, msg) -> None:
+        self._reply_frame(incoming, codec.encode(msg, incoming.msg_id))
+
+    def _reply_frame(self, incoming: Incoming, frame: bytes) -> None:
+        if not incoming.within:
+            self.front.reply_frame(incoming, frame)
+        elif self._replies is None:
+            self._answers(incoming.route, incoming.within, [frame])
+        else:
+            self._replies[tuple(incoming.route), incoming.within].append(frame)
+
+    @contextlib.contextmanager
+    def _replies_together(self):
+        """The replies to batched requests made inside go out when it ends, one message per
+        client batch."""
+        if self._replies is not None:
+            yield
+            return
+        self._replies = collections.defaultdict(list)
+        try:
+            yield
+        finally:
+            replies, self._replies = self._replies, None
+            for (route, batch_id), frames in replies.items():
+                self._answers(list(route), batch_id, frames)
+
+    def _answers(self, route: list[bytes], batch_id: str, frames: list[bytes]) -> None:
+        for start in range(0, len(frames), wire.MAX_BATCH_CALLS):
+            self.front.reply_frame(Incoming(route, batch_id), codec.encode(
+                wire.EnvAnswers(frames[start:start + wire.MAX_BATCH_CALLS]), batch_id))
 
     # -- workers --
 
@@ -252,7 +290,7 @@ class EnvBroker:
         if self._outbox is not None:  # a batch's: sent with the rest of its worker's share
             self._outbox[worker.identity] += [ticket, frame]
         else:
-            self.back.send_multipart([worker.identity, ticket, frame])
+            self.back.send_multipart([worker.identity, _packed([ticket, frame])])
 
     def _evict(self, worker: Worker) -> None:
         """Close the worker's least recently used session to make room (no client waits)."""
@@ -262,22 +300,25 @@ class EnvBroker:
                  worker.index, self.settings.max_sessions, session)
         self._tickets += 1
         frame = codec.encode(wire.EnvClose(session), "")
-        self.back.send_multipart([worker.identity, self._tickets.to_bytes(8, "big"), frame])
+        self.back.send_multipart([worker.identity,
+                                  _packed([self._tickets.to_bytes(8, "big"), frame])])
 
     def _from_workers(self) -> None:
         while True:
             try:
-                identity, *pairs = self.back.recv_multipart(zmq.NOBLOCK)
+                identity, *payload = self.back.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             worker = next((w for w in self.workers if w.identity == identity), None)
-            if worker is None or len(pairs) % 2:  # not one of our workers' [ticket, frame]s
+            pairs = _unpacked(payload)
+            if worker is None or pairs is None:  # not one of our workers' [ticket, frame]s
                 continue
-            for ticket, frame in zip(pairs[0::2], pairs[1::2]):
-                if ticket == READY:
-                    self._ready(worker)
-                else:
-                    self._answer(worker, worker.inflight.pop(ticket, None), frame)
+            with self._replies_together():
+                for ticket, frame in zip(pairs[0::2], pairs[1::2]):
+                    if ticket == READY:
+                        self._ready(worker)
+                    else:
+                        self._answer(worker, worker.inflight.pop(ticket, None), frame)
 
     def _ready(self, worker: Worker) -> None:
         worker.ready = True
@@ -313,9 +354,9 @@ class EnvBroker:
             reply.stderr = list(worker.tail)
             log.warning("env worker %d failed %s: %s: %s", worker.index,
                         type(pending.incoming.msg).__name__, reply.reason, reply.detail)
-            self.front.reply(pending.incoming, reply)
+            self._reply(pending.incoming, reply)
         else:
-            self.front.reply_frame(pending.incoming, frame)
+            self._reply_frame(pending.incoming, frame)
 
     def _watch(self) -> None:
         now = time.monotonic()
@@ -449,24 +490,41 @@ def run_worker(spec: str, address: str, identity: str) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.connect(address)
-    sock.send_multipart([READY, b""])
+    sock.send(_packed([READY, b""]))
     try:
         while True:
             # [ticket, frame] pairs, several from a batch: their replies go back together,
             # or as they come once an env call takes longer (the broker's deadline and the
             # client's see progress).
-            parts = sock.recv_multipart()
+            parts = _unpacked([sock.recv()]) or []
             replies, flushed = [], time.monotonic()
             for ticket, frame in zip(parts[0::2], parts[1::2]):
                 replies += [ticket, worker.reply_frame(frame)]
                 if time.monotonic() - flushed > FLUSH_S:
-                    sock.send_multipart(replies)
+                    sock.send(_packed(replies))
                     replies, flushed = [], time.monotonic()
             if replies:
-                sock.send_multipart(replies)
+                sock.send(_packed(replies))
     finally:
         sock.close(0)
         ctx.term()
+
+
+def _packed(pairs: list[bytes]) -> bytes:
+    """``[ticket, frame, ticket, frame, ...]`` as the one frame a broker-worker message is
+    (one ZeroMQ part, not two per call: parts cost a copy and a call each)."""
+    return msgpack.packb(pairs)
+
+
+def _unpacked(payload: list[bytes]) -> list[bytes] | None:
+    """The pairs of a broker-worker message; None for anything else."""
+    try:
+        pairs = msgpack.unpackb(payload[0]) if len(payload) == 1 else None
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    ok = isinstance(pairs, list) and len(pairs) % 2 == 0 \
+        and all(isinstance(p, bytes) for p in pairs)
+    return pairs if ok else None
 
 
 def _exit_now(*_):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 import time
 import weakref
@@ -39,10 +40,12 @@ from environments.base import (
 from protocol import codec
 from protocol import env_wire as wire
 from protocol.config import EnvConfig
-from protocol.errors import ConfigError, EnvFailed
+from protocol.errors import ConfigError, EnvFailed, SchemaError
 from protocol.messages import Error, Task
 from protocol.security import CurveKeys
 from protocol.transport import ZmqChannel, new_id
+
+log = logging.getLogger(__name__)
 
 NEVER_RESEND_S = 1e9  # retry_after_s of the channel: an env call is not idempotent
 POLL_S = 0.2  # how often a waiting call looks at the channel's refused-reply count
@@ -162,25 +165,23 @@ class EnvLink:
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._fail_waiting(channel, waiting, requests, replies,
-                                   sum(channel.dropped.values()) > refused)
+                self._fail_waiting(waiting, requests, replies, False)
                 break
-            for rid, reply in channel.poll(min(left, POLL_S)):
-                if rid == batch_id:  # the server refused the batch whole: none of it ran
-                    failed = self._checked(reply, "a batch")
-                    for i in waiting.values():
-                        replies[i] = failed
-                    self._fail_waiting(channel, waiting, requests, replies, False)
-                    break
+            for rid, reply in _opened(channel, batch_id, channel.poll(min(left, POLL_S))):
                 i = waiting.pop(rid, None)
                 if i is not None:
                     what = type(requests[i]).__name__
                     self.timings.append((what, time.perf_counter() - sent))
                     replies[i] = self._checked(reply, what)
                     deadline = time.monotonic() + self.timeout_s
-            if waiting and sum(channel.dropped.values()) - refused >= len(waiting):
-                # as many replies refused as calls wait: those were theirs
-                self._fail_waiting(channel, waiting, requests, replies, True)
+                elif rid == batch_id:  # the server refused the batch whole: none of it ran
+                    failed = self._checked(reply, "a batch")
+                    for i in waiting.values():
+                        replies[i] = failed
+                    waiting.clear()
+            if waiting and sum(channel.dropped.values()) > refused:
+                # a reply that did not decode: which calls it answered cannot be known
+                self._fail_waiting(waiting, requests, replies, True)
         if batch_id is not None:
             channel.forget(batch_id)
         return replies
@@ -195,19 +196,16 @@ class EnvLink:
         if len(requests) == 1 and not closes:
             return None, {channel.send(requests[0]): 0}
         waiting = {new_id(): i for i in range(len(requests))}
-        for msg_id, i in waiting.items():
-            channel.expect(msg_id, requests[i])
-        frames = [codec.encode(requests[i], msg_id) for msg_id, i in waiting.items()]
-        return channel.send(wire.EnvBatch(closes + frames)), waiting
+        batch = wire.EnvBatch(closes + [codec.encode(requests[i], msg_id)
+                                        for msg_id, i in waiting.items()])
+        batch_id = channel.send(batch)
+        channel.expect(batch_id, batch, answers=0)  # answered in parts (EnvAnswers)
+        return batch_id, waiting
 
-    def _fail_waiting(self, channel: ZmqChannel, waiting: dict, requests, replies,
-                      refused: bool) -> None:
+    def _fail_waiting(self, waiting: dict, requests, replies, refused: bool) -> None:
         """Fail every call still waiting: a reply that did not decode (``refused``, which of
         them it answered unknown) or none in time."""
-        for rid, i in waiting.items():
-            channel.forget(rid)
-            if replies[i] is not None:  # failed already (a batch refused whole)
-                continue
+        for i in waiting.values():
             what = type(requests[i]).__name__
             replies[i] = EnvFailed("bad_reply", f"the env server at {self.address} answered "
                                    f"{what} with a frame that does not decode") if refused \
@@ -240,6 +238,26 @@ class EnvLink:
         if not isinstance(served, wire.EnvServed):
             raise EnvFailed("bad_reply", f"EnvHello answered {type(served).__name__}")
         return served
+
+
+def _opened(channel: ZmqChannel, batch_id: str | None, replies: list) -> list:
+    """``replies`` with each EnvAnswers to the batch ``batch_id`` opened into the
+    (msg_id, reply) pairs it bundles; a bundled reply that does not decode is counted
+    where the channel counts its own (``dropped``)."""
+    opened = []
+    for rid, reply in replies:
+        if rid != batch_id or not isinstance(reply, wire.EnvAnswers):
+            opened.append((rid, reply))
+            continue
+        for frame in reply.frames:
+            try:
+                envelope, inner = codec.decode(frame)
+            except SchemaError as exc:
+                channel.dropped[exc.reason] += 1
+                log.warning("dropping an undecodable reply in a batch's answers: %s", exc)
+                continue
+            opened.append((envelope.msg_id, inner))
+    return opened
 
 
 def _client_keys(keys_dir: str) -> CurveKeys:

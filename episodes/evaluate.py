@@ -127,7 +127,8 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
     records = []
     for i in range(0, len(tasks), batch_tasks):
         chunk = tasks[i:i + batch_tasks]
-        episodes = start_episodes(chunk, k, make_env, codec)
+        episodes = start_episodes(chunk, k, make_env, codec,
+                                  constrained=policy == "model" and settings.constrained)
         if policy == "model":
             rollout(backend, episodes, codec, params, settings)
         else:

@@ -25,12 +25,14 @@ class OutcomeReward:
         score = self.grade(ep)
         return float(ep.env.evaluate(ep.task)) if score is None else score
 
+    def env_decides(self, task) -> bool:
+        """Whether the environment's check scores ``task`` (else the grader does)."""
+        return not (self.mode == "llm" or (self.mode == "auto" and described_only(task.goal)))
+
     def grade(self, ep: Episode) -> float | None:
         """The grader's score of ``ep``, or None where the environment's check decides (a
-        rollout then asks every such episode's env at once)."""
-        wants_grader = self.mode == "llm" or (self.mode == "auto"
-                                              and described_only(ep.task.goal))
-        if not wants_grader:
+        rollout asks those envs itself, with the last step or all at once at the end)."""
+        if self.env_decides(ep.task):
             return None
         if self.grader is None:
             self.ungraded += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -57,6 +58,10 @@ class Episode:
     truncated: bool = False
     reward: float = 0.0
     failure: EnvFailed | None = None  # the served env failed it: ended, never to be trained on
+    # Constrained decoding: the env's candidate actions for the next turn, asked with its
+    # last answer (one round trip to a served env a turn, not two); None when not yet asked.
+    candidates: list[str] | None = None
+    scored: bool = False  # ``reward`` is the env's evaluate(), asked with the last step
 
     def extend(self, ids, logprobs=None, version: int = -1, generated: bool = False) -> None:
         self.tokens += ids
@@ -98,8 +103,10 @@ class Guidance:
 
 def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environment],
                    codec: Codec,
-                   guidance: Sequence[Sequence[Guidance | None]] | None = None) -> list[Episode]:
-    """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th.
+                   guidance: Sequence[Sequence[Guidance | None]] | None = None,
+                   constrained: bool = False) -> list[Episode]:
+    """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th;
+    ``constrained``: each env's first candidate actions are asked with its reset.
 
     The envs are made together (a served env's sessions opened at once), so a server that
     cannot make them (none there, no worker up) fails the batch after one deadline, not one
@@ -116,14 +123,17 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         else:
             ep.env = env
     live = [(ep, guide) for ep, guide in zip(episodes, guides) if ep.failure is None]
-    asked = ["reset", "instructions"] if codec.shows_instructions else ["reset"]
+    asked = ["reset", *(["instructions"] if codec.shows_instructions else []),
+             *(["candidate_actions"] if constrained else [])]
     answers = ask_envs([(ep, method, (ep.task,) if method == "reset" else ())
                         for ep, _ in live for method in asked])
-    firsts = answers[::len(asked)]
-    instructions = answers[1::2] if codec.shows_instructions else [None] * len(live)
-    for (ep, guide), first, instruction in zip(live, firsts, instructions):
+    per_episode = [dict(zip(asked, answers[i:i + len(asked)]))
+                   for i in range(0, len(answers), len(asked))]
+    for (ep, guide), answered in zip(live, per_episode):
         if ep.failure is not None:
             continue
+        first, instruction = answered["reset"], answered.get("instructions")
+        ep.candidates = answered.get("candidate_actions")
         tokens, span = codec.start(ep.task.query if ep.env.query_in_prompt else "", first,
                                    guide.text if guide else None, instruction)
         ep.extend(tokens)
@@ -205,16 +215,26 @@ def _utf8(value):
     return value
 
 
+class Grading(Protocol):
+    """Who scores a finished episode (``episodes.reward.OutcomeReward``)."""
+
+    def env_decides(self, task: Task) -> bool:
+        """Whether the env's evaluate() scores ``task``'s episodes (known before they run)."""
+
+    def grade(self, ep: Episode) -> float | None:
+        """The score of ``ep`` where the env does not decide it."""
+
+
 def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             params: SamplingParams, settings: RolloutSettings,
             between_turns: Callable[[], None] | None = None,
-            reward: Callable[[Episode], float | None] | None = None) -> list[Episode]:
-    """Advance every episode to its end, one batched generation per turn; ``reward`` scores a
-    finished episode, or answers None where the env's check of the task's goal does (the
-    default for all), those envs asked at once."""
-    # Constrained, an episode's candidate actions for its next turn are asked with its step
-    # (after it, in the same round trip to a served env): one exchange a turn, not two.
-    candidates: dict[int, list[str]] = {}
+            reward: Grading | None = None) -> list[Episode]:
+    """Advance every episode to its end, one batched generation per turn, and score it: by
+    ``reward`` where it grades, else (and with no ``reward``) by the env's evaluate().
+
+    A served env is asked once a turn: the step, then (constrained) the next turn's candidate
+    actions, or (on the last turn, when the env scores the episode) its evaluate(), sent in
+    one round trip; only episodes the env ends early are evaluated after the last turn."""
     while True:
         for ep in episodes:  # a prompt with no room left for an action (long instructions)
             if not ep.done and len(ep.tokens) + settings.max_action_tokens > settings.max_context:
@@ -224,38 +244,62 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             break
         constraints = None
         if settings.constrained:
-            first = [ep for ep in active if id(ep) not in candidates]
+            first = [ep for ep in active if ep.candidates is None]
             for ep, actions in zip(first, ask_envs([(ep, "candidate_actions", ())
                                                     for ep in first])):
-                candidates[id(ep)] = actions
+                ep.candidates = actions
             active = [ep for ep in active if ep.failure is None]
             if not active:
                 continue
-            constraints = [codec.constraint(candidates.pop(id(ep))) for ep in active]
+            constraints = [codec.constraint(ep.candidates) for ep in active]
         gens = backend.generate([ep.tokens for ep in active], params, constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version)
                  for ep, g in zip(active, gens)]
-        calls = [(ep, "step", (action,)) for ep, (_, action) in zip(active, taken)]
-        if settings.constrained:
-            calls += [(ep, "candidate_actions", ()) for ep in active
-                      if len(ep.steps) + 1 < settings.max_turns]
-        answers = ask_envs(calls)
-        for ep, (start, action), stepped in zip(active, taken, answers):
-            if stepped is not None:
-                observe(ep, codec, start, action, stepped, settings)
-        for (ep, _, _), actions in zip(calls[len(active):], answers[len(active):]):
-            if not ep.done:
-                candidates[id(ep)] = actions
+        _step_all(active, taken, codec, settings, reward)
         if between_turns is not None:
             between_turns()
-    finished = [ep for ep in episodes if ep.failure is None]
-    graded = [reward(ep) if reward is not None else None for ep in finished]
-    for ep, score in zip(finished, graded):
-        ep.reward = 0.0 if score is None else float(score)
-    by_env = [ep for ep, score in zip(finished, graded) if score is None]
+    _score(episodes, reward)
+    return episodes
+
+
+def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
+              settings: RolloutSettings, reward: Grading | None) -> None:
+    """Every active episode's action sent to its env, with what its next turn or its score
+    needs from the env after that step."""
+    calls = [(ep, "step", (action,)) for ep, (_, action) in zip(active, taken)]
+    for ep in active:
+        ep.candidates = None
+        if len(ep.steps) + 1 >= settings.max_turns:  # this step is its last, whatever it says
+            if reward is None or reward.env_decides(ep.task):
+                calls.append((ep, "evaluate", (ep.task,)))
+        elif settings.constrained:
+            calls.append((ep, "candidate_actions", ()))
+    answers = ask_envs(calls)
+    for ep, (start, action), stepped in zip(active, taken, answers):
+        if stepped is not None:
+            observe(ep, codec, start, action, stepped, settings)
+    for (ep, method, _), answer in zip(calls[len(active):], answers[len(active):]):
+        if ep.failure is not None:
+            continue
+        if method == "evaluate":
+            ep.reward, ep.scored = 0.0 if answer is None else float(answer), True
+        elif not ep.done:
+            ep.candidates = answer
+
+
+def _score(episodes: list[Episode], reward: Grading | None) -> None:
+    """Each finished episode's reward: the grader's, or the env's evaluate() (asked here, all
+    at once, for those it was not asked with their last step)."""
+    finished = [ep for ep in episodes if ep.failure is None and not ep.scored]
+    by_env = []
+    for ep in finished:
+        if reward is None or reward.env_decides(ep.task):
+            by_env.append(ep)
+        else:
+            score = reward.grade(ep)
+            ep.reward = 0.0 if score is None else float(score)
     for ep, score in zip(by_env, ask_envs([(ep, "evaluate", (ep.task,)) for ep in by_env])):
         ep.reward = 0.0 if score is None else float(score)
-    return episodes
 
 
 def scripted_episode(task: Task, env: Environment, codec: Codec,

@@ -18,7 +18,8 @@ A conversation::
     EnvStep(session, action)         -> EnvStepped(observation, done, info, appended)
     ...                              (any request below, naming the session)
     EnvClose(session)                -> EnvValue(None)
-    EnvBatch([frame, frame, ...])    -> each request's own reply, as if sent one by one
+    EnvBatch([frame, frame, ...])    -> EnvAnswers([frame, ...]), one or more: each request's
+                                        own reply, as if sent one by one, bundled as they come
 
 Any request may instead be answered :class:`EnvRaised` (the env raised) or
 :class:`EnvFailure` (the service failed it: its worker died, the session is unknown, the
@@ -42,8 +43,9 @@ from protocol.codec import message
 from protocol.errors import SchemaError
 from protocol.messages import Task
 
-# v2: EnvBatch. Bump on any incompatible change to a message below.
-ENV_WIRE_VERSION = 2
+# v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers). Bump on any incompatible
+# change to a message below.
+ENV_WIRE_VERSION = 3
 
 # Python's own exception types by name (not BaseException's others: a worker that is told to
 # exit, exits). A served env's raise of one is raised again by the client as that type.
@@ -316,8 +318,10 @@ MAX_BATCH_CALLS = 4096  # requests in one EnvBatch
 class EnvBatch:
     """Several requests in one frame: what a rollout asks of all its episodes in one turn. The
     server handles each as if it had come alone, in the order given (one session's calls run
-    in that order), and answers each with its own reply frame under its own msg_id; the batch
-    itself gets no reply unless it is refused whole."""
+    in that order), and answers each with its own reply frame under its own msg_id, those
+    frames bundled in :class:`EnvAnswers` under the batch's msg_id as they are ready (one
+    message per worker's share, not one per call); a batch refused whole gets one ``Error``
+    instead."""
 
     frames: list[bytes]  # whole codec frames, each an EnvOpen or a session request
 
@@ -328,6 +332,18 @@ class EnvBatch:
 
 
 REQUESTS = (EnvHello, EnvBatch, *BATCHED)  # everything an env server is sent
+
+
+@message("env_answers")
+class EnvAnswers:
+    """Replies to requests of one EnvBatch (under its msg_id), each a whole codec frame under
+    its request's msg_id; a batch is answered by one or more of these, every request once."""
+
+    frames: list[bytes]  # reply frames, any order across sessions, one session's in order
+
+    def validate(self):
+        if not 0 < len(self.frames) <= MAX_BATCH_CALLS:
+            raise SchemaError("invalid", f"1 to {MAX_BATCH_CALLS} replies", "frames")
 
 
 # --- replies ----------------------------------------------------------------------------------

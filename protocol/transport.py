@@ -55,6 +55,7 @@ class Incoming:
     size: int = 0  # bytes on the wire
     credential: str = ""  # the sender's role token, from the envelope (codec v5)
     peer_key: bytes = b""  # the sender's CURVE public key (z85) on a CURVE server, else b""
+    within: str = ""  # the msg_id of the frame this came inside (an env batch), else ""
 
 
 @dataclass
@@ -131,10 +132,12 @@ class RouterServer:
             batch.append(self._decode(parts, peer_key))
         return batch
 
-    def incoming(self, route: list[bytes], frame: bytes, peer_key: bytes = b"") -> Incoming:
-        """A frame that came inside another (an env server's batch), decoded as if it had
-        come alone from ``route``."""
-        return self._decode([*route, frame], peer_key)
+    def incoming(self, outer: Incoming, frame: bytes) -> Incoming:
+        """A frame that came inside ``outer`` (an env server's batch), decoded as if it had
+        come alone from the same peer."""
+        inner = self._decode([*outer.route, frame], outer.peer_key)
+        inner.within = outer.msg_id
+        return inner
 
     def _decode(self, parts: list[bytes], peer_key: bytes = b"") -> Incoming:
         self.counters.received += 1
@@ -243,6 +246,7 @@ class _Pending:
     frame: bytes
     last_sent: float
     attempts: int = 1
+    answers_left: int = 1  # answers still taken (below 1: any number, until forgotten)
 
 
 class ZmqChannel(Channel):
@@ -279,10 +283,10 @@ class ZmqChannel(Channel):
         self._send_frame(frame)
         return msg_id
 
-    def expect(self, msg_id: str, msg) -> None:
-        """Take an answer to ``msg`` under ``msg_id``, sent inside another message (an env
-        server's batch); it is never re-sent on its own."""
-        self._pending[msg_id] = _Pending(msg, b"", float("inf"))
+    def expect(self, msg_id: str, msg, answers: int = 1) -> None:
+        """Take ``answers`` answers to ``msg`` under ``msg_id`` (0: any number, until
+        forgotten: an env server answers a batch in parts); it is never re-sent."""
+        self._pending[msg_id] = _Pending(msg, b"", float("inf"), answers_left=answers)
 
     def _send_frame(self, frame: bytes) -> None:
         try:
@@ -311,8 +315,12 @@ class ZmqChannel(Channel):
             self.dropped[exc.reason] += 1
             log.warning("dropping undecodable reply: %s", exc)
             return None
-        if self._pending.pop(env.msg_id, None) is None:
+        pending = self._pending.get(env.msg_id)
+        if pending is None:
             return None  # answer to a retry already answered
+        pending.answers_left -= 1
+        if pending.answers_left == 0:
+            del self._pending[env.msg_id]
         return env.msg_id, reply
 
     def _resend_overdue(self) -> None:
