@@ -61,8 +61,8 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
 STABLE_S = 30.0  # a worker that lived this long starts its next back-off from the minimum
 POLL_MS = 100  # the broker's longest wait before it looks at its workers again
 MAX_LOST = 100_000  # lost sessions remembered, to answer their late calls worker_died
-# Worker replies whose body the broker reads: a new session to route, a failure to count.
-ACTED_ON = frozenset({wire.EnvOpened.TYPE, wire.EnvFailure.TYPE})
+# Worker replies whose body the broker reads (besides every open's): a failure to count.
+ACTED_ON = frozenset({wire.EnvFailure.TYPE})
 FLUSH_S = 0.005  # a worker holds a batch's replies back this long at most
 
 
@@ -74,7 +74,7 @@ class Pending:
     """A client's call held by a worker."""
 
     incoming: Incoming  # the client's frame, decoded (its route and msg_id answer it)
-    opens: bool = False  # an EnvOpen: its reply names a session of this worker
+    opens: bool = False  # an EnvOpen: a reply other than EnvOpened unroutes its session
 
 
 @dataclass
@@ -128,6 +128,7 @@ class EnvBroker:
         self.route: dict[str, Worker] = {}  # session -> the worker holding it
         self.lost: collections.OrderedDict = collections.OrderedDict()  # session -> failure
         self.waiting: collections.deque = collections.deque()  # (since, Incoming) for a worker
+        self.opening: set[str] = set()  # sessions whose EnvOpen is among the waiting
         self.failures: collections.Counter = collections.Counter()  # reason -> calls failed
         self.last_tail: list[str] = []  # the last output of the worker that died last
         self._tickets = 0
@@ -182,7 +183,11 @@ class EnvBroker:
             return
         if isinstance(msg, wire.EnvBatch):
             self._from_batch(incoming)
-        elif isinstance(msg, (wire.EnvHello, wire.EnvOpen)):
+        else:
+            self._route(incoming)
+
+    def _route(self, incoming: Incoming) -> None:
+        if isinstance(incoming.msg, (wire.EnvHello, wire.EnvOpen)):
             self._to_any_worker(incoming)
         else:
             self._to_session(incoming)
@@ -213,16 +218,26 @@ class EnvBroker:
             self._fail(incoming, "version", f"this server speaks env wire "
                        f"v{wire.ENV_WIRE_VERSION}, the client v{incoming.msg.version}")
             return
+        opens = isinstance(incoming.msg, wire.EnvOpen)
+        session = incoming.msg.session if opens else ""
+        if opens and (session in self.route or session in self.opening):
+            self._fail(incoming, "session_taken", f"session {session[:64]} is open already: "
+                       "a new env names a new one")
+            return
         ready = [w for w in self.workers if w.ready]
         if not ready:
             self.waiting.append((time.monotonic(), incoming))
+            if opens:  # its session's calls wait behind it
+                self.opening.add(session)
             return
         # An idle worker first (one stuck in a call would hold the new session behind it),
         # then the one with the fewest sessions.
         worker = min(ready, key=lambda w: (len(w.inflight), len(w.sessions)))
-        opens = isinstance(incoming.msg, wire.EnvOpen)
-        if opens and len(worker.sessions) >= self.settings.max_sessions:
-            self._evict(worker)
+        if opens:  # routed from now on: the calls after it in its batch follow it there
+            if len(worker.sessions) >= self.settings.max_sessions:
+                self._evict(worker)
+            worker.sessions[session] = None
+            self.route[session] = worker
         self._send(worker, incoming, opens)
 
     def _to_session(self, incoming: Incoming) -> None:
@@ -231,6 +246,8 @@ class EnvBroker:
         if worker is not None:
             worker.sessions.move_to_end(session)
             self._send(worker, incoming)
+        elif session in self.opening:  # its open waits for a worker: so does it
+            self.waiting.append((time.monotonic(), incoming))
         elif isinstance(incoming.msg, wire.EnvClose):  # gone already: nothing left to close
             self.lost.pop(session, None)
             self._reply(incoming, wire.EnvValue(None))
@@ -324,8 +341,9 @@ class EnvBroker:
         worker.ready = True
         log.info("env worker %d up (pid %d)", worker.index, worker.proc.pid)
         waiting, self.waiting = self.waiting, collections.deque()
-        for _, incoming in waiting:
-            self._to_any_worker(incoming)
+        self.opening.clear()
+        for _, incoming in waiting:  # in order: an open before its session's calls
+            self._route(incoming)
 
     def _answer(self, worker: Worker, pending: Pending | None, frame: bytes) -> None:
         worker.busy_since = time.monotonic() if worker.inflight else None
@@ -336,17 +354,15 @@ class EnvBroker:
         try:
             envelope = codec.unpack_envelope(frame)
             reply = codec.decode_body(envelope.type_tag, envelope.body) \
-                if envelope.type_tag in ACTED_ON else None
+                if pending.opens or envelope.type_tag in ACTED_ON else None
         except SchemaError as exc:
             log.warning("env worker %d answered %s with a frame that does not decode (%s)",
                         worker.index, type(pending.incoming.msg).__name__, exc)
             self._fail(pending.incoming, "bad_reply", f"env worker {worker.index} answered "
                        f"with a frame that does not decode ({exc})", worker.tail)
             return
-        if pending.opens and isinstance(reply, wire.EnvOpened):
-            worker.sessions[reply.session] = None
-            self.route[reply.session] = worker
-        if isinstance(pending.incoming.msg, wire.EnvClose):
+        if (pending.opens and not isinstance(reply, wire.EnvOpened)) \
+                or isinstance(pending.incoming.msg, wire.EnvClose):  # no session (any more)
             worker.sessions.pop(pending.incoming.msg.session, None)
             self.route.pop(pending.incoming.msg.session, None)
         if isinstance(reply, wire.EnvFailure):
@@ -373,6 +389,8 @@ class EnvBroker:
                 self._start(worker)
         while self.waiting and now - self.waiting[0][0] > self.settings.no_worker_wait_s:
             _, incoming = self.waiting.popleft()
+            if isinstance(incoming.msg, wire.EnvOpen):
+                self.opening.discard(incoming.msg.session)
             self._fail(incoming, "no_worker", f"no env worker came up within "
                        f"{self.settings.no_worker_wait_s:g} s; see the server's log",
                        self.last_tail)
@@ -437,7 +455,7 @@ class EnvWorker:
         from environments import env_class
 
         self.cls = env_class(spec)
-        self.identity = identity  # a session id starts with it: logs tell where it lived
+        self.identity = identity  # EnvOpened names it: where a session lives
         self.sessions: dict = {}
 
     def reply_frame(self, frame: bytes) -> bytes:
@@ -463,12 +481,10 @@ class EnvWorker:
             return served_facts(self.cls)
         if isinstance(msg, wire.EnvOpen):
             try:
-                env = self.cls(**msg.options)
+                self.sessions[msg.session] = self.cls(**msg.options)
             except Exception as exc:  # options the constructor refuses
                 return raised_to_wire(exc)
-            session = f"{self.identity}-{os.urandom(12).hex()}"
-            self.sessions[session] = env
-            return wire.EnvOpened(session)
+            return wire.EnvOpened(msg.session, self.identity)
         if isinstance(msg, wire.EnvClose):
             self.sessions.pop(msg.session, None)
             return wire.EnvValue(None)

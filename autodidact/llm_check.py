@@ -200,7 +200,8 @@ def inputs(cfg: RunConfig, n: int, seed: int) -> tuple[list, list, list]:
     # is short (a 50-step exploration is ~2,000 tokens of prompt).
     explorer = Explorer(make_env, ExploreSettings(breadth_steps=8, depth_steps=4), seed)
     seeds = seed_tasks(env)
-    explorations = [explorer.explore(seeds[i % len(seeds)], i) for i in range(n)]
+    explorations = [exp for i in range(n)
+                    if (exp := explorer.explore(seeds[i % len(seeds)], i)) is not None]
     return pairs, groups, explorations
 
 

@@ -7,8 +7,10 @@ error observation with ``info["valid"] = False``; nothing the model writes can r
 
 from __future__ import annotations
 
+import collections
 import importlib
 import inspect
+import logging
 import re
 import shlex
 import typing
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from protocol.config import EnvConfig, coerce
 from protocol.errors import ConfigError, EnvFailed
 from protocol.messages import SPLITS, Task
+
+log = logging.getLogger(__name__)
 
 MAX_ACTION_CHARS = 256  # longer text is rejected before tokenizing: bounds parser work
 MAX_OBS_WORDS = 40  # safety net on what step() returns; environments truncate sooner
@@ -663,6 +667,44 @@ def _each_made(factory: Callable[[], Environment], n: int) -> list:
         except EnvFailed as exc:
             made.append(exc)
     return made
+
+
+class FreshEnvs:
+    """One env at a time from ``make_env`` for work done an item after another (explore's
+    explorations, the warm-start's scripts): an item the served env fails (EnvFailed: a
+    deadline, a worker that died, a reply that does not decode) is logged with the worker's
+    last lines, counted per reason (``failures``; the latest is ``last_failure``) and skipped,
+    and the next goes on with a fresh instance. ``max_in_a_row`` items failed one after
+    another mean the service is gone: the last failure is raised."""
+
+    def __init__(self, make_env: Callable[[], Environment], what: str, max_in_a_row: int = 3):
+        self.make_env, self.what, self.max_in_a_row = make_env, what, max_in_a_row
+        self.failures: collections.Counter = collections.Counter()  # reason -> items failed
+        self.last_failure: EnvFailed | None = None
+        self._env: Environment | None = None
+        self._in_a_row = 0
+
+    @property
+    def env(self) -> Environment:
+        if self._env is None:
+            self._env = self.make_env()
+        return self._env
+
+    def run(self, item: str, work: Callable[[Environment], typing.Any]):
+        """``work(env)``, or None when the service failed it (the env is then replaced)."""
+        try:
+            done = work(self.env)
+        except EnvFailed as exc:
+            self._env, self.last_failure = None, exc
+            self.failures[exc.reason] += 1
+            self._in_a_row += 1
+            if self._in_a_row >= self.max_in_a_row:
+                raise
+            log.warning("%s: the served env failed %s; skipped, going on with a fresh "
+                        "instance: %s", self.what, item, exc)
+            return None
+        self._in_a_row = 0
+        return done
 
 
 def make_env(spec: str | EnvConfig, **kwargs) -> Environment:

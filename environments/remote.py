@@ -312,35 +312,51 @@ class RemoteEnv(Environment):
     _vocabulary: tuple[str, ...] = ()
 
     def __init__(self, **options):
-        self._open(self._link.call(wire.EnvOpen(wire.ENV_WIRE_VERSION, dict(options))))
+        """A session opened now: a refusal (the constructor's, or the service's) is raised
+        here, as an in-process constructor's would be."""
+        self._begin(options)
+        self._opened(self._link.call(self._take_opening()))
 
     @classmethod
     def open_many(cls, n: int, options) -> list:
-        """``n`` sessions, their opens sent together."""
+        """``n`` sessions, nothing asked yet: each is opened with its first call, in the same
+        batch (an open refused fails that call)."""
         made: list = []
-        for opened in cls._link.call_many([wire.EnvOpen(wire.ENV_WIRE_VERSION, dict(options))
-                                           for _ in range(n)]):
+        for _ in range(n):
             env = cls.__new__(cls)
-            try:
-                env._open(opened)
-                made.append(env)
-            except EnvFailed as exc:
-                made.append(exc)
+            env._begin(options)
+            made.append(env)
         return made
 
-    def _open(self, opened) -> None:
-        """Become the session the reply to an EnvOpen names (EnvFailed: none was opened)."""
+    def _begin(self, options) -> None:
         super().__init__()
         self._failed: EnvFailed | None = None
-        if isinstance(opened, EnvFailed):
-            raise opened
-        if isinstance(opened, wire.EnvRaised):  # the constructor refused the options
-            raise_from_wire(opened)
-        if not isinstance(opened, wire.EnvOpened):
-            raise EnvFailed("bad_reply", f"EnvOpen answered {type(opened).__name__}")
-        self.session = opened.session
+        self.session = new_id()  # the client names it: its first calls follow its open
+        self.worker = ""  # the worker holding it, once opened (for diagnosis)
+        self._opening: wire.EnvOpen | None = wire.EnvOpen(wire.ENV_WIRE_VERSION, self.session,
+                                                          dict(options))
         self._closer = weakref.finalize(self, self._link.close_later, self.session)
         self._closer.atexit = False  # at exit the server drops every session anyway
+
+    def _take_opening(self) -> wire.EnvOpen | None:
+        """This session's EnvOpen while it is still to be sent (once)."""
+        opening, self._opening = self._opening, None
+        return opening
+
+    def _opened(self, reply) -> None:
+        """Take the reply to this session's EnvOpen; raise what refused it, and fail every
+        later call of the session."""
+        if isinstance(reply, wire.EnvOpened) and reply.session == self.session:
+            self.worker = reply.worker
+            return
+        if isinstance(reply, EnvFailed):
+            self._failed = reply
+            raise reply
+        if isinstance(reply, wire.EnvRaised):  # the constructor refused the options
+            self._failed = EnvFailed("no_session", f"it was never opened: {reply.error}: "
+                                     f"{reply.detail}")
+            raise_from_wire(reply)
+        raise self._fail(f"EnvOpen answered {type(reply).__name__}")
 
     @classmethod
     def drain_timings(cls) -> list[tuple[str, float]]:
@@ -526,7 +542,7 @@ def _run_calls(link: EnvLink, envs: Sequence[RemoteEnv], calls: list[Generator])
                 results[i] = done.value
             except EnvFailed as exc:
                 results[i] = exc
-        answers = link.call_many([request for _, request in asked]) if asked else []
+        answers = _with_opens(link, envs, asked)
         live = []
         for (i, _), reply in zip(asked, answers):
             if isinstance(reply, EnvFailed):
@@ -536,6 +552,31 @@ def _run_calls(link: EnvLink, envs: Sequence[RemoteEnv], calls: list[Generator])
                 replies[i] = reply
                 live.append(i)
     return results
+
+
+def _with_opens(link: EnvLink, envs: Sequence[RemoteEnv], asked: list[tuple[int, Any]]) -> list:
+    """The replies to ``asked`` (env index, request), sent together, each session's EnvOpen
+    still to be sent just before its request; a call whose session's open failed gets that
+    failure, and one whose constructor refused raises that refusal here."""
+    requests, opens = [], {}
+    for i, request in asked:
+        opening = envs[i]._take_opening()
+        if opening is not None:
+            opens[i] = len(requests)
+            requests.append(opening)
+        requests.append(request)
+    answers = iter(link.call_many(requests) if requests else [])
+    replies = []
+    for i, _ in asked:
+        if i in opens:
+            try:
+                envs[i]._opened(next(answers))
+            except EnvFailed as exc:
+                next(answers)  # the call itself, failed too (no such session)
+                replies.append(exc)
+                continue
+        replies.append(next(answers))
+    return replies
 
 
 # --- the server's end: one request answered by one env instance -----------------------------

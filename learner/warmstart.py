@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from environments.base import env_maker
+from environments.base import FreshEnvs, env_maker
 from episodes.rollout import Codec, RolloutSettings, make_codec, scripted_episode, to_groups
 from learner.batching import build_batch
 from learner.logprobs import prepare_for_training, token_logprobs
@@ -31,15 +31,23 @@ def reference_groups(cfg: RunConfig, codec: Codec, settings: RolloutSettings,
                      tasks: Sequence[Task] | None = None) -> list[Group]:
     """One single-trajectory group per task (default: the env's training tasks) whose reference
     solves it."""
-    env = env_maker(cfg.env)()
-    tasks = [t for t in (env.tasks("train") if tasks is None else tasks) if t.reference]
+    envs = FreshEnvs(env_maker(cfg.env), "warm-start")
+    tasks = [t for t in (envs.env.tasks("train") if tasks is None else tasks) if t.reference]
     random.Random(cfg.seed).shuffle(tasks)
     groups = []
     for task in tasks[:cfg.warmstart.max_examples]:
-        ep = scripted_episode(task, env, codec, settings)
-        if ep.reward >= 1.0:
+        ep = envs.run(f"the reference of {task.task_id}",
+                      lambda env, task=task: scripted_episode(task, env, codec, settings))
+        if ep is not None and ep.reward >= 1.0:
             groups += to_groups([ep], 1, "warmstart", 0.0)
+    _say_failures(envs)
     return groups
+
+
+def _say_failures(envs: FreshEnvs) -> None:
+    if envs.failures:
+        log.warning("%s: %d examples skipped, the served env failed them (%s)", envs.what,
+                    sum(envs.failures.values()), dict(envs.failures))
 
 
 def with_experience(cfg: RunConfig, groups: list[Group], codec: Codec,
@@ -62,15 +70,18 @@ def with_experience(cfg: RunConfig, groups: list[Group], codec: Codec,
     pool.add([e for g in groups for e in from_success(g.task, g.trajectories[0], -1)])
     navigator = Navigator(pool, xc, cfg.seed)
     rng = random.Random(cfg.seed + 1)
-    env = env_maker(cfg.env)()
+    envs = FreshEnvs(env_maker(cfg.env), "warm-start with experience")
     out = []
     for g in groups:
         guidance = navigator.retrieve(g.task) if rng.random() < xc.warmstart_share else None
         if guidance is None:
             out.append(g)
             continue
-        ep = scripted_episode(g.task, env, codec, settings, guidance)
-        out += to_groups([ep], 1, "warmstart", 0.0) if ep.reward >= 1.0 else [g]
+        ep = envs.run(f"the reference of {g.task.task_id}", lambda env, g=g, guidance=guidance:
+                      scripted_episode(g.task, env, codec, settings, guidance))
+        out += to_groups([ep], 1, "warmstart", 0.0) if ep is not None and ep.reward >= 1.0 \
+            else [g]
+    _say_failures(envs)
     log.info("warm-start: %d of %d examples carry experience (pool %d)",
              sum(bool(g.trajectories[0].experience_ids) for g in out), len(out), pool.size())
     return out

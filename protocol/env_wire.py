@@ -13,7 +13,9 @@ same types, by the client.
 A conversation::
 
     EnvHello(version)                -> EnvServed: the env's name, vocabulary, class facts
-    EnvOpen(version, options)        -> EnvOpened(session): one env instance on one worker
+    EnvOpen(version, session, options) -> EnvOpened(session, worker): one env instance on one
+                                        worker, under the id the client chose (so the calls
+                                        after it can ride in the same batch)
     EnvReset(session, task)          -> EnvValue(first observation)
     EnvStep(session, action)         -> EnvStepped(observation, done, info, appended)
     ...                              (any request below, naming the session)
@@ -43,8 +45,8 @@ from protocol.codec import message
 from protocol.errors import SchemaError
 from protocol.messages import Task
 
-# v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers). Bump on any incompatible
-# change to a message below.
+# v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers); the client names a new session
+# (EnvOpen.session). Bump on any incompatible change to a message below.
 ENV_WIRE_VERSION = 3
 
 # Python's own exception types by name (not BaseException's others: a worker that is told to
@@ -64,6 +66,7 @@ FAILURE_REASONS = (
     "worker_died",  # the worker holding the session exited (or was killed) during or before it
     "bad_reply",  # the env's answer would not encode, or a reply did not decode or fit
     "no_session",  # no such session: never opened, closed, or evicted for a newer one
+    "session_taken",  # an EnvOpen named a session that is open already
     "version",  # the client speaks another ENV_WIRE_VERSION
     "no_worker",  # every worker is down and none came back within the server's wait
 )
@@ -103,12 +106,19 @@ class EnvServed:
 @message("env_open")
 class EnvOpen:
     version: int  # the client's ENV_WIRE_VERSION
+    # names the new env instance in every later request: chosen by the client (random, as
+    # unguessable as a server's would be), so its first calls can follow in the same batch
+    session: str
     options: dict = field(default_factory=dict)  # keyword arguments of the env's constructor
+
+    def validate(self):
+        _check_session(self.session)
 
 
 @message("env_opened")
 class EnvOpened:
-    session: str  # names the new env instance in every later request
+    session: str  # the EnvOpen's
+    worker: str = ""  # the worker holding it (its logs name the session): for diagnosis
 
     def validate(self):
         _check_session(self.session)

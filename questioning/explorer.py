@@ -21,7 +21,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from environments.base import ActionError, Environment, ToolSpec, parse_action
+from environments.base import ActionError, Environment, FreshEnvs, ToolSpec, parse_action
 from protocol.messages import Task
 
 log = logging.getLogger(__name__)
@@ -440,16 +440,30 @@ class Explorer:
 
     def __init__(self, make_env: Callable[[], Environment], settings: ExploreSettings,
                  seed: int = 0, llm: LLMProposer | None = None):
-        self.make_env, self.settings = make_env, settings
-        self.env = make_env()
+        self.settings = settings
+        self.envs = FreshEnvs(make_env, "explore")
         self.rng = random.Random(seed)
         self.sampler = SchemaSampler(self.env.tools(), self.rng,
                                      vocabulary=type(self.env).vocabulary())
         self.llm = llm
         self.counts: Counter = Counter()
 
-    def explore(self, seed_task: Task, index: int) -> Exploration:
-        t0, env, s = time.monotonic(), self.env, self.settings
+    @property
+    def env(self) -> Environment:
+        """The env explorations run in now (a fresh one after a served env failed one)."""
+        return self.envs.env
+
+    def explore(self, seed_task: Task, index: int) -> Exploration | None:
+        """One exploration of ``seed_task``'s world; None when a served env failed it
+        (counted as ``env_failed/<reason>``; the next goes on with a fresh instance)."""
+        exp = self.envs.run(f"exploration {seed_task.seed}/{index}",
+                            lambda env: self._explore(env, seed_task, index))
+        if exp is None:
+            self.counts[f"env_failed/{self.envs.last_failure.reason}"] += 1
+        return exp
+
+    def _explore(self, env: Environment, seed_task: Task, index: int) -> Exploration:
+        t0, s = time.monotonic(), self.settings
         first = env.reset(seed_task)
         self.sampler.start(first)
         exp = Exploration(f"{seed_task.seed}/{index}", env.name, seed_task.seed, first,

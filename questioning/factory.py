@@ -248,6 +248,8 @@ class TaskFactory:
         index = self.next_index[seed.seed]
         self.next_index[seed.seed] += 1
         exp = self.explorer.explore(seed, index)
+        if exp is None:  # a served env failed it (counted): the next goes on afresh
+            return []
         append_exploration(self.run_dir, exp)
         self.profile.add(exp)
         candidates = self.hindsight.propose(exp)
@@ -371,8 +373,9 @@ def profile_only(cfg: RunConfig, run_dir: Path) -> dict:
         for seed in seed_tasks(env, cfg.explore.seeds):
             for index in range(cfg.explore.explorations_per_seed):
                 exp = explorer.explore(seed, index)
-                explorations.append(exp)
-                append_exploration(run_dir, exp)
+                if exp is not None:
+                    explorations.append(exp)
+                    append_exploration(run_dir, exp)
     profile = build_profile(env, explorations)
     save_json(profile, profile_path(run_dir))
     return profile

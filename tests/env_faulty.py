@@ -30,14 +30,15 @@ FAULT_SEEDS = {7: "crash", 8: "garble", 9: "hang"}
 
 @register_env("faulty")
 class Faulty(Environment):
-    def __init__(self, hang_s: float = 60.0):
+    def __init__(self, hang_s: float = 60.0, only_ok: bool = False):
         super().__init__()
         self.hang_s = hang_s
+        self.only_ok = only_ok  # offer the ok tool alone (what an explorer samples from)
         self.calls: list[str] = []
         self.garbled = False
 
     def tools(self):
-        return list(TOOLS)
+        return list(TOOLS[:1] if self.only_ok else TOOLS)
 
     def reset(self, task):
         self.task, self.responses, self.calls, self.garbled = task, [], [], False

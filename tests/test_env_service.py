@@ -361,7 +361,7 @@ TASK = Task("files/x", "files", "move ideas.md into music", 3, {"all": [{"path":
 S = "w0.0-" + "ab" * 12
 # One valid message of every env wire type: the starting points of the mutations below.
 ENV_SAMPLES = {m.TYPE: codec.encode_body(m) for m in [
-    wire.EnvHello(1), wire.EnvOpen(1, {"num_worlds": 3}), wire.EnvClose(S),
+    wire.EnvHello(1), wire.EnvOpen(1, S, {"num_worlds": 3}), wire.EnvClose(S),
     wire.EnvReset(S, TASK), wire.EnvTools(S), wire.EnvStep(S, "ls docs"),
     wire.EnvExecute(S, "mv", ["a", 3, True]), wire.EnvState(S), wire.EnvEvaluate(S, TASK),
     wire.EnvGoalProgress(S, TASK), wire.EnvCandidateActions(S), wire.EnvInstructions(S),
@@ -564,8 +564,8 @@ def test_a_worker_that_exits_mid_episode(faulty_server):
     server, cfg = faulty_server
     victim = _fresh(cfg)
     bystander = _fresh(cfg)
-    while bystander.session.split("-")[0] == victim.session.split("-")[0]:
-        bystander = _fresh(cfg)  # a session on the other worker (its id names the worker)
+    while bystander.worker.split(".")[0] == victim.worker.split(".")[0]:
+        bystander = _fresh(cfg)  # a session on the other worker
     starts = server.text().count(" up (pid")
     with pytest.raises(EnvFailed) as info:
         victim.step("crash")
@@ -575,9 +575,9 @@ def test_a_worker_that_exits_mid_episode(faulty_server):
     assert bystander.step("ok")[0] == "ok"  # the other worker's session goes on
     wait_for(lambda: server.text().count(" up (pid") > starts, 10, "the restarted worker")
     # The same worker dying again soon after its start waits twice as long before the next.
-    worker = victim.session.split(".")[0]  # "w<index>"
+    worker = victim.worker.split(".")[0]  # "w<index>"
     again = _fresh(cfg)
-    while again.session.split(".")[0] != worker:
+    while again.worker.split(".")[0] != worker:
         again = _fresh(cfg)
     with pytest.raises(EnvFailed):
         again.step("crash")
@@ -602,6 +602,42 @@ def test_an_answer_that_does_not_decode_fails_that_call_only(faulty_server):
     assert info.value.reason == "bad_reply" and "does not decode" in info.value.detail
     assert _fresh(cfg).step("ok")[0] == "ok"  # the worker lives on
 
+
+def test_explore_goes_on_past_an_exploration_the_env_failed(faulty_server):
+    """World 7 crashes its worker at the first step: that exploration is skipped and counted,
+    the ones around it run to their end on fresh instances."""
+    from questioning.explorer import Explorer, ExploreSettings
+
+    _, cfg = faulty_server
+    explorer = Explorer(env_maker(dataclasses.replace(cfg, call_timeout_s=20.0,
+                                                      options={"only_ok": True})),
+                        ExploreSettings(breadth_steps=2, depth_steps=0), seed=3)
+    seeds = [Task(f"explore/{s}", "faulty", "", s) for s in (0, 7, 1)]
+    first = explorer.env
+    explored = [explorer.explore(seed, 0) for seed in seeds]
+    assert explored[1] is None
+    assert explorer.counts["env_failed/worker_died"] == 1
+    assert [len(exp.steps) for exp in (explored[0], explored[2])] == [2, 2]
+    assert explorer.env is not first  # the failed instance was replaced
+
+
+def test_the_warm_start_skips_a_reference_the_env_failed(faulty_server, files_codec):
+    """The references of worlds 0 and 1 become examples; world 7's crashes its worker and is
+    skipped, not the end of the warm-start; three failed one after another end it."""
+    from episodes.rollout import RolloutSettings
+    from learner.warmstart import reference_groups
+
+    _, cfg = faulty_server
+    run_cfg = dataclasses.replace(load_config(None),
+                                  env=dataclasses.replace(cfg, call_timeout_s=20.0))
+    tasks = [Task(f"faulty/train/{s}", "faulty", "say ok", s, {"ok": True}, ["ok"])
+             for s in (0, 7, 1)]
+    groups = reference_groups(run_cfg, files_codec, RolloutSettings(max_turns=3), tasks)
+    assert sorted(g.task.seed for g in groups) == [0, 1]
+    garbled = Task("faulty/train/8", "faulty", "say ok", 8, {"ok": True}, ["ok"])
+    with pytest.raises(EnvFailed) as info:  # three failed in a row: the service is gone
+        reference_groups(run_cfg, files_codec, RolloutSettings(max_turns=3), [garbled] * 3)
+    assert info.value.reason == "bad_reply"
 
 def test_a_failed_call_among_many_fails_only_its_session(faulty_server):
     _, cfg = faulty_server
@@ -766,4 +802,4 @@ def test_a_batch_fails_at_once_when_no_env_can_be_made(files_policy_path):
     episodes = start_episodes(FilesEnv().tasks("train")[:3], 2, Unreachable, codec_)
     assert time.monotonic() - t0 < 2
     assert [ep.failure.reason for ep in episodes] == ["timeout"] * 6
-    assert all(ep.done and ep.env is None and not ep.tokens for ep in episodes)
+    assert all(ep.done and not ep.tokens for ep in episodes)  # failed at the open + reset
