@@ -235,27 +235,23 @@ def _hints(cls) -> dict[str, Any]:
 def _build(cls, fields, path: str):
     if not isinstance(fields, dict):
         raise SchemaError("wrong_type", f"expected a map for {cls.__name__}", path)
-    hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(fields) - set(known)
-    if unknown:
+    plan, names = _plan(cls)
+    if not names.issuperset(fields):
+        unknown = set(fields) - names
         raise SchemaError("unknown_field", ", ".join(sorted(map(str, unknown)))[:200], path)
     kwargs = {}
-    for name, f in known.items():
-        sub = f"{path}.{name}"
+    for name, check, dtype, required in plan:
         if name not in fields:
-            no_default = (f.default is dataclasses.MISSING
-                          and f.default_factory is dataclasses.MISSING)
-            if no_default:
+            if required:
                 raise SchemaError("missing_field", name, path)
             continue
-        if "dtype" in f.metadata:
-            value = fields[name]
+        value, sub = fields[name], f"{path}.{name}"
+        if dtype is not None:
             if not isinstance(value, _RawArray):
                 raise SchemaError("wrong_type", "expected an array", sub)
-            kwargs[name] = _to_array(value, f.metadata["dtype"], sub)
+            kwargs[name] = _to_array(value, dtype, sub)
         else:
-            kwargs[name] = _check(hints[name], fields[name], sub)
+            kwargs[name] = check(value, sub)
     msg = cls(**kwargs)
     validate = getattr(msg, "validate", None)
     if validate is not None:
@@ -263,43 +259,100 @@ def _build(cls, fields, path: str):
     return msg
 
 
+def _plan(cls) -> tuple[tuple, frozenset]:
+    """A message class's fields as (name, checker, array dtype, required), worked out once:
+    decoding a frame then walks no type hints."""
+    cached = cls.__dict__.get("_wire_plan")
+    if cached is None:
+        hints, plan = _hints(cls), []
+        for f in dataclasses.fields(cls):
+            required = f.default is dataclasses.MISSING \
+                and f.default_factory is dataclasses.MISSING
+            dtype = f.metadata.get("dtype")
+            plan.append((f.name, None if dtype else _checker(hints[f.name]), dtype, required))
+        cached = cls._wire_plan = (tuple(plan), frozenset(f.name for f in dataclasses.fields(cls)))
+    return cached
+
+
 def _check(hint, value, path: str):
     """Validate ``value`` against a type hint; returns the value (messages built from maps)."""
+    return _checker(hint)(value, path)
+
+
+_CHECKERS: dict = {}  # type hint -> its checker (value, path) -> value
+
+
+def _checker(hint):
+    check = _CHECKERS.get(hint)
+    if check is None:
+        check = _CHECKERS[hint] = _make_checker(hint)
+    return check
+
+
+def _make_checker(hint):
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
+        optional = type(None) in args
         (inner,) = [a for a in args if a is not type(None)]
-        return _check(inner, value, path)
+        inner_check = _checker(inner)
+
+        def check_union(value, path):
+            return None if value is None and optional else inner_check(value, path)
+        return check_union
     if origin is list:
+        return _list_checker(typing.get_args(hint)[0])
+    if origin is dict or hint is dict:
+        def check_map(value, path):
+            if not isinstance(value, dict):
+                raise SchemaError("wrong_type", "expected a map", path)
+            _check_plain(value, path)
+            return value
+        return check_map
+    if hint is Any:
+        def check_any(value, path):
+            _check_plain(value, path)
+            return value
+        return check_any
+    if isinstance(hint, type) and hasattr(hint, "TYPE"):
+        return lambda value, path: _build(hint, value, path)
+    if hint is float:
+        def check_float(value, path):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SchemaError("wrong_type", "expected a number", path)
+            return float(value)
+        return check_float
+    if hint is int:
+        def check_int(value, path):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SchemaError("wrong_type", "expected an integer", path)
+            return value
+        return check_int
+    if hint in (str, bool, bytes):
+        def check_exact(value, path):
+            if not isinstance(value, hint):
+                raise SchemaError("wrong_type", f"expected {hint.__name__}", path)
+            return value
+        return check_exact
+    raise TypeError(f"unsupported schema type {hint!r}")
+
+
+# Element types a list of which is taken as it came when every element is exactly that type
+# (what msgpack gives): no per-element call or path. bool is not int here, as in check_int.
+_EXACT_ELEMENTS = (str, bytes, bool, int, float)
+
+
+def _list_checker(inner):
+    inner_check = _checker(inner)
+    exact = inner if inner in _EXACT_ELEMENTS else None
+
+    def check_list(value, path):
         if not isinstance(value, list):
             raise SchemaError("wrong_type", "expected a list", path)
-        (inner,) = typing.get_args(hint)
-        return [_check(inner, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise SchemaError("wrong_type", "expected a map", path)
-        _check_plain(value, path)
-        return value
-    if hint is Any:
-        _check_plain(value, path)
-        return value
-    if isinstance(hint, type) and hasattr(hint, "TYPE"):
-        return _build(hint, value, path)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SchemaError("wrong_type", "expected a number", path)
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SchemaError("wrong_type", "expected an integer", path)
-        return value
-    if hint in (str, bool, bytes):
-        if not isinstance(value, hint):
-            raise SchemaError("wrong_type", f"expected {hint.__name__}", path)
-        return value
-    raise TypeError(f"unsupported schema type {hint!r} at {path}")
+        if exact is not None and all(type(v) is exact for v in value):
+            return value
+        return [inner_check(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return check_list
 
 
 _PLAIN_SCALARS = (str, int, float, bool, bytes, type(None))

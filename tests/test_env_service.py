@@ -356,6 +356,31 @@ def test_a_batch_with_a_request_that_does_not_decode_is_refused_whole(files_serv
     assert "games/" in env.step("ls")[0]  # still at the root, and still served
 
 
+def test_a_sessions_calls_wait_behind_its_open_for_a_worker(tmp_path):
+    """A batch of an open and its session's first call while no worker is up: both wait, and
+    once one is, both go to it, the open first; a second open of the same session is refused."""
+    from autodidact.env_serve import EnvBroker, ServeSettings
+
+    broker = EnvBroker(ServeSettings("files", f"tcp://127.0.0.1:{free_tcp_port()}"))
+    try:
+        opening = codec.encode(wire.EnvOpen(wire.ENV_WIRE_VERSION, "s1", {}), "open")
+        reset = codec.encode(wire.EnvReset("s1", TASK), "reset")
+        broker._from_client(broker.front._decode(
+            [b"client", codec.encode(wire.EnvBatch([opening, reset]), "batch")]))
+        assert [i.msg_id for _, i in broker.waiting] == ["open", "reset"]
+        worker = broker.workers[0]
+        worker.identity, worker.proc = b"w0.0", type("Proc", (), {"pid": 0})()
+        broker._ready(worker)  # (no process: what is sent to w0.0 goes nowhere)
+        worker.proc = None
+        assert not broker.waiting and broker.route["s1"] is worker
+        assert [p.incoming.msg_id for p in worker.inflight.values()] == ["open", "reset"]
+        again = broker.front._decode([b"client", codec.encode(
+            wire.EnvOpen(wire.ENV_WIRE_VERSION, "s1", {}), "again")])
+        broker._from_client(again)
+        assert broker.failures["session_taken"] == 1
+    finally:
+        broker.close()
+
 TASK = Task("files/x", "files", "move ideas.md into music", 3, {"all": [{"path": "a"}]},
             ["mv ideas.md music"])
 S = "w0.0-" + "ab" * 12
