@@ -21,7 +21,8 @@ worker that opened it, and answers for a worker that cannot:
 Broker and worker speak over an ipc socket in a private temporary directory: one msgpack
 list ``[ticket, frame, ticket, frame, ...]`` a message both ways, each frame the same codec
 frame a client sends (the worker's first message is ``[b"ready", b""]``). The replies to a
-client's batch go back to it bundled, one ``EnvAnswers`` per worker message.
+client's batch go back to it in one ``EnvAnswers`` once all are in (or those in after 5 ms,
+while a slow call is still worked on).
 
 With ``--openenv`` none of this runs: the env is served as an OpenEnv server instead
 (``autodidact/openenv_serve.py``), for OpenEnv clients.
@@ -30,8 +31,8 @@ With ``--openenv`` none of this runs: the env is served as an OpenEnv server ins
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -63,7 +64,7 @@ POLL_MS = 100  # the broker's longest wait before it looks at its workers again
 MAX_LOST = 100_000  # lost sessions remembered, to answer their late calls worker_died
 # Worker replies whose body the broker reads (besides every open's): a failure to count.
 ACTED_ON = frozenset({wire.EnvFailure.TYPE})
-FLUSH_S = 0.005  # a worker holds a batch's replies back this long at most
+FLUSH_S = 0.005  # a worker, and the broker, hold a batch's replies back this long at most
 
 
 # --- the broker ---------------------------------------------------------------------------------
@@ -75,6 +76,16 @@ class Pending:
 
     incoming: Incoming  # the client's frame, decoded (its route and msg_id answer it)
     opens: bool = False  # an EnvOpen: a reply other than EnvOpened unroutes its session
+
+
+@dataclass
+class HeldReplies:
+    """The replies to one client batch the broker holds until the batch is answered whole."""
+
+    route: list[bytes]  # the client's
+    left: int  # requests of the batch not answered yet
+    frames: list[bytes] = field(default_factory=list)  # answered, not sent yet
+    since: float = 0.0  # when the oldest of ``frames`` came (monotonic); 0 when none
 
 
 @dataclass
@@ -134,9 +145,9 @@ class EnvBroker:
         self._tickets = 0
         # worker identity -> [ticket, frame, ...] while a batch is read
         self._outbox: dict | None = None
-        # (client route, batch msg_id) -> reply frames while a batch or a worker's message is
-        # handled: sent as one EnvAnswers each, as the client's batch was one message
-        self._replies: dict | None = None
+        # (client route, batch msg_id) -> the replies of a batch held until it is answered
+        # whole: a client waits for all of them, so one message wakes it, not one per worker
+        self.held: dict[tuple, HeldReplies] = {}
 
     # -- the loop --
 
@@ -144,14 +155,14 @@ class EnvBroker:
         for worker in self.workers:
             self._start(worker)
         while not stop.is_set():
-            events = dict(self.poller.poll(POLL_MS))
+            events = dict(self.poller.poll(self._poll_ms()))
             if self.front.socket in events:
                 for incoming in self.front.poll(0):
                     self._from_client(incoming)
             if self.back in events:
                 self._from_workers()
-            with self._replies_together():
-                self._watch()
+            self._watch()
+            self._flush_held()
 
     def close(self) -> None:
         for worker in self.workers:
@@ -205,9 +216,9 @@ class EnvBroker:
                 return
         self._outbox = collections.defaultdict(list)
         try:
-            with self._replies_together():
-                for request in inner:
-                    self._from_client(request)
+            self.held[tuple(batch.route), batch.msg_id] = HeldReplies(batch.route, len(inner))
+            for request in inner:
+                self._from_client(request)
         finally:
             outbox, self._outbox = self._outbox, None
             for identity, parts in outbox.items():
@@ -267,27 +278,34 @@ class EnvBroker:
         self._reply_frame(incoming, codec.encode(msg, incoming.msg_id))
 
     def _reply_frame(self, incoming: Incoming, frame: bytes) -> None:
-        if not incoming.within:
+        held = self.held.get((tuple(incoming.route), incoming.within)) \
+            if incoming.within else None
+        if held is None:  # a request that came alone
             self.front.reply_frame(incoming, frame)
-        elif self._replies is None:
-            self._answers(incoming.route, incoming.within, [frame])
-        else:
-            self._replies[tuple(incoming.route), incoming.within].append(frame)
-
-    @contextlib.contextmanager
-    def _replies_together(self):
-        """The replies to batched requests made inside go out when it ends, one message per
-        client batch."""
-        if self._replies is not None:
-            yield
             return
-        self._replies = collections.defaultdict(list)
-        try:
-            yield
-        finally:
-            replies, self._replies = self._replies, None
-            for (route, batch_id), frames in replies.items():
-                self._answers(list(route), batch_id, frames)
+        held.frames.append(frame)
+        held.since = held.since or time.monotonic()
+        held.left -= 1
+        if held.left <= 0:
+            del self.held[tuple(incoming.route), incoming.within]
+            self._answers(held.route, incoming.within, held.frames)
+
+    def _flush_held(self) -> None:
+        """Send the replies a batch has held for FLUSH_S while others are still worked on:
+        a slow call does not hold back its batch's answered ones (the client's deadline runs
+        from its last answer)."""
+        now = time.monotonic()
+        for (_, batch_id), held in self.held.items():
+            if held.frames and now - held.since >= FLUSH_S:
+                self._answers(held.route, batch_id, held.frames)
+                held.frames, held.since = [], 0.0
+
+    def _poll_ms(self) -> int:
+        """How long the loop may wait for a frame: until the next held replies are due."""
+        due = [held.since + FLUSH_S for held in self.held.values() if held.frames]
+        if not due:
+            return POLL_MS
+        return max(0, min(POLL_MS, math.ceil(1000 * (min(due) - time.monotonic()))))
 
     def _answers(self, route: list[bytes], batch_id: str, frames: list[bytes]) -> None:
         for start in range(0, len(frames), wire.MAX_BATCH_CALLS):
@@ -330,12 +348,11 @@ class EnvBroker:
             pairs = _unpacked(payload)
             if worker is None or pairs is None:  # not one of our workers' [ticket, frame]s
                 continue
-            with self._replies_together():
-                for ticket, frame in zip(pairs[0::2], pairs[1::2]):
-                    if ticket == READY:
-                        self._ready(worker)
-                    else:
-                        self._answer(worker, worker.inflight.pop(ticket, None), frame)
+            for ticket, frame in zip(pairs[0::2], pairs[1::2]):
+                if ticket == READY:
+                    self._ready(worker)
+                else:
+                    self._answer(worker, worker.inflight.pop(ticket, None), frame)
 
     def _ready(self, worker: Worker) -> None:
         worker.ready = True

@@ -1,6 +1,6 @@
 """Rollouts per second of the default ``files`` run's actors, the env in process vs served.
 
-    python -m bench.env_rollouts [--actors 2] [--batches 8] [--repeats 2] [--workers 2]
+    python -m bench.env_rollouts [--actors 2] [--batches 16] [--repeats 2] [--workers 2]
                                  [--policy PATH] [--json F]
 
 Two arms, the same in all but where the env lives: the default run's actors (its config's
@@ -202,7 +202,7 @@ def measure(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--actors", type=int, default=2)
-    ap.add_argument("--batches", type=int, default=8, help="timed batches per actor and arm")
+    ap.add_argument("--batches", type=int, default=16, help="timed batches per actor and arm")
     ap.add_argument("--repeats", type=int, default=2, help="pairs of arms")
     ap.add_argument("--workers", type=int, default=2, help="env server worker processes")
     ap.add_argument("--policy", default="", help="a policy folder (default: the base model)")

@@ -664,6 +664,21 @@ def test_the_warm_start_skips_a_reference_the_env_failed(faulty_server, files_co
         reference_groups(run_cfg, files_codec, RolloutSettings(max_turns=3), [garbled] * 3)
     assert info.value.reason == "bad_reply"
 
+def test_answered_calls_of_a_batch_are_not_held_behind_a_slow_one(faulty_server):
+    """Two sessions on two workers, one step each in one batch: the one that answers at once
+    reaches the client at once, while the other hangs until the server kills its worker."""
+    _, cfg = faulty_server
+    fast, slow = _fresh(cfg), _fresh(cfg)
+    while slow.worker.split(".")[0] == fast.worker.split(".")[0]:
+        slow = _fresh(cfg)
+    link = type(fast)._link
+    link.timings.clear()
+    answers = call_each([fast, slow], "step", [("ok",), ("hang",)])
+    assert answers[0][0] == "ok"
+    assert isinstance(answers[1], EnvFailed) and answers[1].reason == "worker_died"
+    answered, failed = sorted(seconds for what, seconds in link.timings if what == "EnvStep")
+    assert answered < 1.0 < 2.5 < failed  # not held until the other's worker was killed (3 s)
+
 def test_a_failed_call_among_many_fails_only_its_session(faulty_server):
     _, cfg = faulty_server
     envs = [_fresh(cfg) for _ in range(4)]
