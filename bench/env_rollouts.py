@@ -38,6 +38,7 @@ import psutil
 
 from autodidact.env_serve import EnvServerProcess
 from bench.env_sessions import percentiles
+from metrics.intervals import seed_interval
 from protocol.config import load_config
 
 START_TIMEOUT_S = 600.0  # loading a policy and the first batch, on a loaded machine
@@ -190,6 +191,9 @@ def measure(args) -> dict:
         "policy": args.policy or "the default config's base model (untrained)",
         "arms": arms,
         "ratio_served_to_in_process": {"per_pair": ratios, "mean": float(np.mean(ratios)),
+                                       # Student's t over the pairs' ratios (one pair: None)
+                                       "mean_ci95": list(seed_interval(ratios))
+                                       if len(ratios) > 1 else None,
                                        "pooled": sum(a["rollouts"] for a in served)
                                        / sum(a["wall_s"] for a in served)
                                        / (sum(a["rollouts"] for a in local)
@@ -212,7 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"command": " ".join(["python -m bench.env_rollouts", *(argv or sys.argv[1:])]),
               "machine": f"{os.cpu_count()} cores", **measure(args)}
     r, lat = result["ratio_served_to_in_process"], result["env_socket_latency"]["all"]
-    print(f"served / in process: {r['pooled']:.2f}x pooled (pairs: "
+    ci = r["mean_ci95"] and f"95% {r['mean_ci95'][0]:.2f} to {r['mean_ci95'][1]:.2f}; "
+    print(f"served / in process: {r['pooled']:.2f}x pooled, {r['mean']:.2f}x the pairs' mean "
+          f"({ci or ''}pairs: "
           f"{', '.join(f'{x:.2f}' for x in r['per_pair'])}); same rollouts: "
           f"{result['same_rollouts']}; env socket p50 {lat['p50_ms']:.2f} ms, p99 "
           f"{lat['p99_ms']:.2f} ms over {lat['calls']} calls")

@@ -13,7 +13,10 @@ worker that died, a reply that does not decode or fit) raises
 One DEALER socket per thread and server carries every session's calls (zmq sockets are not
 thread-safe); a call is sent once and never re-sent, since env calls change state. The calls a
 rollout makes of all its episodes at once (``environments.base.call_all``) go in one
-``EnvBatch`` frame, each still answered, and failed, on its own.
+``EnvBatch`` frame, each still answered, and failed, on its own; their replies come back
+bundled (``EnvAnswers``). The client names each session: a constructor opens it at once (and
+raises what refused it), while sessions made together (``open_many``, what a rollout does)
+send their open with their first call, in the same batch.
 """
 
 from __future__ import annotations

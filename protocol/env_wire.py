@@ -20,8 +20,9 @@ A conversation::
     EnvStep(session, action)         -> EnvStepped(observation, done, info, appended)
     ...                              (any request below, naming the session)
     EnvClose(session)                -> EnvValue(None)
-    EnvBatch([frame, frame, ...])    -> EnvAnswers([frame, ...]), one or more: each request's
-                                        own reply, as if sent one by one, bundled as they come
+    EnvBatch([frame, frame, ...])    -> EnvAnswers([frame, ...]), usually one: each request's
+                                        own reply, as if sent one by one (those ready go out
+                                        early while another call is slow)
 
 Any request may instead be answered :class:`EnvRaised` (the env raised) or
 :class:`EnvFailure` (the service failed it: its worker died, the session is unknown, the
