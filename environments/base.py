@@ -174,7 +174,7 @@ def parse_action(text, tools: Mapping[str, ToolSpec] | Sequence[ToolSpec]) -> To
         raise ActionError("unknown_tool", "error : unknown tool")
     if not spec.min_args <= len(args) <= len(spec.args):
         raise ActionError("arity", f"error : usage : {spec.usage()}", tool=name)
-    values = tuple(_literal(a, v, name) for a, v in zip(spec.args, args))
+    values = tuple(literal_arg(a, v, name) for a, v in zip(spec.args, args))
     return ToolCall(name, values)
 
 
@@ -222,7 +222,9 @@ def _split(text) -> list[str]:
     return words
 
 
-def _literal(spec: ArgSpec, word: str, tool: str):
+def literal_arg(spec: ArgSpec, word: str, tool: str):
+    """``word`` as a literal of ``spec``'s type (a str: one path-like word), or ActionError:
+    the rule every call format's arguments pass (``environments.call_formats``)."""
     if spec.type == "bool" and word.lower() in _BOOL_WORDS:
         return _BOOL_WORDS[word.lower()]
     pattern = {"str": _STR_LITERAL, "int": _INT_LITERAL, "float": _FLOAT_LITERAL}.get(spec.type)
