@@ -194,8 +194,7 @@ class EnvLink:
         waiting to be closed (fire and forget: their replies are dropped unread, and the
         server drops an unknown session quietly). Returns the batch's msg_id (None when there
         is none) and each request's msg_id -> its index."""
-        closes = [codec.encode(wire.EnvClose(self._to_close.popleft()), "")
-                  for _ in range(min(len(self._to_close), BATCH_CALLS))]
+        closes = [codec.encode(wire.EnvClose(session), "") for session in self._closes()]
         if len(requests) == 1 and not closes:
             return None, {channel.send(requests[0]): 0}
         waiting = {new_id(): i for i in range(len(requests))}
@@ -224,6 +223,17 @@ class EnvLink:
             return EnvFailed("refused", f"the env server at {self.address} refused "
                              f"{what}: {reply.reason}: {reply.detail}")
         return reply
+
+    def _closes(self) -> list[str]:
+        """Sessions to close, taken off the queue (at most a batch's worth). Every thread's
+        calls take from the one queue: each pop is its own, never a count read before."""
+        taken: list[str] = []
+        while len(taken) < BATCH_CALLS:
+            try:
+                taken.append(self._to_close.popleft())
+            except IndexError:
+                break
+        return taken
 
     def close_later(self, session: str) -> None:
         """Close ``session`` with the next call (a finalizer's way: never blocks, never

@@ -15,6 +15,7 @@ free port, its workers, and clients over real ZeroMQ sockets.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -334,6 +335,26 @@ def test_bad_frames_are_refused_one_line_each_and_the_server_keeps_serving(
     assert files_server.text().count("rejected frame") == lines + refused  # one per refusal
     env = env_maker(served_files)()  # still serving
     assert env.reset(FilesEnv().tasks("train")[0]).startswith("path :")
+
+
+def test_a_close_queue_emptied_by_another_thread_fails_no_call(served_files):
+    """Every thread's calls take the sessions waiting to be closed from one queue (a judge
+    replays from a pool of threads). Here another thread empties it between a look at its
+    length and the take: the call still goes out and is answered."""
+    cls = env_class(served_files)
+
+    class EmptiedWhileLookedAt(collections.deque):
+        def __len__(self):
+            n = super().__len__()
+            self.clear()  # the other thread's take
+            return n
+
+    cls._link._to_close = EmptiedWhileLookedAt(["gone-1", "gone-2"])
+    try:
+        env = cls()
+        assert env.reset(FilesEnv().tasks("train")[0]).startswith("path :")
+    finally:
+        cls._link._to_close = collections.deque()
 
 
 def test_a_batch_with_a_request_that_does_not_decode_is_refused_whole(files_server,
