@@ -127,7 +127,7 @@ class PythonicFormat(CallFormat):
     name = "pythonic"
 
     def write(self, call: ToolCall, tool: ToolSpec) -> str:
-        args = ", ".join(f"{k}={_python_literal(v)}" for k, v in _named(call, tool).items())
+        args = ", ".join(f"{k}={v!r}" for k, v in _named(call, tool).items())
         return f"[{call.tool}({args})]"
 
     def parse(self, text, tools) -> ToolCall:
@@ -252,10 +252,6 @@ def _word(value) -> str:
     if isinstance(value, float):
         return format(value, ".9f").rstrip("0").rstrip(".") or "0"
     return str(value)
-
-
-def _python_literal(value) -> str:
-    return repr(value)
 
 
 def _python_value(node: ast.AST, tool: str):

@@ -201,7 +201,7 @@ class EnvLink:
         batch = wire.EnvBatch(closes + [codec.encode(requests[i], msg_id)
                                         for msg_id, i in waiting.items()])
         batch_id = channel.send(batch)
-        channel.expect(batch_id, batch, answers=0)  # answered in parts (EnvAnswers)
+        channel.expect_parts(batch_id, batch)  # answered in parts (EnvAnswers)
         return batch_id, waiting
 
     def _fail_waiting(self, waiting: dict, requests, replies, refused: bool) -> None:
@@ -571,11 +571,11 @@ def _with_opens(link: EnvLink, envs: Sequence[RemoteEnv], asked: list[tuple[int,
     """The replies to ``asked`` (env index, request), sent together, each session's EnvOpen
     still to be sent just before its request; a call whose session's open failed gets that
     failure, and one whose constructor refused raises that refusal here."""
-    requests, opens = [], {}
+    requests, opens = [], set()
     for i, request in asked:
         opening = envs[i]._take_opening()
         if opening is not None:
-            opens[i] = len(requests)
+            opens.add(i)
             requests.append(opening)
         requests.append(request)
     answers = iter(link.call_many(requests) if requests else [])

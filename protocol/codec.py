@@ -274,15 +274,12 @@ def _plan(cls) -> tuple[tuple, frozenset]:
     return cached
 
 
-def _check(hint, value, path: str):
-    """Validate ``value`` against a type hint; returns the value (messages built from maps)."""
-    return _checker(hint)(value, path)
-
-
 _CHECKERS: dict = {}  # type hint -> its checker (value, path) -> value
 
 
 def _checker(hint):
+    """The checker of a type hint, made once: ``check(value, path)`` returns the value
+    (a message built from its map) or raises SchemaError naming ``path``."""
     check = _CHECKERS.get(hint)
     if check is None:
         check = _CHECKERS[hint] = _make_checker(hint)

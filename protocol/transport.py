@@ -246,7 +246,7 @@ class _Pending:
     frame: bytes
     last_sent: float
     attempts: int = 1
-    answers_left: int = 1  # answers still taken (below 1: any number, until forgotten)
+    many: bool = False  # answered in parts: every answer taken until it is forgotten
 
 
 class ZmqChannel(Channel):
@@ -283,10 +283,10 @@ class ZmqChannel(Channel):
         self._send_frame(frame)
         return msg_id
 
-    def expect(self, msg_id: str, msg, answers: int = 1) -> None:
-        """Take ``answers`` answers to ``msg`` under ``msg_id`` (0: any number, until
-        forgotten: an env server answers a batch in parts); it is never re-sent."""
-        self._pending[msg_id] = _Pending(msg, b"", float("inf"), answers_left=answers)
+    def expect_parts(self, msg_id: str, msg) -> None:
+        """Take every answer to ``msg`` under ``msg_id`` until it is forgotten (an env server
+        answers a batch in parts); it is never re-sent."""
+        self._pending[msg_id] = _Pending(msg, b"", float("inf"), many=True)
 
     def _send_frame(self, frame: bytes) -> None:
         try:
@@ -318,8 +318,7 @@ class ZmqChannel(Channel):
         pending = self._pending.get(env.msg_id)
         if pending is None:
             return None  # answer to a retry already answered
-        pending.answers_left -= 1
-        if pending.answers_left == 0:
+        if not pending.many:
             del self._pending[env.msg_id]
         return env.msg_id, reply
 
