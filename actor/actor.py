@@ -37,7 +37,7 @@ import numpy as np
 from actor.outbox import Outbox
 from environments.base import env_maker
 from episodes.reward import OutcomeReward
-from episodes.rollout import RolloutSettings, make_codec, rollout, start_episodes, to_groups
+from episodes.rollout import make_codec, rollout, settings_of, start_episodes, to_groups
 from inference.backends.base import InferenceBackend, SamplingParams
 from metrics.jsonl import MetricsWriter, RateMeter
 from navigating.navigator import Navigator
@@ -74,11 +74,8 @@ class Actor:
         self.backend = backend
         self.weights = weights
         self.actor_id = actor_id
-        self.codec = make_codec(backend.tokenizer)
-        self.rollout = RolloutSettings(
-            max_turns=settings.env.max_turns, max_context=settings.env.max_context,
-            max_action_tokens=settings.actor.max_action_tokens,
-            constrained=settings.actor.constrained)
+        self.rollout = settings_of(settings.env, settings.actor)
+        self.codec = make_codec(backend.tokenizer, self.rollout.tool_format)
         self.make_env = env_maker(settings.env)
         self.reward = reward or OutcomeReward()
         self._seed = actor_seed(settings.seed, actor_id)
@@ -196,7 +193,8 @@ class Actor:
                                 logprobs_mode="raw")
         with self._beating():
             episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance,
-                                      constrained=self.rollout.constrained)
+                                      constrained=self.rollout.constrained,
+                                      tool_format=self.rollout.tool_format)
             rollout(self.backend, episodes, self.codec, params, self.rollout,
                     between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))

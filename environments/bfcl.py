@@ -47,6 +47,7 @@ from environments.base import (
     parse_action,
     register_env,
 )
+from environments.call_formats import json_calls, tool_instructions
 from protocol.messages import SPLITS, Task
 
 log = logging.getLogger(__name__)
@@ -367,6 +368,21 @@ def _call_nodes(text: str) -> list[ast.AST]:
     return nodes
 
 
+def _python_calls(objects: list[dict]) -> str:
+    """JSON call objects as the Python call list ``_call_nodes`` decodes; their names and
+    argument names must be identifiers (the values are JSON, so ``repr`` spells literals)."""
+    parts = []
+    for obj in objects:
+        name, args = obj["name"], obj.get("arguments", {})
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ActionError("syntax", "error : a call's name is a function name")
+        if not all(k.isidentifier() for k in args):
+            raise ActionError("unknown_argument", "error : argument names are identifiers",
+                              tool=name)
+        parts.append(f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})")
+    return f"[{', '.join(parts)}]"
+
+
 def _source(value) -> str:
     """Python source for a checked value, like ``repr`` but with every ``(`` inside a string
     written ``\\x28``: the package's executor prefixes each ``name(`` of the call text with the
@@ -581,14 +597,17 @@ class BFCLEnv(Environment):
         kwargs = ", ".join(f"{a.name}={v!r}" for a, v in zip(spec.args, call.args))
         return f"[{call.tool}({kwargs})]"
 
-    def step(self, action_text: str) -> tuple[str, bool, dict]:
+    def step(self, action_text: str, call_format: str = "text") -> tuple[str, bool, dict]:
+        """One reply: its calls run in order; a reply with none ends the turn. ``text`` and
+        ``pythonic`` replies are the package's Python call lists (a shell-style call is taken
+        too); ``json`` and ``hermes`` ones name each call as ``{"name", "arguments"}``."""
         if self.task is None:
             raise RuntimeError("reset() must be called before step()")
         if self.finished and not self.synthetic:
             return ("error : the conversation is over", True,
                     {"valid": False, "tool": None, "error": "episode_over", "role": "end"})
         try:
-            calls = self._decode(action_text)
+            calls = self._decode(action_text, call_format)
         except ActionError as err:
             # The package ends the turn on text it cannot decode; the error is shown first.
             obs, done, role = self._end_turn()
@@ -638,15 +657,18 @@ class BFCLEnv(Environment):
 
     # -- decoding --
 
-    def _decode(self, text) -> list[str]:
+    def _decode(self, text, call_format: str = "text") -> list[str]:
         """Canonical call strings ``name(arg=repr(value), ...)`` for the action, or ActionError.
 
         Python calls are tried first; text that is not one may be a shell-style call
-        (``cd docs``), as explorers write them."""
+        (``cd docs``), as explorers write them. JSON calls are checked as the Python call
+        each one spells."""
         if not isinstance(text, str):
             raise ActionError("not_text", "error : action is not text")
         if len(text) > self.max_action_chars:
             raise ActionError("too_long", "error : action too long")
+        if call_format in ("json", "hermes"):
+            return self._decode_python(_python_calls(json_calls(text, call_format)))
         try:
             return self._decode_python(text)
         except ActionError as err:
@@ -730,9 +752,16 @@ class BFCLEnv(Environment):
         """The turn whose functions are declared now (after the last turn: the last one's)."""
         return 0 if self.synthetic else min(self.turn, len(self.questions) - 1)
 
-    def instructions(self) -> str | None:
-        """The package's system prompt with the functions declared now."""
-        return None if self.entry is None else _system_prompt(self.entry, self._declared_turn())
+    def instructions(self, call_format: str = "text", list_tools: bool = True) -> str | None:
+        """The package's system prompt with the functions declared now; for the JSON formats,
+        the generic prompt of that format over the same functions (the package's asks for
+        Python calls), which says how a turn ends."""
+        if self.entry is None:
+            return None
+        if call_format in ("text", "pythonic"):
+            return _system_prompt(self.entry, self._declared_turn())
+        return (tool_instructions("BFCL", self.tools(), None, call_format, list_tools)
+                + "\nWhen the request is done, reply without a call to end your turn.")
 
     def candidate_actions(self) -> list[str]:
         return []  # free-form generation: the call space has no useful finite list

@@ -27,7 +27,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
-from environments.base import (
+from environments.tools import (
     MAX_ACTION_CHARS,
     ActionError,
     ArgSpec,
@@ -161,6 +161,76 @@ FORMATS: dict[str, CallFormat] = {f.name: f for f in (TextFormat(), JsonFormat()
                                                         HermesFormat(), PythonicFormat())}
 
 
+def rewrite(text: str, tools: Sequence[ToolSpec], fmt: str, source: str = "text") -> str:
+    """``text``, a call written in format ``source`` (a reference step, a candidate action:
+    text), as ``fmt`` writes the same call; text that is no call of ``tools`` in ``source``
+    (BFCL's own Python calls, an empty turn end, a refused reply) is returned as it is."""
+    if fmt == source:
+        return text
+    specs = _by_name(tools)
+    try:
+        call = call_format(source).parse(text, specs)
+    except ActionError:
+        return text
+    return call_format(fmt).write(call, specs[call.tool])
+
+
+_FORM = {
+    "text": "A call is the tool name followed by its arguments, separated by spaces, and "
+            "nothing else: no explanation, no quotes, no code block.",
+    "json": 'A call is one JSON object, {"name": <tool>, "arguments": {<argument>: <value>, '
+            '...}}, and nothing else.',
+    "hermes": 'A call is one JSON object, {"name": <tool>, "arguments": {<argument>: <value>, '
+              '...}}, inside <tool_call></tool_call> tags.',
+    "pythonic": "A call is one Python-style call in brackets, [tool(argument=value, ...)], "
+                "with literal values, and nothing else.",
+}
+
+
+def tool_instructions(env_name: str, tools: Sequence[ToolSpec], example: str | None = None,
+                      fmt: str = "text", list_tools: bool = True) -> str:
+    """A system prompt an instruct model can act on: the reply form of call format ``fmt``,
+    each tool with its arguments (optional ones in brackets) and what it does (left out with
+    ``list_tools=False``, where the chat template shows the tools' schemas itself), and
+    ``example`` (a text-format call) as one reply, written in ``fmt``."""
+    lines = [f"You operate the {env_name} environment by calling its tools, one call per "
+             f"reply. {_FORM[call_format(fmt).name]}"]
+    if list_tools:
+        lines += ["", "Tools:"]
+        lines += [f"- {_usage(tool, fmt)}: {tool.description}" if tool.description
+                  else f"- {_usage(tool, fmt)}" for tool in tools]
+    if example:
+        lines += ["", "Example reply:", rewrite(example, tools, fmt)]
+    lines += ["", "After each call you see what it returned. Keep calling tools until the task "
+              "is done."]
+    return "\n".join(lines)
+
+
+def _usage(tool: ToolSpec, fmt: str) -> str:
+    """``mv src dst`` in the text format, ``mv(src: str, dst: str)`` in the others."""
+    if fmt == "text":
+        return tool.usage()
+    args = ", ".join(f"{a.name}: {a.type}" if a.required else f"[{a.name}: {a.type}]"
+                     for a in tool.args)
+    return f"{tool.name}({args})"
+
+
+def json_calls(text, fmt: str) -> list[dict]:
+    """Every call a ``json`` or ``hermes`` reply makes, as ``{"name", "arguments"}`` objects
+    checked for shape only (for envs that run several calls a turn, BFCL's): a ``json`` reply
+    is one object or a list of them, a ``hermes`` reply has one per ``<tool_call>`` block;
+    a reply with no call at all (blank, or hermes text without a block) makes none."""
+    text = _checked_text(text)
+    if fmt == "hermes":
+        objects = [_json(block) for block in _HERMES.findall(text)]
+    else:
+        found = _json(text) if text.strip() else []
+        objects = found if isinstance(found, list) else [found]
+    for obj in objects:
+        _shape(obj)
+    return objects
+
+
 def call_format(name: str) -> CallFormat:
     """The format ``name`` (one of :data:`FORMATS`)."""
     try:
@@ -192,18 +262,27 @@ def _spec(specs: Mapping[str, ToolSpec], name) -> ToolSpec:
     return spec
 
 
-def _from_json(text: str, specs: Mapping[str, ToolSpec]) -> ToolCall:
+def _json(text: str):
     try:
-        obj = json.loads(text)
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError):
         raise ActionError("syntax", "error : not json") from None
+
+
+def _shape(obj) -> None:
+    """``obj`` is ``{"name": str, "arguments": {str: value}}`` or ActionError."""
     if not isinstance(obj, dict) or set(obj) - {"name", "arguments"} or "name" not in obj:
         raise ActionError("syntax", 'error : expected {"name": ..., "arguments": {...}}')
+    if not isinstance(obj.get("arguments", {}), dict):
+        raise ActionError("syntax", "error : arguments must be an object",
+                          tool=obj["name"] if isinstance(obj["name"], str) else None)
+
+
+def _from_json(text: str, specs: Mapping[str, ToolSpec]) -> ToolCall:
+    obj = _json(text)
+    _shape(obj)
     spec = _spec(specs, obj["name"])
-    named = obj.get("arguments", {})
-    if not isinstance(named, dict):
-        raise ActionError("syntax", "error : arguments must be an object", tool=spec.name)
-    return _call(spec, named)
+    return _call(spec, obj.get("arguments", {}))
 
 
 def _call(spec: ToolSpec, named: dict) -> ToolCall:

@@ -63,10 +63,10 @@ from environments.base import (
     ToolSpec,
     check_split,
     clip_words,
-    parse_reply,
     register_env,
     world_split,
 )
+from environments.call_formats import call_format as format_named
 from protocol.errors import EnvFailed
 from protocol.messages import Task
 
@@ -340,12 +340,15 @@ class OpenEnvEnv(Environment):
             self._text_field()  # asked now, while the session is known to be up
         return self._text(observation)
 
-    def step(self, action_text: str) -> tuple[str, bool, dict]:
+    def step(self, action_text: str, call_format: str = "text") -> tuple[str, bool, dict]:
+        """An MCP server's call parsed in ``call_format``; a text-action server gets the
+        text as it is (it reads calls in its own syntax)."""
         if self.task is None:
             raise RuntimeError("reset() must be called before step()")
         if self._mcp:
             try:
-                call = parse_reply(action_text, {t.name: t for t in self.tools()})
+                call = format_named(call_format).parse(action_text,
+                                                       {t.name: t for t in self.tools()})
             except ActionError as err:
                 return err.observation, False, {"valid": False, "tool": err.tool,
                                                 "error": err.kind}

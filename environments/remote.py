@@ -432,13 +432,14 @@ class RemoteEnv(Environment):
         return observation
 
     @_session_call
-    def step(self, action_text: str) -> tuple[str, bool, dict]:
+    def step(self, action_text: str, call_format: str = "text") -> tuple[str, bool, dict]:
         if self.task is None:
             raise RuntimeError("reset() must be called before step()")
         if not isinstance(action_text, str):  # the wire carries text; the parser's refusal
             return "error : action is not text", False, {"valid": False, "tool": None,
                                                          "error": "not_text"}
-        stepped = yield from self._reply(wire.EnvStep, wire.EnvStepped, action_text)
+        stepped = yield from self._reply(wire.EnvStep, wire.EnvStepped, action_text,
+                                         call_format)
         self.responses.extend(stepped.appended)
         return stepped.observation, stepped.done, stepped.info
 
@@ -476,9 +477,9 @@ class RemoteEnv(Environment):
                                        what="a list of texts"))
 
     @_session_call
-    def instructions(self) -> str | None:
-        return (yield from self._value(wire.EnvInstructions, ok=_is_text_or_none,
-                                       what="text or None"))
+    def instructions(self, call_format: str = "text", list_tools: bool = True) -> str | None:
+        return (yield from self._value(wire.EnvInstructions, call_format, list_tools,
+                                       ok=_is_text_or_none, what="text or None"))
 
     @_session_call
     def example_action(self) -> str | None:
@@ -603,14 +604,15 @@ def _parts(part: GoalPart | None) -> wire.EnvParts:
 _CALLS: dict[type, Callable[[Environment, Any], Any]] = {
     wire.EnvReset: lambda env, m: wire.EnvValue(env.reset(m.task)),
     wire.EnvTools: lambda env, m: wire.EnvToolList([tool_to_wire(t) for t in env.tools()]),
-    wire.EnvStep: lambda env, m: wire.EnvStepped(*env.step(m.action)),
+    wire.EnvStep: lambda env, m: wire.EnvStepped(*env.step(m.action, m.call_format)),
     wire.EnvExecute: lambda env, m: wire.EnvValue(env.execute(ToolCall(m.tool,
                                                                       tuple(m.args)))),
     wire.EnvState: lambda env, m: wire.EnvValue(env.state()),
     wire.EnvEvaluate: lambda env, m: wire.EnvValue(env.evaluate(m.task)),
     wire.EnvGoalProgress: lambda env, m: wire.EnvValue(env.goal_progress(m.task)),
     wire.EnvCandidateActions: lambda env, m: wire.EnvValue(list(env.candidate_actions())),
-    wire.EnvInstructions: lambda env, m: wire.EnvValue(env.instructions()),
+    wire.EnvInstructions: lambda env, m: wire.EnvValue(
+        env.instructions(m.call_format, m.list_tools)),
     wire.EnvExampleAction: lambda env, m: wire.EnvValue(env.example_action()),
     wire.EnvCanonicalAction: lambda env, m: wire.EnvValue(env.canonical_action(m.text)),
     wire.EnvTasks: lambda env, m: wire.EnvTaskList(list(env.tasks(m.split))),

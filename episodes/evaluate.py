@@ -19,9 +19,9 @@ from environments.base import Environment, env_maker
 from episodes.rollout import (
     Episode,
     RolloutSettings,
-    apply_action,
     env_call,
     make_codec,
+    play_reference,
     rollout,
     rollout_settings,
     start_episodes,
@@ -121,14 +121,16 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
-    codec = make_codec(backend.tokenizer if backend is not None else tokenizer)
+    codec = make_codec(backend.tokenizer if backend is not None else tokenizer,
+                       settings.tool_format)
     params = SamplingParams(temperature=temperature, max_new_tokens=settings.max_action_tokens,
                             stop_token_ids=(codec.eoa_id,), seed=seed)
     records = []
     for i in range(0, len(tasks), batch_tasks):
         chunk = tasks[i:i + batch_tasks]
         episodes = start_episodes(chunk, k, make_env, codec,
-                                  constrained=policy == "model" and settings.constrained)
+                                  constrained=policy == "model" and settings.constrained,
+                                  tool_format=settings.tool_format)
         if policy == "model":
             rollout(backend, episodes, codec, params, settings)
         else:
@@ -143,10 +145,7 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
 
 def replay_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> None:
     """Feed the task's reference actions to the episode as if a policy had written them."""
-    for action in ep.task.reference:
-        if ep.done:
-            break
-        apply_action(ep, codec, codec.action(action), None, 0, settings)
+    play_reference(ep, codec, settings)
     score = env_call(ep, ep.env.evaluate, ep.task) if ep.failure is None else None
     ep.reward = 0.0 if score is None else float(score)
 

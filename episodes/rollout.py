@@ -31,10 +31,11 @@ from typing import Protocol
 
 import numpy as np
 
-from environments.base import Environment, call_all, make_envs
+from environments.base import Environment, ToolSpec, call_all, make_envs
+from environments.call_formats import rewrite, tool_schema
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
-from protocol.config import RunConfig
+from protocol.config import ActorConfig, EnvConfig, RunConfig
 from protocol.errors import EnvFailed
 from protocol.messages import Group, Step, Task, Trajectory
 
@@ -62,6 +63,10 @@ class Episode:
     # last answer (one round trip to a served env a turn, not two); None when not yet asked.
     candidates: list[str] | None = None
     scored: bool = False  # ``reward`` is the env's evaluate(), asked with the last step
+    call_format: str = "text"  # how the policy writes a call (environments.call_formats)
+    # The env's tools, asked at the start where candidates must be rewritten in a format
+    # other than text or the chat template shows the tools' schemas; None otherwise.
+    tools: list[ToolSpec] | None = None
 
     def extend(self, ids, logprobs=None, version: int = -1, generated: bool = False) -> None:
         self.tokens += ids
@@ -78,11 +83,20 @@ class Episode:
             steps=self.steps, reward=float(self.reward), success=self.reward >= 1.0,
             experience_span=list(self.experience_span),
             experience_ids=list(self.experience_ids),
-            info={"turns": len(self.steps), "truncated": self.truncated})
+            info={"turns": len(self.steps), "truncated": self.truncated,
+                  # a replay (step judge, experience extraction) parses the actions in it
+                  "call_format": self.call_format})
 
     @property
     def guided(self) -> bool:
         return bool(self.experience_ids)
+
+    def take_candidates(self, actions: list[str] | None) -> None:
+        """The env's next candidate actions (text format), written as the policy writes."""
+        if actions is None or self.call_format == "text" or not self.tools:
+            self.candidates = actions
+        else:
+            self.candidates = [rewrite(a, self.tools, self.call_format) for a in actions]
 
 
 @dataclass
@@ -91,6 +105,7 @@ class RolloutSettings:
     max_context: int = 384  # context-length guard, in tokens
     max_action_tokens: int = 16
     constrained: bool = True
+    tool_format: str = "text"  # actor.tool_format: how the policy writes a call
 
 
 @dataclass
@@ -104,9 +119,10 @@ class Guidance:
 def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environment],
                    codec: Codec,
                    guidance: Sequence[Sequence[Guidance | None]] | None = None,
-                   constrained: bool = False) -> list[Episode]:
+                   constrained: bool = False, tool_format: str = "text") -> list[Episode]:
     """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th;
-    ``constrained``: each env's first candidate actions are asked with its reset.
+    ``constrained``: each env's first candidate actions are asked with its reset;
+    ``tool_format``: how the policy writes calls (the instructions ask for that form).
 
     The envs are made together (a served env's sessions opened at once), so a server that
     cannot make them (none there, no worker up) fails the batch after one deadline, not one
@@ -114,7 +130,7 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
     episodes, guides = [], []
     for ti, task in enumerate(tasks):
         for i in range(n):
-            episodes.append(Episode(task=task, env=None,
+            episodes.append(Episode(task=task, env=None, call_format=tool_format,
                                     traj_id=f"{task.task_id}/{i}/{uuid.uuid4().hex[:8]}"))
             guides.append(guidance[ti][i] if guidance is not None else None)
     for ep, env in zip(episodes, make_envs(make_env, len(episodes))):
@@ -123,9 +139,13 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         else:
             ep.env = env
     live = [(ep, guide) for ep, guide in zip(episodes, guides) if ep.failure is None]
-    asked = ["reset", *(["instructions"] if codec.shows_instructions else []),
+    needs_tools = codec.renders_tools or (constrained and tool_format != "text")
+    asked = ["reset", *(["tools"] if needs_tools else []),
+             *(["instructions"] if codec.shows_instructions else []),
              *(["candidate_actions"] if constrained else [])]
-    answers = ask_envs([(ep, method, (ep.task,) if method == "reset" else ())
+    args = {"reset": None, "tools": (), "candidate_actions": (),
+            "instructions": (tool_format, not codec.renders_tools)}
+    answers = ask_envs([(ep, method, (ep.task,) if method == "reset" else args[method])
                         for ep, _ in live for method in asked])
     per_episode = [dict(zip(asked, answers[i:i + len(asked)]))
                    for i in range(0, len(answers), len(asked))]
@@ -133,9 +153,11 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         if ep.failure is not None:
             continue
         first, instruction = answered["reset"], answered.get("instructions")
-        ep.candidates = answered.get("candidate_actions")
+        ep.tools = answered.get("tools")
+        ep.take_candidates(answered.get("candidate_actions"))
+        schemas = ([tool_schema(t) for t in ep.tools or ()] if codec.renders_tools else None)
         tokens, span = codec.start(ep.task.query if ep.env.query_in_prompt else "", first,
-                                   guide.text if guide else None, instruction)
+                                   guide.text if guide else None, instruction, schemas)
         ep.extend(tokens)
         ep.prompt_len = len(ep.tokens)
         if guide is not None:
@@ -168,7 +190,7 @@ def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: lis
                  version: int, settings: RolloutSettings) -> None:
     """Append one action and the environment's answer; decide whether the episode ends."""
     start, action = take_action(ep, codec, action_ids, logprobs, version)
-    stepped = env_call(ep, ep.env.step, action)
+    stepped = env_call(ep, ep.env.step, action, ep.call_format)
     if stepped is not None:
         observe(ep, codec, start, action, stepped, settings)
 
@@ -247,7 +269,7 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             first = [ep for ep in active if ep.candidates is None]
             for ep, actions in zip(first, ask_envs([(ep, "candidate_actions", ())
                                                     for ep in first])):
-                ep.candidates = actions
+                ep.take_candidates(actions)
             active = [ep for ep in active if ep.failure is None]
             if not active:
                 continue
@@ -266,7 +288,7 @@ def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
               settings: RolloutSettings, reward: Grading | None) -> None:
     """Every active episode's action sent to its env, with what its next turn or its score
     needs from the env after that step."""
-    calls = [(ep, "step", (action,)) for ep, (_, action) in zip(active, taken)]
+    calls = [(ep, "step", (action, ep.call_format)) for ep, (_, action) in zip(active, taken)]
     for ep in active:
         ep.candidates = None
         if len(ep.steps) + 1 >= settings.max_turns:  # this step is its last, whatever it says
@@ -284,7 +306,7 @@ def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
         if method == "evaluate":
             ep.reward, ep.scored = 0.0 if answer is None else float(answer), True
         elif not ep.done:
-            ep.candidates = answer
+            ep.take_candidates(answer)
 
 
 def _score(episodes: list[Episode], reward: Grading | None) -> None:
@@ -305,15 +327,27 @@ def _score(episodes: list[Episode], reward: Grading | None) -> None:
 def scripted_episode(task: Task, env: Environment, codec: Codec,
                      settings: RolloutSettings, guidance: Guidance | None = None) -> Episode:
     """Replay ``task.reference`` as if the policy had produced it (for warm-start data)."""
-    ep = start_episodes([task], 1, lambda: env, codec, [[guidance]])[0]
-    for action in task.reference:
-        if ep.done:
-            break
-        apply_action(ep, codec, codec.action(action), None, 0, settings)
+    ep = start_episodes([task], 1, lambda: env, codec, [[guidance]],
+                        tool_format=settings.tool_format)[0]
+    play_reference(ep, codec, settings)
     if ep.failure is not None:  # a script is one env's, in order: it cannot go on without it
         raise ep.failure
     ep.reward = float(env.evaluate(task))
     return ep
+
+
+def play_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> None:
+    """Feed ``ep``'s task's reference actions (text format) to it as if the policy had
+    written them, each in the policy's call format."""
+    for action in ep.task.reference:
+        if ep.done:
+            break
+        if ep.call_format != "text":
+            tools = env_call(ep, ep.env.tools)  # asked each step: BFCL's change by turn
+            if tools is None:
+                break
+            action = rewrite(action, tools, ep.call_format)
+        apply_action(ep, codec, codec.action(action), None, 0, settings)
 
 
 def to_groups(episodes: list[Episode], n: int, actor_id: str, now: float) -> list[Group]:
@@ -333,6 +367,11 @@ def success_rate(episodes: list[Episode]) -> float:
 
 def rollout_settings(cfg: RunConfig) -> RolloutSettings:
     """The rollout limits a run's config sets (actors, evaluation and warm-start share them)."""
-    return RolloutSettings(max_turns=cfg.env.max_turns, max_context=cfg.env.max_context,
-                           max_action_tokens=cfg.actor.max_action_tokens,
-                           constrained=cfg.actor.constrained)
+    return settings_of(cfg.env, cfg.actor)
+
+
+def settings_of(env: EnvConfig, actor: ActorConfig) -> RolloutSettings:
+    """The rollout settings of a run's env and actor sections."""
+    return RolloutSettings(max_turns=env.max_turns, max_context=env.max_context,
+                           max_action_tokens=actor.max_action_tokens,
+                           constrained=actor.constrained, tool_format=actor.tool_format)

@@ -45,6 +45,7 @@ class Codec(abc.ABC):
     """Text pieces of a rollout -> token ids; ``eoa_id`` ends every action."""
 
     shows_instructions = True  # whether start() puts the env's instructions in the prompt
+    renders_tools = False  # whether start() hands the tools' JSON schemas to a chat template
 
     eoa_id: int
 
@@ -84,9 +85,11 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def start(self, query: str, observation: str, experience: str | None = None,
-              instructions: str | None = None) -> tuple[list[int], list[int]]:
+              instructions: str | None = None,
+              tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         """The prompt's tokens and the [start, end) span of the experience block ([] if none).
-        An empty ``query`` is left out (the observation already carries the request)."""
+        An empty ``query`` is left out (the observation already carries the request);
+        ``tools`` (JSON schemas) is used only where :attr:`renders_tools`."""
 
     @abc.abstractmethod
     def observation(self, observation: str, role: str = "tool") -> list[int]:
@@ -126,7 +129,7 @@ class MarkerCodec(Codec):
         self.exp_open, self.exp_close = (vocab.get(m) for m in EXPERIENCE_MARKERS)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
-    def start(self, query, observation, experience=None, instructions=None):
+    def start(self, query, observation, experience=None, instructions=None, tools=None):
         block = self.experience(experience) if experience else []
         span = [len(self.bos), len(self.bos) + len(block)] if block else []
         request = self.content(query) if query else []
@@ -167,10 +170,24 @@ class ChatCodec(Codec):
         if len(ids) != 1:
             raise ValueError(f"chat template's end of turn {self.eoa_text!r} is not one token")
         self.eoa_id = ids[0]
+        self.renders_tools = self._renders_tools()
 
-    def _render(self, messages: list[dict], generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+    def _render(self, messages: list[dict], generation: bool,
+                tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                                   add_generation_prompt=generation)
+
+    _PROBE_TOOL = {"type": "function", "function": {
+        "name": "probe_tool_\u2063", "description": "", "parameters": {
+            "type": "object", "properties": {}, "required": []}}}
+
+    def _renders_tools(self) -> bool:
+        """Whether the template shows a ``tools=`` list (its name appears in the render):
+        SmolLM2's ignores it, Qwen's and Hermes' render it into the system message."""
+        try:
+            return "probe_tool_\u2063" in self._render(self._PROBE[:2], True, [self._PROBE_TOOL])
+        except Exception:  # jinja raises where a template cannot take the argument
+            return False
 
     _PROBE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
               {"role": "assistant", "content": "A\u2063"}]
@@ -185,12 +202,13 @@ class ChatCodec(Codec):
         raise ValueError(f"cannot find the end-of-turn token after an assistant message in "
                          f"the chat template (it renders {tail!r})")
 
-    def start(self, query, observation, experience=None, instructions=None):
+    def start(self, query, observation, experience=None, instructions=None, tools=None):
         user = "\n\n".join(t for t in (query, observation) if t)
         messages = [{"role": "user", "content": _SENTINEL + _CONTENT}]
         if instructions:
             messages.insert(0, {"role": "system", "content": instructions})
-        head, rest = self._render(messages, True).split(_SENTINEL, 1)
+        shown = tools if self.renders_tools and tools else None
+        head, rest = self._render(messages, True, shown).split(_SENTINEL, 1)
         between, tail = rest.split(_CONTENT, 1)
         block = self.experience(experience) if experience else []
         prefix = self.encode(head)
@@ -231,10 +249,15 @@ class ChatCodec(Codec):
         return self.after_eoa + full[len(base):]
 
 
-def make_codec(tokenizer) -> Codec:
+def make_codec(tokenizer, tool_format: str = "text") -> Codec:
     """The marker format where the tokenizer has the markers (the tiny policy), else its chat
-    template."""
+    template; ``tool_format`` (``actor.tool_format``) is checked against it."""
     vocab = tokenizer.get_vocab()
     if all(m in vocab for m in MARKERS):
+        if tool_format != "text":
+            raise ValueError(f"actor.tool_format={tool_format} needs a model with a chat "
+                             "template: this one is a word-level marker policy, whose "
+                             "vocabulary spells text-format calls only; set "
+                             "actor.tool_format=text or use a real model")
         return MarkerCodec(tokenizer)
     return ChatCodec(tokenizer)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from environments.base import Environment, described_only
+from environments.call_formats import rewrite
 from inference.llm import ChatModel, LLMError, ReplyFormat, clip_text
 from protocol.messages import Task, Trajectory
 
@@ -99,11 +100,12 @@ class ReferenceJudge(StepJudge):
         self.env_factory = env_factory
 
     def judge(self, task: Task, traj: Trajectory) -> Judgement:
-        labels = self._replay(task, [s.action for s in traj.steps]) if traj.steps else []
+        labels = self._replay(task, [s.action for s in traj.steps],
+                              traj.info.get("call_format", "text")) if traj.steps else []
         self._count(trajectories=1, steps=len(labels), good=sum(labels))
         return Judgement(labels, "reference", attempts=0)
 
-    def _replay(self, task: Task, actions: list[str]) -> list[int]:
+    def _replay(self, task: Task, actions: list[str], call_format: str) -> list[int]:
         env = self.env_factory()
         env.reset(task)
         # A goal in words only cannot be measured on the state: the reference alone decides.
@@ -112,9 +114,12 @@ class ReferenceJudge(StepJudge):
         progress = env.goal_progress(task) if measured else 0.0
         labels = []
         for action in actions:
-            _, _, info = env.step(action)
+            # references are text-format calls: a call in another format is matched as one
+            said = action if call_format == "text" else rewrite(action, env.tools(), "text",
+                                                                 call_format)
+            _, _, info = env.step(action, call_format)
             after = env.goal_progress(task) if measured else 0.0
-            good = _clean(info) and (self._match(action, unmatched) or after > progress)
+            good = _clean(info) and (self._match(said, unmatched) or after > progress)
             labels.append(int(good))
             progress = after
         return labels

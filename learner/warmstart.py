@@ -97,7 +97,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
     model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.learner.device)
     lc = cfg.learner
     prepare_for_training(model, lc.logit_chunk_tokens, lc.gradient_checkpointing)
-    codec = make_codec(tokenizer)
+    codec = make_codec(tokenizer, settings.tool_format)
     groups = with_experience(cfg, reference_groups(cfg, codec, settings, tasks), codec, settings)
     if not groups:
         raise RuntimeError(f"no verified reference solutions to warm-start on (env "

@@ -49,12 +49,13 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 from environments import Environment
 from environments.base import task_env_maker
+from environments.call_formats import rewrite
 from inference.llm import ChatModel, LLMError, ReplyFormat, extract_json
 from navigating.pool import experience_id
 from protocol.config import EnvConfig
@@ -241,6 +242,26 @@ def _replaying_in(env_cfg: EnvConfig | None) -> Iterator[None]:
         _RUN_ENV.reset(token)
 
 
+def in_text_format(task: Task, trajs: Sequence[Trajectory]) -> list[Trajectory]:
+    """``trajs`` (of ``task``) with each call their policy wrote in another format
+    (``info["call_format"]``) rewritten as the text-format call it makes: the rules read,
+    replay and quote text-format calls. A reply that is no call stays as it was (a replay
+    refuses it again)."""
+    if all(t.info.get("call_format", "text") == "text" or not t.steps for t in trajs):
+        return list(trajs)
+    try:
+        env = task_env_maker(task, _RUN_ENV.get())()
+        env.reset(task)
+        tools = env.tools()
+    except Exception as exc:  # as in _run: extraction goes on with what it has
+        log.debug("cannot list the tools of task %s: %r", task.task_id, exc)
+        return list(trajs)
+    return [t if t.info.get("call_format", "text") == "text" else replace(
+        t, info={**t.info, "call_format": "text"},
+        steps=[replace(s, action=rewrite(s.action, tools, "text", t.info["call_format"]))
+               for s in t.steps]) for t in trajs]
+
+
 def _run(task: Task, actions: Sequence[str]) -> _Replay | None:
     """``actions`` replayed in a fresh env from the task's seed; None when the env cannot."""
     try:
@@ -320,6 +341,7 @@ def from_success(task: Task, traj: Trajectory, version: int,
     one to copy); a single verified success starts at 0.5."""
     if not traj.success:
         return []
+    traj = in_text_format(task, [traj])[0]
     actions = _worked_actions(task, traj.steps)
     if not actions:
         return []
@@ -336,6 +358,7 @@ def from_failure(task: Task, traj: Trajectory, version: int) -> list[Experience]
     A precondition lesson holds whatever the outcome (the replay shows the fix made the retry
     work); "use <retry> instead" only when the retry is part of a solution, since an untried
     alternative is just another action."""
+    traj = in_text_format(task, [traj])[0]
     states = _replayed_states(task, traj.steps)
     calls = _trajectory_calls(traj.steps, states)
     solution = set(_worked_actions(task, traj.steps)) if traj.success else set()
@@ -385,7 +408,7 @@ def from_contrast(group: Group, version: int) -> list[Experience]:
     followed it longest (the latest parting point says the most). The best's calls are those
     that moved it on (:func:`_worked_actions`); the worst's keep its refusals, which are often
     what went wrong, and drop only successful calls that changed nothing."""
-    trajs = group.trajectories
+    trajs = in_text_format(group.task, group.trajectories)
     if len(trajs) < 2 or max(t.reward for t in trajs) <= min(t.reward for t in trajs):
         return []
     top, low = max(t.reward for t in trajs), min(t.reward for t in trajs)
@@ -422,7 +445,8 @@ def from_group(group: Group, version: int) -> list[Experience]:
 
     Of the successful trajectories only the shortest solution is kept: all of them share the
     task query as ``when_to_use``, so they would compete for one retrieval slot anyway."""
-    task, trajs = group.task, group.trajectories
+    task, trajs = group.task, in_text_format(group.task, group.trajectories)
+    group = replace(group, trajectories=trajs)
     rate = sum(t.success for t in trajs) / len(trajs) if trajs else None
     wins = _merge([e for t in trajs for e in from_success(task, t, version, rate)])
     out = [min(wins, key=lambda e: len(e.content))] if wins else []

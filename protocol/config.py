@@ -168,6 +168,11 @@ class EnvConfig:
                               f"{self.address!r}")
 
 
+# How a model may write a tool call; ``environments.call_formats`` parses each (a test keeps
+# the two lists equal). Here because the actor's config and the env wire both name them.
+TOOL_FORMATS = ("text", "json", "hermes", "pythonic")
+
+
 @dataclass
 class ActorConfig:
     num_actors: int = 2
@@ -196,7 +201,15 @@ class ActorConfig:
     """Most tokens in one action."""
 
     constrained: bool = True
-    """Constrain decoding to the environment's currently valid tool calls."""
+    """Constrain decoding to the environment's currently valid tool calls (written in
+    ``tool_format``)."""
+
+    tool_format: str = "text"
+    """How the model writes a tool call (one of ``TOOL_FORMATS``; docs/tool-formats.md):
+    ``text`` (``mv a.md docs``), ``json`` (``{"name": "mv", "arguments": {...}}``),
+    ``hermes`` (that JSON in ``<tool_call>`` tags) or ``pythonic`` (``[mv(src="a.md")]``).
+    A property of the model: every env is called in every format. Formats other than
+    ``text`` need a model with a chat template (the tiny policy's vocabulary is words)."""
 
     torch_threads: int = 1
     """CPU threads per actor process."""
@@ -266,6 +279,9 @@ class ActorConfig:
             raise ConfigError(f"backend must be transformers or vllm, got {self.backend!r}")
         if self.lora_apply not in ("merge", "layers"):
             raise ConfigError(f"lora_apply must be merge or layers, got {self.lora_apply!r}")
+        if self.tool_format not in TOOL_FORMATS:
+            raise ConfigError(f"tool_format must be one of {', '.join(TOOL_FORMATS)}, "
+                              f"got {self.tool_format!r}")
 
     @property
     def samples_in_low_precision(self) -> bool:

@@ -17,7 +17,8 @@ A conversation::
                                         worker, under the id the client chose (so the calls
                                         after it can ride in the same batch)
     EnvReset(session, task)          -> EnvValue(first observation)
-    EnvStep(session, action)         -> EnvStepped(observation, done, info, appended)
+    EnvStep(session, action, call_format) -> EnvStepped(observation, done, info,
+                                        appended)
     ...                              (any request below, naming the session)
     EnvClose(session)                -> EnvValue(None)
     EnvBatch([frame, frame, ...])    -> EnvAnswers([frame, ...]), usually one: each request's
@@ -43,12 +44,14 @@ from dataclasses import field
 from typing import Any
 
 from protocol.codec import message
+from protocol.config import TOOL_FORMATS
 from protocol.errors import SchemaError
 from protocol.messages import Task
 
 # v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers); the client names a new session
-# (EnvOpen.session). Bump on any incompatible change to a message below.
-ENV_WIRE_VERSION = 3
+# (EnvOpen.session). v4: a step and the instructions name the call format the agent speaks.
+# Bump on any incompatible change to a message below.
+ENV_WIRE_VERSION = 4
 
 # Python's own exception types by name (not BaseException's others: a worker that is told to
 # exit, exits). A served env's raise of one is raised again by the client as that type.
@@ -156,10 +159,12 @@ class EnvTools:
 @message("env_step")
 class EnvStep:
     session: str
-    action: str  # step(action): the model's action text; answered EnvStepped
+    action: str  # step(action, call_format): the model's action text; answered EnvStepped
+    call_format: str = "text"  # how that text writes a call: one of config.TOOL_FORMATS
 
     def validate(self):
         _check_session(self.session)
+        _check_choice(self.call_format, TOOL_FORMATS, "call_format")
 
 
 @message("env_execute")
@@ -208,10 +213,13 @@ class EnvCandidateActions:
 
 @message("env_instructions")
 class EnvInstructions:
-    session: str  # instructions(): answered with the system prompt or None
+    session: str  # instructions(call_format, list_tools): the system prompt or None
+    call_format: str = "text"  # the reply form the prompt asks for: one of TOOL_FORMATS
+    list_tools: bool = True  # False: the chat template shows the tools' schemas itself
 
     def validate(self):
         _check_session(self.session)
+        _check_choice(self.call_format, TOOL_FORMATS, "call_format")
 
 
 @message("env_example_action")
