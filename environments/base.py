@@ -229,6 +229,17 @@ class Environment(ABC):
         return obs, done, {"valid": True, "tool": call.tool, "error": error}
 
 
+def step_args(action_text: str, call_format: str) -> tuple:
+    """The arguments of a ``step`` in ``call_format``: the text alone for the text format, so
+    an env written before formats existed (``def step(self, action_text)``) still serves it."""
+    return (action_text,) if call_format == "text" else (action_text, call_format)
+
+
+def instructions_args(call_format: str, list_tools: bool) -> tuple:
+    """The arguments of ``instructions`` (none for the defaults; see :func:`step_args`)."""
+    return () if (call_format, list_tools) == ("text", True) else (call_format, list_tools)
+
+
 VERIFY_REASONS = ("ok", "no_reference", "satisfied_at_start", "invalid_step", "goal_not_reached")
 
 

@@ -31,7 +31,14 @@ from typing import Protocol
 
 import numpy as np
 
-from environments.base import Environment, ToolSpec, call_all, make_envs
+from environments.base import (
+    Environment,
+    ToolSpec,
+    call_all,
+    instructions_args,
+    make_envs,
+    step_args,
+)
 from environments.call_formats import rewrite, tool_schema
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
@@ -144,7 +151,7 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
              *(["instructions"] if codec.shows_instructions else []),
              *(["candidate_actions"] if constrained else [])]
     args = {"reset": None, "tools": (), "candidate_actions": (),
-            "instructions": (tool_format, not codec.renders_tools)}
+            "instructions": instructions_args(tool_format, not codec.renders_tools)}
     answers = ask_envs([(ep, method, (ep.task,) if method == "reset" else args[method])
                         for ep, _ in live for method in asked])
     per_episode = [dict(zip(asked, answers[i:i + len(asked)]))
@@ -190,7 +197,7 @@ def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: lis
                  version: int, settings: RolloutSettings) -> None:
     """Append one action and the environment's answer; decide whether the episode ends."""
     start, action = take_action(ep, codec, action_ids, logprobs, version)
-    stepped = env_call(ep, ep.env.step, action, ep.call_format)
+    stepped = env_call(ep, ep.env.step, *step_args(action, ep.call_format))
     if stepped is not None:
         observe(ep, codec, start, action, stepped, settings)
 
@@ -288,7 +295,8 @@ def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
               settings: RolloutSettings, reward: Grading | None) -> None:
     """Every active episode's action sent to its env, with what its next turn or its score
     needs from the env after that step."""
-    calls = [(ep, "step", (action, ep.call_format)) for ep, (_, action) in zip(active, taken)]
+    calls = [(ep, "step", step_args(action, ep.call_format))
+             for ep, (_, action) in zip(active, taken)]
     for ep in active:
         ep.candidates = None
         if len(ep.steps) + 1 >= settings.max_turns:  # this step is its last, whatever it says

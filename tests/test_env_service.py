@@ -36,10 +36,11 @@ from hypothesis import strategies as st
 from autodidact.env_serve import EnvServerProcess
 from environments import ActionError, FilesEnv, ToolCall, ToolError, env_class, env_maker
 from environments.base import call_each, task_env_class
+from environments.call_formats import rewrite
 from environments.remote import EnvLink, RemoteEnv
 from protocol import codec
 from protocol import env_wire as wire
-from protocol.config import EnvConfig, load_config
+from protocol.config import TOOL_FORMATS, EnvConfig, load_config
 from protocol.errors import REJECT_REASONS, ConfigError, EnvFailed, SchemaError
 from protocol.messages import SPLITS, Error, StatsRequest, Task
 from protocol.transport import free_tcp_port
@@ -106,14 +107,15 @@ def transcript(env, tasks: list[Task], seed: int) -> list:
     out += [("tasks", split, env.tasks(split)) for split in SPLITS]
     for task in tasks:
         out.append(("reset", env.reset(task), list(env.responses)))
-        out += [("tools", env.tools()), ("instructions", env.instructions()),
-                ("example", env.example_action())]
+        out += [("tools", env.tools()), ("example", env.example_action())]
+        out += [("instructions", fmt, listed, env.instructions(fmt, listed))
+                for fmt in TOOL_FORMATS for listed in (True, False)]
         start = env.state()
         for _ in range(6):
             choices = env.candidate_actions()
-            action = rng.choice(choices + MALFORMED)
+            action, fmt = rng.choice(choices + MALFORMED), rng.choice(TOOL_FORMATS)
             before = env.state()
-            obs, done, info = env.step(action)
+            obs, done, info = env.step(rewrite(action, env.tools(), fmt), fmt)
             after = env.state()
             out.append(("step", choices, action, obs, done, info, after, list(env.responses),
                         env.evaluate(task), env.goal_progress(task),

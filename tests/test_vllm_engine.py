@@ -155,3 +155,29 @@ def test_weights_from_a_folder_and_versions_per_generation(model, tmp_path):
     with pytest.raises(KeyError):
         backend.load_weights({"model.nope.weight": torch.zeros(2)}, version + 1)
     assert backend.version == version
+
+
+@pytest.mark.parametrize("fmt", ["json", "hermes", "pythonic"])
+def test_constrained_rollouts_parse_in_every_call_format(model, fmt):
+    """The acceptance check on the vLLM engine with SmolLM2 (the transformers engine's is in
+    test_tool_formats.py): every constrained reply is a well-formed call in ``fmt``."""
+    from environments.call_formats import FORMATS
+    from environments.files import FilesEnv
+    from episodes.rollout import RolloutSettings, rollout, start_episodes
+    from inference.codecs import make_codec
+
+    name, backend, _ = model
+    if name == "tiny":
+        pytest.skip("the tiny word-level policy writes text-format calls only")
+    codec = make_codec(backend.tokenizer, fmt)
+    settings = RolloutSettings(max_turns=2, max_context=1024, max_action_tokens=48,
+                               constrained=True, tool_format=fmt)
+    episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2, FilesEnv, codec,
+                              constrained=True, tool_format=fmt)
+    rollout(backend, episodes, codec, SamplingParams(max_new_tokens=48, seed=2,
+                                                     stop_token_ids=(codec.eoa_id,)), settings)
+    steps = [s for ep in episodes for s in ep.steps]
+    assert len(steps) >= 4
+    for step in steps:
+        assert step.valid, step.action
+        FORMATS[fmt].parse(step.action, FilesEnv().tools())
