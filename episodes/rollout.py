@@ -40,6 +40,7 @@ from environments.base import (
     step_args,
 )
 from environments.call_formats import rewrite, tool_schema
+from episodes.context import ContextManager, Turn, context_manager
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
 from protocol.config import ActorConfig, EnvConfig, RunConfig
@@ -74,6 +75,21 @@ class Episode:
     # The env's tools, asked at the start where candidates must be rewritten in a format
     # other than text or the chat template shows the tools' schemas; None otherwise.
     tools: list[ToolSpec] | None = None
+    # What the opening prompt was made of (codec.start's arguments), to rebuild it under a
+    # context manager that leaves turns out, and the turns so far as the model saw them.
+    opening: tuple = ()
+    turns: list[Turn] = field(default_factory=list)
+    contexts: list[list[int]] = field(default_factory=list)  # Trajectory.contexts
+
+    @property
+    def context_start(self) -> int:
+        """Where the context the model now sees starts in ``tokens``."""
+        return self.contexts[-1][0] if self.contexts else 0
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens the model now sees: the current context."""
+        return self.tokens[self.context_start:]
 
     def extend(self, ids, logprobs=None, version: int = -1, generated: bool = False) -> None:
         self.tokens += ids
@@ -92,7 +108,8 @@ class Episode:
             experience_ids=list(self.experience_ids),
             info={"turns": len(self.steps), "truncated": self.truncated,
                   # a replay (step judge, experience extraction) parses the actions in it
-                  "call_format": self.call_format})
+                  "call_format": self.call_format},
+            contexts=[list(c) for c in self.contexts])
 
     @property
     def guided(self) -> bool:
@@ -113,6 +130,7 @@ class RolloutSettings:
     max_action_tokens: int = 16
     constrained: bool = True
     tool_format: str = "text"  # actor.tool_format: how the policy writes a call
+    context: ContextManager = field(default_factory=ContextManager)  # env.context
 
 
 @dataclass
@@ -163,8 +181,9 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         ep.tools = answered.get("tools")
         ep.take_candidates(answered.get("candidate_actions"))
         schemas = ([tool_schema(t) for t in ep.tools or ()] if codec.renders_tools else None)
-        tokens, span = codec.start(ep.task.query if ep.env.query_in_prompt else "", first,
-                                   guide.text if guide else None, instruction, schemas)
+        ep.opening = (ep.task.query if ep.env.query_in_prompt else "", first,
+                      guide.text if guide else None, instruction, schemas)
+        tokens, span = codec.start(*ep.opening)
         ep.extend(tokens)
         ep.prompt_len = len(ep.tokens)
         if guide is not None:
@@ -221,12 +240,35 @@ def observe(ep: Episode, codec: Codec, start: int, action: str, stepped: tuple,
     ep.steps.append(Step(action=action, observation=obs, start=start, end=len(ep.tokens),
                          valid=bool(info.get("valid", False)),
                          info={k: _utf8(v) for k, v in info.items() if v is not None}))
-    next_ids = codec.observation(obs, info.get("role", "tool"))
-    too_long = len(ep.tokens) + len(next_ids) + settings.max_action_tokens > settings.max_context
-    if done or len(ep.steps) >= settings.max_turns or too_long:
-        ep.done, ep.truncated = True, too_long and not done
+    next_ids = codec.observation(obs, info.get("role", "tool"),
+                                 settings.context.observation_tokens)
+    ep.turns.append(Turn(ep.tokens[start:], next_ids, action, obs))
+    if done or len(ep.steps) >= settings.max_turns:
+        ep.done = True
+        return
+    note = settings.context.note(ep.turns)
+    if note is None:
+        added, span = next_ids, None
+        length = len(ep.context) + len(next_ids)
     else:
-        ep.extend(next_ids)
+        added, span = rebuilt_context(ep, codec, note, settings.context.kept(ep.turns))
+        length = len(added)
+    if length + settings.max_action_tokens > settings.max_context:
+        ep.done = ep.truncated = True
+        return
+    if span is not None:  # a new context: no prefix extension of the last one
+        at = len(ep.tokens)
+        ep.contexts.append([at, at + span[0], at + span[1]] if span else [at, at, at])
+    ep.extend(added)
+
+
+def rebuilt_context(ep: Episode, codec: Codec, note: str,
+                    kept: list[Turn]) -> tuple[list[int], list[int]]:
+    """The opening prompt with ``note`` after its first observation, then the ``kept`` turns
+    as the model saw them; and the experience block's span in it ([] if none)."""
+    query, first, *rest = ep.opening
+    prompt, span = codec.start(query, f"{first}\n\n{note}" if first else note, *rest)
+    return [*prompt, *(i for t in kept for i in (*t.action_ids, *t.observation_ids))], span
 
 
 def _utf8(value):
@@ -266,7 +308,7 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
     one round trip; only episodes the env ends early are evaluated after the last turn."""
     while True:
         for ep in episodes:  # a prompt with no room left for an action (long instructions)
-            if not ep.done and len(ep.tokens) + settings.max_action_tokens > settings.max_context:
+            if not ep.done and len(ep.context) + settings.max_action_tokens > settings.max_context:
                 ep.done = ep.truncated = True
         active = [ep for ep in episodes if not ep.done]
         if not active:
@@ -281,7 +323,7 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             if not active:
                 continue
             constraints = [codec.constraint(ep.candidates) for ep in active]
-        gens = backend.generate([ep.tokens for ep in active], params, constraints)
+        gens = backend.generate([ep.context for ep in active], params, constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version)
                  for ep, g in zip(active, gens)]
         _step_all(active, taken, codec, settings, reward)
@@ -382,4 +424,5 @@ def settings_of(env: EnvConfig, actor: ActorConfig) -> RolloutSettings:
     """The rollout settings of a run's env and actor sections."""
     return RolloutSettings(max_turns=env.max_turns, max_context=env.max_context,
                            max_action_tokens=actor.max_action_tokens,
-                           constrained=actor.constrained, tool_format=actor.tool_format)
+                           constrained=actor.constrained, tool_format=actor.tool_format,
+                           context=context_manager(env))

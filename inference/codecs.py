@@ -92,8 +92,18 @@ class Codec(abc.ABC):
         ``tools`` (JSON schemas) is used only where :attr:`renders_tools`."""
 
     @abc.abstractmethod
-    def observation(self, observation: str, role: str = "tool") -> list[int]:
-        """Tokens that follow an action: the observation and whatever cues the next action."""
+    def observation(self, observation: str, role: str = "tool",
+                    limit: int | None = None) -> list[int]:
+        """Tokens that follow an action: the observation (cut to ``limit`` tokens with a
+        marker, ``env.context=truncate``) and whatever cues the next action."""
+
+    def limited(self, text: str, limit: int | None) -> list[int]:
+        """:meth:`content` of ``text``, cut to ``limit`` tokens and a marker saying how many
+        were left out."""
+        ids = self.content(text)
+        if limit is None or len(ids) <= limit:
+            return ids
+        return [*ids[:limit], *self.content(f" ... [{len(ids) - limit} tokens cut]")]
 
     def action(self, action: str) -> list[int]:
         return [*self.encode(action), self.eoa_id]
@@ -141,8 +151,8 @@ class MarkerCodec(Codec):
                              "add them as special tokens or set experience.enabled=false")
         return [self.exp_open, *self.content(text), self.exp_close]
 
-    def observation(self, observation, role="tool"):
-        return [self.obs_id, *self.content(observation), self.act_id]
+    def observation(self, observation, role="tool", limit=None):
+        return [self.obs_id, *self.limited(observation, limit), self.act_id]
 
 
 PromptCodec = MarkerCodec  # the name the rest of the code grew up with
@@ -220,17 +230,17 @@ class ChatCodec(Codec):
         return [*self.encode("Experience from earlier attempts:\n"), *self.content(text),
                 *self.encode("\n\n")]
 
-    def observation(self, observation, role="tool"):
+    def observation(self, observation, role="tool", limit=None):
         if role == "tool" and not self._tool_role:
             role, observation = "user", f"Tool results:\n{observation}"
         frame = self._frames.get(role)
         if frame is None:  # the template around a message of this role; rendered once
             text = self._observation_text(_CONTENT, role)
             if role == "tool" and not self._tool_role:  # the render found no tool role
-                return self.observation(observation, role)
+                return self.observation(observation, role, limit)
             head, tail = text.split(_CONTENT, 1)
             frame = self._frames[role] = (self.encode(head), self.encode(tail))
-        return [*frame[0], *self.content(observation), *frame[1]]
+        return [*frame[0], *self.limited(observation, limit), *frame[1]]
 
     def _observation_text(self, observation: str, role: str) -> str:
         if role == "tool" and not self._tool_role:

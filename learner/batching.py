@@ -7,6 +7,10 @@ trained, so every per-token quantity below is zero (or -1 for versions) elsewher
 A trajectory guided by retrieved experience (self-navigating) carries the injected block's span
 inside its prompt; :func:`strip_experience` removes it, which is how ``build_batch`` trains such
 rows on the context the policy will see at test time (``experience="discard"``).
+
+A trajectory whose context was rebuilt during the episode (``env.context`` window or summary:
+``Trajectory.contexts``) is one row per context (:func:`split_contexts`): every action is
+trained against exactly the tokens it was sampled after, nothing of another context.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class TrainBatch:
       (non-empty ``experience_ids`` or ``experience_span``), whether or not it was stripped.
     * ``stripped`` float ``[B]`` — 1 where that experience was removed from the row before
       batching, so the row's tokens are not the context its behaviour log-probs were taken in.
+    * ``row_weight`` float ``[B]`` — the row's share of its trajectory's generated tokens: 1,
+      except for the rows of a trajectory whose context was rebuilt (one row per context),
+      which add up to 1 (``seq-mean-token-mean`` weighs each trajectory once).
     """
 
     input_ids: torch.Tensor
@@ -52,6 +59,7 @@ class TrainBatch:
     group_index: torch.Tensor
     guided: torch.Tensor
     stripped: torch.Tensor
+    row_weight: torch.Tensor
 
     def rows(self, index: torch.Tensor, width: int | None = None) -> TrainBatch:
         """The sub-batch of rows ``index`` (a minibatch); ``num_tokens`` is recounted. With
@@ -125,7 +133,7 @@ def build_batch(
         raise ValueError(f"{len(advantages)} advantage lists for {len(groups)} groups")
     label_map = _label_map(labels) if labels is not None else None
 
-    rows: list[tuple[int, Trajectory, np.ndarray, bool]] = []
+    rows: list[tuple[int, Trajectory, np.ndarray, bool, float]] = []
     stats = {"groups": len(groups), "degenerate_groups": 0}
     if label_map is not None:
         stats["unlabelled_groups"] = 0
@@ -140,12 +148,42 @@ def build_batch(
             if label_map is not None:
                 stats["unlabelled_groups"] += 1
             per_traj = _grpo_token_advantages(group)
-        rows.extend((gi, *_row(t, a, experience)) for t, a in zip(group.trajectories, per_traj))
+        for traj, adv in zip(group.trajectories, per_traj):
+            generated = max(int(traj.action_mask.sum()), 1)
+            for (lo, hi), part in split_contexts(traj):
+                share = 1.0 if not traj.contexts else float(part.action_mask.sum()) / generated
+                rows.append((gi, *_row(part, adv[lo:hi], experience), share))
     if not rows:
         raise ValueError("no trajectories to batch")
     batch, pad_stats = _pad(rows, pad_id, max_len)
-    stats.update(trajectories=len(rows), **pad_stats)
+    stats.update(trajectories=sum(len(g.trajectories) for g in groups), rows=len(rows),
+                 **pad_stats)
     return batch, stats
+
+
+def split_contexts(traj: Trajectory) -> list[tuple[tuple[int, int], Trajectory]]:
+    """Each context ``traj`` holds, as a trajectory of its own with the [start, end) of its
+    tokens in ``traj``: its steps and experience span moved to its own positions (a later
+    context's prompt runs to its first generated token). One context: ``traj`` itself."""
+    if not traj.contexts:
+        return [((0, len(traj.tokens)), traj)]
+    out = []
+    for k, (lo, hi) in enumerate(traj.context_bounds()):
+        mask = traj.action_mask[lo:hi]
+        if k == 0:
+            prompt, span = traj.prompt_len, list(traj.experience_span)
+        else:
+            ctx = traj.contexts[k - 1]
+            generated = np.flatnonzero(mask)
+            prompt = int(generated[0]) if generated.size else hi - lo
+            span = [ctx[1] - lo, ctx[2] - lo] if ctx[2] > ctx[1] else []
+        steps = [replace(s, start=s.start - lo, end=s.end - lo) for s in traj.steps
+                 if lo <= s.start < hi]
+        out.append(((lo, hi), replace(
+            traj, tokens=traj.tokens[lo:hi], logprobs=traj.logprobs[lo:hi],
+            versions=traj.versions[lo:hi], action_mask=mask, prompt_len=prompt, steps=steps,
+            experience_span=span, contexts=[])))
+    return out
 
 
 def strip_experience(traj: Trajectory) -> Trajectory:
@@ -274,7 +312,7 @@ def _given_advantages(group: Group, given: list[np.ndarray]) -> list[np.ndarray]
 
 
 def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
-    lengths = [len(t.tokens) for _, t, _, _ in rows]
+    lengths = [len(t.tokens) for _, t, *_ in rows]
     truncated = sum(n > max_len for n in lengths) if max_len is not None else 0
     if max_len is not None:
         lengths = [min(n, max_len) for n in lengths]
@@ -285,7 +323,7 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
     blp = np.zeros((b, seq), dtype=np.float32)
     adv = np.zeros((b, seq), dtype=np.float32)
     ver = np.full((b, seq), -1, dtype=np.int64)
-    for i, ((_, t, a, _), n) in enumerate(zip(rows, lengths)):
+    for i, ((_, t, a, *_), n) in enumerate(zip(rows, lengths)):
         gen = t.action_mask[:n].astype(bool)
         ids[i, :n] = t.tokens[:n]
         attn[i, :n] = 1
@@ -301,11 +339,12 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
         advantages=torch.from_numpy(adv),
         versions=torch.from_numpy(ver),
         num_tokens=int(act.sum()),
-        group_index=torch.tensor([gi for gi, _, _, _ in rows], dtype=torch.long),
+        group_index=torch.tensor([row[0] for row in rows], dtype=torch.long),
         # A stripped row has lost its span but keeps its experience_ids; count it as guided
         # either way.
-        guided=torch.tensor([float(_is_guided(t) or s) for _, t, _, s in rows]),
-        stripped=torch.tensor([float(s) for _, _, _, s in rows]),
+        guided=torch.tensor([float(_is_guided(t) or s) for _, t, _, s, _ in rows]),
+        stripped=torch.tensor([float(s) for _, _, _, s, _ in rows]),
+        row_weight=torch.tensor([w for *_, w in rows], dtype=torch.float32),
     )
     stats = {"tokens": int(attn.sum()), "action_tokens": batch.num_tokens, "truncated": truncated,
              "guided_trajectories": int(batch.guided.sum()),

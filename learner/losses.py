@@ -27,6 +27,7 @@ def policy_loss(
     aggregation: str = "token-mean",
     reduction: str = "mean",
     guided: torch.Tensor | None = None,
+    row_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled clipped surrogate, token-mean over the trained tokens.
 
@@ -54,7 +55,10 @@ def policy_loss(
     and changes nothing for the others.
 
     ``aggregation="seq-mean-token-mean"`` weights every trajectory equally whatever its length
-    (the original GRPO form). Under token-mean, long failed episodes outweigh short successes,
+    (the original GRPO form). A trajectory whose context was rebuilt is several rows
+    (``learner.batching.split_contexts``); ``row_weight`` (``[B]``, 1 by default) is each row's
+    share of its trajectory's generated tokens, so its rows weigh one trajectory together.
+    Under token-mean, long failed episodes outweigh short successes,
     which pushes the sampled tokens down on net and raises entropy; on small policies that
     drift can compound into a collapse, which the per-sequence mean avoids.
 
@@ -112,8 +116,10 @@ def policy_loss(
     zero = torch.zeros_like(token_loss)
     if aggregation == "seq-mean-token-mean":
         per_row = keep.sum(dim=-1, keepdim=True).float()
-        count = (per_row > 0).sum()
-        weight = torch.where(per_row > 0, 1.0 / per_row.clamp(min=1), 0.0)
+        share = torch.ones_like(per_row) if row_weight is None else \
+            row_weight.reshape(-1, 1).to(per_row)
+        count = torch.where(per_row > 0, share, 0.0).sum()
+        weight = torch.where(per_row > 0, share / per_row.clamp(min=1), 0.0)
         if reduction == "mean":
             weight = weight / count.clamp(min=1)
         loss = torch.where(keep, token_loss * weight, zero).sum()

@@ -263,7 +263,8 @@ class PolicyStep:
             clip_low=self.cfg.clip_low, clip_high=clip_high,
             dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
             aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
-            ref_logprobs=reference, reduction=reduction, guided=batch.guided)
+            ref_logprobs=reference, reduction=reduction, guided=batch.guided,
+            row_weight=batch.row_weight)
         return loss, {**m, **nav}
 
     @torch.no_grad()

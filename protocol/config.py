@@ -125,6 +125,10 @@ class ModelConfig:
                                   f"got {self.kv_heads}")
 
 
+# How an episode's context grows (env.context; episodes/context.py builds each).
+CONTEXT_MODES = ("linear", "window", "truncate", "summary")
+
+
 @dataclass
 class EnvConfig:
     name: str = "files"
@@ -134,7 +138,22 @@ class EnvConfig:
     """Actions per episode before it is cut off."""
 
     max_context: int = 384
-    """Context-length guard in tokens: an episode stops before its context would exceed this."""
+    """Context-length guard in tokens: an episode stops before its context would exceed this
+    (with a ``context`` that rebuilds the prompt, the context of one turn, not the episode)."""
+
+    context: str = "linear"
+    """How the model's context grows over an episode (docs/context.md): ``linear`` (every turn
+    appended), ``window`` (the system prompt and task, a line saying how many turns were left
+    out, the last ``context_turns`` turns), ``truncate`` (each observation cut to
+    ``context_obs_tokens`` tokens with a marker) or ``summary`` (as ``window``, with the left-out
+    turns as a rule-made summary line each). Training stays exact: each action is trained
+    against the context it was sampled in."""
+
+    context_turns: int = 4
+    """``window`` and ``summary``: the most turns (action and observation) kept verbatim."""
+
+    context_obs_tokens: int = 256
+    """``truncate``: the most tokens of one observation the model sees."""
 
     options: dict = field(default_factory=dict)
     """Keyword arguments for the environment's constructor (``files``: ``num_worlds``,
@@ -163,6 +182,11 @@ class EnvConfig:
         _positive(self, "max_turns")
         _positive(self, "max_context")
         _positive(self, "call_timeout_s")
+        _positive(self, "context_turns")
+        _positive(self, "context_obs_tokens")
+        if self.context not in CONTEXT_MODES:
+            raise ConfigError(f"context must be one of {', '.join(CONTEXT_MODES)}, "
+                              f"got {self.context!r}")
         if self.address and self.address.partition("://")[0] not in ("tcp", "ipc"):
             raise ConfigError(f"address must be a ZeroMQ tcp:// or ipc:// address, got "
                               f"{self.address!r}")

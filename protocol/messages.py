@@ -102,6 +102,13 @@ class Trajectory:
     experience_span: list[int] = field(default_factory=list)
     experience_ids: list[str] = field(default_factory=list)  # ids of the injected experiences
     info: dict = field(default_factory=dict)  # turns, truncation, timing...
+    # Where the model's context was rebuilt (env.context window / summary): one entry per
+    # later context, [start, experience start, experience end]. tokens[start:next start] is a
+    # whole context the model saw on its own (its prompt, then actions and observations), its
+    # prompt's experience block at [experience start, experience end) (equal: none); the first
+    # context is tokens[0:first start], with prompt_len and experience_span. [] when the
+    # context only grew: the tokens are one sequence, as before v6.
+    contexts: list[list[int]] = field(default_factory=list)
 
     def validate(self):
         if self.tokens.ndim != 1:
@@ -136,6 +143,28 @@ class Trajectory:
             if not 0 <= start <= end <= self.prompt_len:
                 raise SchemaError("invalid", "experience_span must lie inside the prompt",
                                   "experience_span")
+        self._validate_contexts(n)
+
+    def _validate_contexts(self, n: int) -> None:
+        previous = self.prompt_len
+        for i, ctx in enumerate(self.contexts):
+            where = f"contexts[{i}]"
+            if len(ctx) != 3 or not previous < ctx[0] <= ctx[1] <= ctx[2] <= n:
+                raise SchemaError("invalid", "a context is [start, experience start, experience "
+                                  "end], in order, after the previous one", where)
+            if self.action_mask[ctx[1]:ctx[2]].any():
+                raise SchemaError("invalid", "a context's experience covers generated tokens",
+                                  where)
+            previous = ctx[0]
+        for i, s in enumerate(self.steps):  # an action lies inside one context
+            if any(s.start < ctx[0] < s.end for ctx in self.contexts):
+                raise SchemaError("invalid", "a step's action crosses into another context",
+                                  f"steps[{i}]")
+
+    def context_bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of each context the model saw, in order (one when none was rebuilt)."""
+        starts = [0, *(c[0] for c in self.contexts)]
+        return list(zip(starts, [*starts[1:], len(self.tokens)]))
 
     def policy_versions(self) -> tuple[int, int]:
         """(min, max) version over generated tokens; (-1, -1) when nothing was generated."""

@@ -130,7 +130,7 @@ class _TextCodec:
     def decode_action(self, ids):
         return self.text
 
-    def observation(self, observation, role="tool"):
+    def observation(self, observation, role="tool", limit=None):
         return [1] * min(len(observation), 64)
 
 

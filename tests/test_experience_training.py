@@ -203,7 +203,8 @@ def hand_batch(logp_minus_prox, prox_minus_behav, adv, mask, guided, stripped):
         action_mask=mask, behaviour_logprobs=behav, advantages=torch.tensor(adv),
         versions=torch.zeros(mask.shape, dtype=torch.long), num_tokens=int(mask.sum()),
         group_index=torch.zeros(len(mask), dtype=torch.long),
-        guided=torch.tensor(guided), stripped=torch.tensor(stripped))
+        guided=torch.tensor(guided), stripped=torch.tensor(stripped),
+        row_weight=torch.ones(len(mask)))
     return batch, logp, prox
 
 
