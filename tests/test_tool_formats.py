@@ -232,3 +232,25 @@ def test_warm_start_scripts_write_the_reference_in_the_format(chat_path):
     for step, reference in zip(ep.steps, task.reference):
         assert json.loads(step.action)["name"] == reference.split()[0]
         assert step.valid
+
+
+def test_a_bfcl_entry_past_the_context_gets_a_first_action_in_pythonic(smollm2):
+    """The package's prompt for this entry is longer than SmolLM2's 8,192 positions, so the
+    text format ends it before a first action; the pythonic prompt (one line a function) with
+    a window over the turns gives it one."""
+    from episodes.context import ContextManager
+
+    task = next(t for t in BFCLEnv().tasks("test") if t.task_id == "multi_turn_base_68")
+    codec = make_codec(smollm2.tokenizer, "pythonic")
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=(codec.eoa_id,),
+                            seed=0)
+    firsts = {}
+    for fmt in ("text", "pythonic"):
+        settings = RolloutSettings(max_turns=1, max_context=8192, max_action_tokens=24,
+                                   constrained=False, tool_format=fmt,
+                                   context=ContextManager("window", keep=4))
+        [ep] = start_episodes([task], 1, BFCLEnv, codec, tool_format=fmt)
+        rollout(smollm2, [ep], codec, params, settings)
+        firsts[fmt] = (len(ep.tokens), len(ep.steps), ep.truncated)
+    assert firsts["text"][0] > 8192 - 24 and firsts["text"][1:] == (0, True)
+    assert firsts["pythonic"][0] < 3000 and firsts["pythonic"][1] == 1
