@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from environments.call_formats import call_format as format_named
 from environments.call_formats import tool_instructions
+from environments.call_grammar import call_grammar
 from environments.tools import (  # noqa: F401  (the names envs have always imported from here)
     ARG_TYPES,
     MAX_ACTION_CHARS,
@@ -143,6 +144,15 @@ class Environment(ABC):
     @abstractmethod
     def candidate_actions(self) -> list[str]:
         """Every well-formed call the agent could make now, as action text (bounded)."""
+
+    def call_grammar(self, call_format: str = "text") -> str | None:
+        """Every well-formed call now, written in ``call_format``, as a grammar
+        (``environments.call_grammar``: llguidance's Lark dialect): what constrained decoding
+        holds the model to where :meth:`candidate_actions` lists none. The default is one call
+        of :meth:`tools`, each argument of its type (a ``str`` one path-like word, as the
+        parser wants); None where the env has no tools."""
+        tools = self.tools()
+        return call_grammar(tools, call_format) if tools else None
 
     @classmethod
     @abstractmethod

@@ -48,6 +48,7 @@ from environments.base import (
     register_env,
 )
 from environments.call_formats import json_calls, tool_instructions
+from environments.call_grammar import call_grammar
 from protocol.messages import SPLITS, Task
 
 log = logging.getLogger(__name__)
@@ -767,6 +768,14 @@ class BFCLEnv(Environment):
 
     def candidate_actions(self) -> list[str]:
         return []  # free-form generation: the call space has no useful finite list
+
+    def call_grammar(self, call_format: str = "text") -> str | None:
+        """One or more calls of the functions declared now, any string literal in a ``str``
+        argument, or no call (the turn ends); ``text`` is the package's Python call list."""
+        if self.entry is None:
+            return None
+        fmt = "pythonic" if call_format == "text" else call_format
+        return call_grammar(self.tools(), fmt, strings="any", several=True, may_end=True)
 
     # -- state and outcome --
 

@@ -484,6 +484,11 @@ class RemoteEnv(Environment):
                                        ok=_is_text_or_none, what="text or None"))
 
     @_session_call
+    def call_grammar(self, call_format: str = "text") -> str | None:
+        return (yield from self._value(wire.EnvCallGrammar, call_format, ok=_is_text_or_none,
+                                       what="text or None"))
+
+    @_session_call
     def example_action(self) -> str | None:
         return (yield from self._value(wire.EnvExampleAction, ok=_is_text_or_none,
                                        what="text or None"))
@@ -615,6 +620,7 @@ _CALLS: dict[type, Callable[[Environment, Any], Any]] = {
     wire.EnvCandidateActions: lambda env, m: wire.EnvValue(list(env.candidate_actions())),
     wire.EnvInstructions: lambda env, m: wire.EnvValue(
         env.instructions(*instructions_args(m.call_format, m.list_tools))),
+    wire.EnvCallGrammar: lambda env, m: wire.EnvValue(env.call_grammar(m.call_format)),
     wire.EnvExampleAction: lambda env, m: wire.EnvValue(env.example_action()),
     wire.EnvCanonicalAction: lambda env, m: wire.EnvValue(env.canonical_action(m.text)),
     wire.EnvTasks: lambda env, m: wire.EnvTaskList(list(env.tasks(m.split))),

@@ -70,6 +70,10 @@ class Episode:
     # Constrained decoding: the env's candidate actions for the next turn, asked with its
     # last answer (one round trip to a served env a turn, not two); None when not yet asked.
     candidates: list[str] | None = None
+    # Where the env lists no candidates (free_form: BFCL), the grammar of its calls instead.
+    grammar: str | None = None
+    free_form: bool = False
+    constraint_known: bool = False  # this turn's candidates or grammar have been answered
     scored: bool = False  # ``reward`` is the env's evaluate(), asked with the last step
     call_format: str = "text"  # how the policy writes a call (environments.call_formats)
     # The env's tools, asked at the start where candidates must be rewritten in a format
@@ -115,12 +119,31 @@ class Episode:
     def guided(self) -> bool:
         return bool(self.experience_ids)
 
-    def take_candidates(self, actions: list[str] | None) -> None:
-        """The env's next candidate actions (text format), written as the policy writes."""
-        if actions is None or self.call_format == "text" or not self.tools:
-            self.candidates = actions
+    def take_constraint(self, method: str, answer) -> None:
+        """The env's answer to ``candidate_actions`` (text-format calls, written here as the
+        policy writes; none at all makes the episode free-form) or to ``call_grammar``."""
+        if method == "call_grammar":
+            self.grammar = answer
+        elif answer is None or self.call_format == "text" or not self.tools:
+            self.candidates = answer
         else:
-            self.candidates = [rewrite(a, self.tools, self.call_format) for a in actions]
+            self.candidates = [rewrite(a, self.tools, self.call_format) for a in answer]
+        self.free_form = self.free_form or answer == []
+        self.constraint_known = method == "call_grammar" or answer != []
+
+    @property
+    def constraint_call(self) -> tuple[str, tuple]:
+        """What to ask the env for this episode's next constraint."""
+        if not self.free_form:
+            return "candidate_actions", ()
+        return "call_grammar", () if self.call_format == "text" else (self.call_format,)
+
+    def constraint(self, codec: Codec, budget: int):
+        """The token constraint of the next action (at most ``budget`` tokens): the
+        candidates' trie, else the grammar."""
+        if self.candidates:
+            return codec.constraint(self.candidates)
+        return codec.grammar(self.grammar, budget) if self.grammar else None
 
 
 @dataclass
@@ -179,7 +202,8 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
             continue
         first, instruction = answered["reset"], answered.get("instructions")
         ep.tools = answered.get("tools")
-        ep.take_candidates(answered.get("candidate_actions"))
+        if constrained:
+            ep.take_constraint("candidate_actions", answered["candidate_actions"])
         schemas = ([tool_schema(t) for t in ep.tools or ()] if codec.renders_tools else None)
         ep.opening = (ep.task.query if ep.env.query_in_prompt else "", first,
                       guide.text if guide else None, instruction, schemas)
@@ -315,14 +339,14 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             break
         constraints = None
         if settings.constrained:
-            first = [ep for ep in active if ep.candidates is None]
-            for ep, actions in zip(first, ask_envs([(ep, "candidate_actions", ())
-                                                    for ep in first])):
-                ep.take_candidates(actions)
+            for _ in range(2):  # a free-form env's first answer (no candidates) asks again
+                calls = [(ep, *ep.constraint_call) for ep in active if not ep.constraint_known]
+                for (ep, method, _), answer in zip(calls, ask_envs(calls)):
+                    ep.take_constraint(method, answer)
             active = [ep for ep in active if ep.failure is None]
             if not active:
                 continue
-            constraints = [codec.constraint(ep.candidates) for ep in active]
+            constraints = [ep.constraint(codec, params.max_new_tokens) for ep in active]
         gens = backend.generate([ep.context for ep in active], params, constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version)
                  for ep, g in zip(active, gens)]
@@ -340,12 +364,13 @@ def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
     calls = [(ep, "step", step_args(action, ep.call_format))
              for ep, (_, action) in zip(active, taken)]
     for ep in active:
-        ep.candidates = None
+        ep.candidates = ep.grammar = None
+        ep.constraint_known = False
         if len(ep.steps) + 1 >= settings.max_turns:  # this step is its last, whatever it says
             if reward is None or reward.env_decides(ep.task):
                 calls.append((ep, "evaluate", (ep.task,)))
         elif settings.constrained:
-            calls.append((ep, "candidate_actions", ()))
+            calls.append((ep, *ep.constraint_call))
     answers = ask_envs(calls)
     for ep, (start, action), stepped in zip(active, taken, answers):
         if stepped is not None:
@@ -356,7 +381,7 @@ def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
         if method == "evaluate":
             ep.reward, ep.scored = 0.0 if answer is None else float(answer), True
         elif not ep.done:
-            ep.take_candidates(answer)
+            ep.take_constraint(method, answer)
 
 
 def _score(episodes: list[Episode], reward: Grading | None) -> None:

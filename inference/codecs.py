@@ -21,7 +21,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from inference.backends.constraint import ActionTrie
+from inference.backends.constraint import (
+    ActionTrie,
+    GrammarConstraint,
+    closing_ids,
+    llguidance_tokenizer,
+)
 
 MARKERS = ("<task>", "<obs>", "<act>", "<eoa>")
 TRIE_CACHE_SIZE = 1024  # action sets whose trie is kept (see Codec.constraint)
@@ -57,6 +62,9 @@ class Codec(abc.ABC):
         # again: a trie is built once per set (building one per episode and turn was a fifth
         # of a tiny-model actor's time). Tries are read-only once built, so they are shared.
         self._tries: dict[tuple[str, ...], ActionTrie | None] = {}
+        # The tokenizer as llguidance reads it, and the ids that only close things: made on
+        # the first grammar (reading a 49k vocabulary takes a second).
+        self._ll_tokenizer, self._closing = None, frozenset()
         vocab = tokenizer.get_vocab()
         self.special = special_tokens(tokenizer)
         # Ids that structure a conversation; text from outside (queries, observations, advice)
@@ -111,6 +119,14 @@ class Codec(abc.ABC):
     def decode_action(self, ids: Sequence[int]) -> str:
         ids = [i for i in ids if i != self.eoa_id]
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def grammar(self, grammar: str, budget: int | None = None) -> GrammarConstraint:
+        """One sequence's constraint to ``grammar`` (an env's call grammar), ending on
+        :attr:`eoa_id`, its call closed within ``budget`` tokens."""
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance_tokenizer(self.tokenizer, self.eoa_id)
+            self._closing = closing_ids(self.tokenizer)
+        return GrammarConstraint(grammar, self._ll_tokenizer, self.eoa_id, budget, self._closing)
 
     def constraint(self, actions: Sequence[str]) -> ActionTrie | None:
         key = tuple(actions)

@@ -49,7 +49,8 @@ from protocol.errors import SchemaError
 from protocol.messages import Task
 
 # v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers); the client names a new session
-# (EnvOpen.session). v4: a step and the instructions name the call format the agent speaks.
+# (EnvOpen.session). v4: a step and the instructions name the call format the agent speaks;
+# EnvCallGrammar.
 # Bump on any incompatible change to a message below.
 ENV_WIRE_VERSION = 4
 
@@ -222,6 +223,16 @@ class EnvInstructions:
         _check_choice(self.call_format, TOOL_FORMATS, "call_format")
 
 
+@message("env_call_grammar")
+class EnvCallGrammar:
+    session: str  # call_grammar(call_format): the grammar of its calls now, or None
+    call_format: str = "text"  # the format the grammar writes calls in: one of TOOL_FORMATS
+
+    def validate(self):
+        _check_session(self.session)
+        _check_choice(self.call_format, TOOL_FORMATS, "call_format")
+
+
 @message("env_example_action")
 class EnvExampleAction:
     session: str  # example_action(): answered with one action text or None
@@ -323,7 +334,8 @@ SESSION_REQUESTS: dict[type, str] = {
     EnvClose: "close", EnvReset: "reset", EnvTools: "tools", EnvStep: "step",
     EnvExecute: "execute", EnvState: "state", EnvEvaluate: "evaluate",
     EnvGoalProgress: "goal_progress", EnvCandidateActions: "candidate_actions",
-    EnvInstructions: "instructions", EnvExampleAction: "example_action",
+    EnvInstructions: "instructions", EnvCallGrammar: "call_grammar",
+    EnvExampleAction: "example_action",
     EnvCanonicalAction: "canonical_action", EnvTasks: "tasks",
     EnvGoalFromStates: "goal_from_states", EnvDescribeChanges: "describe_changes",
     EnvDescribeEvent: "describe_event", EnvDescribeResponse: "describe_response",

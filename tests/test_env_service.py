@@ -110,6 +110,7 @@ def transcript(env, tasks: list[Task], seed: int) -> list:
         out += [("tools", env.tools()), ("example", env.example_action())]
         out += [("instructions", fmt, listed, env.instructions(fmt, listed))
                 for fmt in TOOL_FORMATS for listed in (True, False)]
+        out += [("grammar", fmt, env.call_grammar(fmt)) for fmt in TOOL_FORMATS]
         start = env.state()
         for _ in range(6):
             choices = env.candidate_actions()
@@ -410,9 +411,10 @@ S = "w0.0-" + "ab" * 12
 # One valid message of every env wire type: the starting points of the mutations below.
 ENV_SAMPLES = {m.TYPE: codec.encode_body(m) for m in [
     wire.EnvHello(1), wire.EnvOpen(1, S, {"num_worlds": 3}), wire.EnvClose(S),
-    wire.EnvReset(S, TASK), wire.EnvTools(S), wire.EnvStep(S, "ls docs"),
+    wire.EnvReset(S, TASK), wire.EnvTools(S), wire.EnvStep(S, "ls docs", "pythonic"),
     wire.EnvExecute(S, "mv", ["a", 3, True]), wire.EnvState(S), wire.EnvEvaluate(S, TASK),
-    wire.EnvGoalProgress(S, TASK), wire.EnvCandidateActions(S), wire.EnvInstructions(S),
+    wire.EnvGoalProgress(S, TASK), wire.EnvCandidateActions(S),
+    wire.EnvInstructions(S, "hermes", False), wire.EnvCallGrammar(S, "json"),
     wire.EnvExampleAction(S), wire.EnvCanonicalAction(S, "ls"), wire.EnvTasks(S, "train"),
     wire.EnvGoalFromStates(S, {"a": 1}, {"a": 2}), wire.EnvDescribeChanges(S, {}, {"b": [1]}),
     wire.EnvDescribeEvent(S, "rm x", "ok", {}, {}), wire.EnvDescribeResponse(S, "ls", "x", {}),

@@ -254,3 +254,24 @@ def test_a_bfcl_entry_past_the_context_gets_a_first_action_in_pythonic(smollm2):
         firsts[fmt] = (len(ep.tokens), len(ep.steps), ep.truncated)
     assert firsts["text"][0] > 8192 - 24 and firsts["text"][1:] == (0, True)
     assert firsts["pythonic"][0] < 3000 and firsts["pythonic"][1] == 1
+
+
+def test_smollm2_held_to_bfcls_call_grammar_writes_calls_that_parse(smollm2):
+    """BFCL lists no candidates: constrained decoding holds the model to the grammar of the
+    functions declared now (any string literal, several calls a reply), and closes the call
+    within a tight budget of 40 tokens (the grammar's own admissions, every format: in
+    test_call_grammar.py; a BFCL prompt costs seconds a rollout here, so one format)."""
+    fmt = "pythonic"
+    from episodes.context import ContextManager
+
+    codec = make_codec(smollm2.tokenizer, fmt)
+    settings = RolloutSettings(max_turns=1, max_context=8192, max_action_tokens=40,
+                               constrained=True, tool_format=fmt,
+                               context=ContextManager("window", keep=4))
+    episodes = start_episodes(BFCLEnv().tasks("validation")[:1], 1, BFCLEnv, codec,
+                              constrained=True, tool_format=fmt)
+    assert all(ep.free_form and ep.candidates == [] for ep in episodes)
+    rollout(smollm2, episodes, codec, SamplingParams(
+        temperature=1.0, max_new_tokens=40, stop_token_ids=(codec.eoa_id,), seed=5), settings)
+    [step] = episodes[0].steps
+    assert step.valid and step.info.get("calls"), step.action

@@ -181,3 +181,32 @@ def test_constrained_rollouts_parse_in_every_call_format(model, fmt):
     for step in steps:
         assert step.valid, step.action
         FORMATS[fmt].parse(step.action, FilesEnv().tools())
+
+
+@pytest.mark.parametrize("fmt", ["json", "pythonic"])
+def test_grammar_constrained_rollouts_parse_on_the_engine(model, fmt):
+    """An env that lists no candidates (as BFCL) holds the model to its call grammar; on vLLM
+    the grammar steps with ``allowed_token_ids`` (raw log-probs stay unmasked)."""
+    from environments.call_formats import FORMATS
+    from environments.files import FilesEnv
+    from episodes.rollout import RolloutSettings, rollout, start_episodes
+    from inference.codecs import make_codec
+
+    class FreeFormFiles(FilesEnv):
+        def candidate_actions(self):
+            return []
+
+    name, backend, _ = model
+    if name == "tiny":
+        pytest.skip("the tiny word-level policy writes text-format calls only")
+    codec = make_codec(backend.tokenizer, fmt)
+    settings = RolloutSettings(max_turns=1, max_context=1024, max_action_tokens=40,
+                               constrained=True, tool_format=fmt)
+    episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2, FreeFormFiles, codec,
+                              constrained=True, tool_format=fmt)
+    rollout(backend, episodes, codec, SamplingParams(max_new_tokens=40, seed=4,
+                                                     stop_token_ids=(codec.eoa_id,)), settings)
+    assert all(ep.free_form for ep in episodes)
+    for step in (s for ep in episodes for s in ep.steps):
+        assert step.valid, step.action
+        FORMATS[fmt].parse(step.action, FilesEnv().tools())

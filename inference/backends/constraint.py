@@ -133,3 +133,90 @@ class ActionTrie:
         if ids and ids[-1] == self.end_token_id:
             ids = ids[:-1]
         return self._by_ids.get(ids)
+
+
+class GrammarConstraint:
+    """Forces generation to be a string of a grammar (llguidance's Lark dialect; an env's
+    :meth:`~environments.base.Environment.call_grammar`), then ``end_token_id``.
+
+    One per sequence: it keeps an llguidance matcher advanced over the ids generated so far
+    (rolled back when asked about a shorter prefix, so it still answers as a pure function of
+    ``generated_ids``). Ids the grammar would not take (the backend sampled outside the mask)
+    end the sequence (``[]``) rather than raise.
+
+    A grammar with free text (a string argument) has no length bound, and a reply cut by the
+    token budget is no call. With ``budget`` (the most tokens of a reply), the last
+    ``CLOSE_WITHIN`` tokens are held to ``closing_ids`` wherever the grammar allows one of
+    them (a quote, a bracket: what ends a string, a call, a list): the call is closed in time,
+    and only what the grammar requires next (a required argument) goes on in full.
+    """
+
+    CLOSE_WITHIN = 24
+
+    def __init__(self, grammar: str, ll_tokenizer: Any, end_token_id: int,
+                 budget: int | None = None, closing_ids: frozenset[int] = frozenset()) -> None:
+        import llguidance
+
+        self._matcher = llguidance.LLMatcher(ll_tokenizer,
+                                             llguidance.LLMatcher.grammar_from_lark(grammar))
+        if self._matcher.is_error():
+            raise ValueError(f"the call grammar does not compile: {self._matcher.get_error()}")
+        self.end_token_id = int(end_token_id)
+        self.budget, self.closing_ids = budget, closing_ids | {self.end_token_id}
+        self._consumed: list[int] = []  # the ids the matcher has taken, in order
+        self._refused: int | None = None  # the id after them the grammar would not take
+
+    def allowed(self, generated_ids: list[int]) -> list[int]:
+        ids = list(generated_ids)
+        common = 0
+        while common < min(len(ids), len(self._consumed)) and ids[common] == self._consumed[common]:
+            common += 1
+        if common < len(self._consumed):  # asked about another prefix: go back to the shared
+            self._matcher.rollback(len(self._consumed) - common)
+            self._consumed, self._refused = self._consumed[:common], None
+        if len(ids) > common and self._refused is not None and ids[common] != self._refused:
+            self._refused = None
+        new = ids[common:]
+        if new and self._refused is None:
+            taken = self._matcher.try_consume_tokens(new)
+            self._consumed += new[:taken]
+            self._refused = new[taken] if taken < len(new) else None
+        if len(ids) > len(self._consumed) or ids[-1:] == [self.end_token_id]:
+            return []  # the ids left the grammar, or ended
+        if self._matcher.is_stopped():  # complete, nothing can follow: only the end may
+            return [self.end_token_id]
+        allowed = _ids_of(self._matcher.compute_bitmask())
+        if self.budget is not None and len(ids) >= self.budget - self.CLOSE_WITHIN:
+            closing = [i for i in allowed if i in self.closing_ids]
+            return closing or allowed
+        return allowed
+
+
+def _ids_of(bitmask: bytes) -> list[int]:
+    """The token ids set in llguidance's little-endian bitmask."""
+    import numpy as np
+
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
+    return np.flatnonzero(bits).tolist()
+
+
+CLOSERS = frozenset("\"')]}>")  # characters that close a string, a call, a list, a tag
+
+
+def closing_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokens that only close things (their text, spaces aside, is made of
+    :data:`CLOSERS`): what :class:`GrammarConstraint` steers to near the end of its budget."""
+    out = set()
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id]).strip()
+        if text and set(text) <= CLOSERS:
+            out.add(token_id)
+    return frozenset(out)
+
+
+def llguidance_tokenizer(tokenizer: Any, end_token_id: int) -> Any:
+    """``tokenizer`` (Hugging Face, fast) as llguidance reads it, ending on ``end_token_id``."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer),
+                                        eos_token=int(end_token_id))

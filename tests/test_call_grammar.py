@@ -1,0 +1,134 @@
+"""environments/call_grammar.py and GrammarConstraint: the grammar of an env's calls admits
+every reference call in every format and nothing malformed, and the constraint that holds a
+model to it answers as a pure function of the ids so far. Real SmolLM2 tokenizer; the
+rollouts of a model held to a grammar are in test_tool_formats.py."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import llguidance
+import pytest
+from transformers import AutoTokenizer
+
+from environments.bfcl import BFCLEnv
+from environments.call_formats import FORMATS, rewrite
+from environments.call_grammar import call_grammar
+from environments.files import FilesEnv
+from environments.shop import ShopEnv
+from inference.backends.constraint import GrammarConstraint, llguidance_tokenizer
+from inference.models import model_folder
+
+FORMAT_NAMES = sorted(FORMATS)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(model_folder("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def ll(tok):
+    return llguidance_tokenizer(tok, tok.eos_token_id)
+
+
+def admits(ll, tok, grammar: str, text: str) -> bool:
+    """Whether ``text`` then the end token is a string of ``grammar``."""
+    matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar))
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tok.encode(text, add_special_tokens=False)
+    return (matcher.try_consume_tokens(ids) == len(ids)
+            and matcher.consume_token(tok.eos_token_id) and matcher.is_accepting())
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_every_files_reference_is_in_its_grammar_and_prose_is_not(ll, tok, fmt):
+    env = FilesEnv()
+    grammar = call_grammar(env.tools(), fmt)
+    references = {a for t in env.tasks("train") + env.tasks("validation") for a in t.reference}
+    for action in sorted(references)[:120]:
+        assert admits(ll, tok, grammar, rewrite(action, env.tools(), fmt)), action
+    malformed = {"text": ["mv ideas.md", "frobnicate x", "ls docs extra", "cat a.md -1x"],
+                 "json": ['{"name": "mv", "arguments": {"src": "a"}}', '{"name": "ls"}',
+                          '{"name": "ls", "arguments": {"folder": "a b"}}'],
+                 "hermes": ['{"name": "pwd", "arguments": {}}', "<tool_call>ls</tool_call>"],
+                 "pythonic": ["[cat(start=3)]", "[mv(dst='a', src='b')]", "[ls(os.sep)]",
+                              "mv(src='a', dst='b')"]}
+    for text in ["I would list the files.", "", *malformed[fmt]]:
+        assert not admits(ll, tok, grammar, text), text
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_shop_arguments_keep_to_their_choices_and_bounds(ll, tok, fmt):
+    """``reserve``'s qty is declared 1..9 (an exploration bound: the shop itself takes up to
+    20, so three training references lie outside it and are held out here)."""
+    env = ShopEnv()
+    tools = {t.name: t for t in env.tools()}
+    grammar = call_grammar(env.tools(), fmt)
+    inside = [a for t in env.tasks("train") for a in t.reference
+              if not (a.startswith(("reserve", "restock")) and int(a.split()[-1]) > 9)]
+    for action in inside:
+        assert admits(ll, tok, grammar, rewrite(action, tools.values(), fmt)), action
+    for action in ["reserve o4 nut 12", "stock marble", "reserve o4 nut 0"]:
+        call = FORMATS["text"].parse(action, tools)
+        assert not admits(ll, tok, grammar, FORMATS[fmt].write(call, tools[call.tool])), action
+
+
+def _bfcl_turns(task, env) -> list[list[dict]]:
+    """Each reference turn's calls, canonical (keywords in declared order), as JSON calls."""
+    env.reset(task)
+    turns = []
+    for turn in task.reference:
+        calls = []
+        for text in env._decode(turn) if turn else []:
+            tree = ast.parse(text, mode="eval").body
+            calls.append({"name": tree.func.id, "arguments": {
+                k.arg: ast.literal_eval(k.value) for k in tree.keywords}})
+        turns.append(calls)
+    return turns
+
+
+def _written(calls: list[dict], fmt: str) -> str:
+    if fmt in ("text", "pythonic"):
+        inner = ", ".join(
+            f"{c['name']}({', '.join(f'{k}={v!r}' for k, v in c['arguments'].items())})"
+            for c in calls)
+        return f"[{inner}]" if calls else ""
+    if fmt == "json":
+        return json.dumps(calls) if calls else ""
+    return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_bfcl_turns_are_in_its_grammar_several_calls_and_the_empty_reply_included(ll, tok, fmt):
+    env = BFCLEnv()
+    for task in env.tasks("train")[:6]:
+        turns = _bfcl_turns(task, env)
+        env.reset(task)
+        grammar = env.call_grammar(fmt)
+        for calls in turns[:1]:  # the first turn's functions are the ones declared now
+            text = _written(calls, fmt)
+            assert admits(ll, tok, grammar, text), text
+        assert admits(ll, tok, grammar, "")  # a reply with no call ends the turn
+        assert not admits(ll, tok, grammar, "[os.system('x')]")
+
+
+def test_the_constraint_answers_as_a_function_of_the_ids_so_far(ll, tok):
+    grammar = call_grammar(FilesEnv().tools(), "pythonic")
+    ids = tok.encode("[mv(src='a.md', dst='docs')]", add_special_tokens=False)
+    constraint = GrammarConstraint(grammar, ll, tok.eos_token_id)
+    fresh = [GrammarConstraint(grammar, ll, tok.eos_token_id).allowed(ids[:k])
+             for k in range(len(ids) + 1)]
+    order = [5, 2, len(ids), 0, 3, len(ids), 1]  # forwards, backwards, again
+    for k in order:
+        assert constraint.allowed(ids[:k]) == fresh[k]
+    assert all(ids[k] in fresh[k] for k in range(len(ids)))
+    assert fresh[-1] == [tok.eos_token_id]  # complete: only the end
+    assert constraint.allowed(ids + [tok.eos_token_id]) == []  # ended
+    hello = tok.encode("[hello", add_special_tokens=False)
+    assert hello[0] == ids[0] and hello[1] not in fresh[1]  # no tool is called hello
+    assert constraint.allowed(hello) == []  # ids that left the grammar end the sequence
+    assert constraint.allowed(ids[:3]) == fresh[3]  # and comes back on a shorter prefix
+    with pytest.raises(ValueError, match="does not compile"):
+        GrammarConstraint("start: nothing_defined", ll, tok.eos_token_id)
