@@ -130,7 +130,7 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
         chunk = tasks[i:i + batch_tasks]
         episodes = start_episodes(chunk, k, make_env, codec,
                                   constrained=policy == "model" and settings.constrained,
-                                  tool_format=settings.tool_format)
+                                  tool_format=settings.tool_format, think=settings.think)
         if policy == "model":
             rollout(backend, episodes, codec, params, settings)
         else:

@@ -41,8 +41,9 @@ from environments.base import (
 )
 from environments.call_formats import rewrite, tool_schema
 from episodes.context import ContextManager, Turn, context_manager
+from episodes.thinking import THINK_INSTRUCTION, split_thought, thought_tokens
 from inference.backends.base import InferenceBackend, SamplingParams
-from inference.codecs import Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
+from inference.codecs import THINK_TAGS, Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
 from protocol.config import ActorConfig, EnvConfig, RunConfig
 from protocol.errors import EnvFailed
 from protocol.messages import Group, Step, Task, Trajectory
@@ -138,12 +139,17 @@ class Episode:
             return "candidate_actions", ()
         return "call_grammar", () if self.call_format == "text" else (self.call_format,)
 
-    def constraint(self, codec: Codec, budget: int):
+    def constraint(self, codec: Codec, budget: int, think_tokens: int | None = None):
         """The token constraint of the next action (at most ``budget`` tokens): the
-        candidates' trie, else the grammar."""
+        candidates' trie, else the grammar; with ``think_tokens``, after a thought that long
+        at most."""
+        if think_tokens is not None:
+            budget -= think_tokens + len(codec.encode(THINK_TAGS[0] + THINK_TAGS[1]))
         if self.candidates:
-            return codec.constraint(self.candidates)
-        return codec.grammar(self.grammar, budget) if self.grammar else None
+            call = codec.constraint(self.candidates)
+        else:
+            call = codec.grammar(self.grammar, budget) if self.grammar else None
+        return call if think_tokens is None else codec.think(call, think_tokens)
 
 
 @dataclass
@@ -154,6 +160,9 @@ class RolloutSettings:
     constrained: bool = True
     tool_format: str = "text"  # actor.tool_format: how the policy writes a call
     context: ContextManager = field(default_factory=ContextManager)  # env.context
+    think: bool = False  # actor.think: a thought before each call
+    think_trained: bool = True  # actor.think_trained: train the thought's tokens
+    think_tokens: int = 64  # actor.think_tokens: the longest thought when constrained
 
 
 @dataclass
@@ -167,14 +176,20 @@ class Guidance:
 def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environment],
                    codec: Codec,
                    guidance: Sequence[Sequence[Guidance | None]] | None = None,
-                   constrained: bool = False, tool_format: str = "text") -> list[Episode]:
+                   constrained: bool = False, tool_format: str = "text",
+                   think: bool = False) -> list[Episode]:
     """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th;
     ``constrained``: each env's first candidate actions are asked with its reset;
-    ``tool_format``: how the policy writes calls (the instructions ask for that form).
+    ``tool_format``: how the policy writes calls (the instructions ask for that form);
+    ``think``: the instructions ask for a thought before each call (a chat model's: the
+    word-level marker policy cannot spell one).
 
     The envs are made together (a served env's sessions opened at once), so a server that
     cannot make them (none there, no worker up) fails the batch after one deadline, not one
     deadline per episode."""
+    if think and not codec.shows_instructions:
+        raise ValueError("actor.think needs a model with a chat template: the word-level "
+                         "marker policy cannot spell a thought; set actor.think=false")
     episodes, guides = [], []
     for ti, task in enumerate(tasks):
         for i in range(n):
@@ -201,6 +216,9 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         if ep.failure is not None:
             continue
         first, instruction = answered["reset"], answered.get("instructions")
+        if think and codec.shows_instructions:
+            instruction = f"{instruction}\n\n{THINK_INSTRUCTION}" if instruction \
+                else THINK_INSTRUCTION
         ep.tools = answered.get("tools")
         if constrained:
             ep.take_constraint("candidate_actions", answered["candidate_actions"])
@@ -239,30 +257,47 @@ def ask_envs(calls: Sequence[tuple[Episode, str, tuple]]) -> list:
 def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: list[float],
                  version: int, settings: RolloutSettings) -> None:
     """Append one action and the environment's answer; decide whether the episode ends."""
-    start, action = take_action(ep, codec, action_ids, logprobs, version)
-    stepped = env_call(ep, ep.env.step, *step_args(action, ep.call_format))
+    taken = take_action(ep, codec, action_ids, logprobs, version, settings)
+    stepped = env_call(ep, ep.env.step, *step_args(taken.call, ep.call_format))
     if stepped is not None:
-        observe(ep, codec, start, action, stepped, settings)
+        observe(ep, codec, taken, stepped, settings)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """One generated reply, appended: where it starts, the call the env gets, the thought."""
+
+    start: int
+    call: str
+    thought: str = ""
 
 
 def take_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: list[float] | None,
-                version: int) -> tuple[int, str]:
-    """Append the generated action; its start in the tokens and its text for the env."""
+                version: int, settings: RolloutSettings | None = None) -> Taken:
+    """Append the generated reply; with ``settings.think`` its thought is split off the call
+    (and its tokens kept as context only unless ``think_trained``)."""
     start = len(ep.tokens)
     ep.extend(action_ids, logprobs, version, generated=True)
     # What the env saw is what is recorded and pushed: text that UTF-8 cannot carry (lone
     # surrogates, from an endpoint's JSON or an env echoing an escape) would make the group
     # unencodable and the actor fail at the push, so it is replaced here, on both sides.
-    return start, _utf8(codec.decode_action(action_ids))
+    text = _utf8(codec.decode_action(action_ids))
+    if settings is None or not settings.think:
+        return Taken(start, text)
+    thought, call = split_thought(text)
+    if not settings.think_trained:
+        for i in range(start, start + thought_tokens(codec.tokenizer.decode, action_ids)):
+            ep.mask[i], ep.versions[i], ep.logprobs[i] = 0, -1, 0.0
+    return Taken(start, call, thought)
 
 
-def observe(ep: Episode, codec: Codec, start: int, action: str, stepped: tuple,
+def observe(ep: Episode, codec: Codec, taken: Taken, stepped: tuple,
             settings: RolloutSettings) -> None:
-    """Record the env's answer to the action at ``start``; append it unless the episode ends."""
+    """Record the env's answer to the reply ``taken``; append it unless the episode ends."""
     obs, done, info = stepped
-    obs = _utf8(obs)
+    obs, start, action = _utf8(obs), taken.start, taken.call
     ep.steps.append(Step(action=action, observation=obs, start=start, end=len(ep.tokens),
-                         valid=bool(info.get("valid", False)),
+                         valid=bool(info.get("valid", False)), thought=taken.thought,
                          info={k: _utf8(v) for k, v in info.items() if v is not None}))
     next_ids = codec.observation(obs, info.get("role", "tool"),
                                  settings.context.observation_tokens)
@@ -346,9 +381,10 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             active = [ep for ep in active if ep.failure is None]
             if not active:
                 continue
-            constraints = [ep.constraint(codec, params.max_new_tokens) for ep in active]
+            thought = settings.think_tokens if settings.think else None
+            constraints = [ep.constraint(codec, params.max_new_tokens, thought) for ep in active]
         gens = backend.generate([ep.context for ep in active], params, constraints)
-        taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version)
+        taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version, settings)
                  for ep, g in zip(active, gens)]
         _step_all(active, taken, codec, settings, reward)
         if between_turns is not None:
@@ -357,12 +393,11 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
     return episodes
 
 
-def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
+def _step_all(active: list[Episode], taken: list[Taken], codec: Codec,
               settings: RolloutSettings, reward: Grading | None) -> None:
     """Every active episode's action sent to its env, with what its next turn or its score
     needs from the env after that step."""
-    calls = [(ep, "step", step_args(action, ep.call_format))
-             for ep, (_, action) in zip(active, taken)]
+    calls = [(ep, "step", step_args(t.call, ep.call_format)) for ep, t in zip(active, taken)]
     for ep in active:
         ep.candidates = ep.grammar = None
         ep.constraint_known = False
@@ -372,9 +407,9 @@ def _step_all(active: list[Episode], taken: list[tuple[int, str]], codec: Codec,
         elif settings.constrained:
             calls.append((ep, *ep.constraint_call))
     answers = ask_envs(calls)
-    for ep, (start, action), stepped in zip(active, taken, answers):
+    for ep, t, stepped in zip(active, taken, answers):
         if stepped is not None:
-            observe(ep, codec, start, action, stepped, settings)
+            observe(ep, codec, t, stepped, settings)
     for (ep, method, _), answer in zip(calls[len(active):], answers[len(active):]):
         if ep.failure is not None:
             continue
@@ -403,7 +438,7 @@ def scripted_episode(task: Task, env: Environment, codec: Codec,
                      settings: RolloutSettings, guidance: Guidance | None = None) -> Episode:
     """Replay ``task.reference`` as if the policy had produced it (for warm-start data)."""
     ep = start_episodes([task], 1, lambda: env, codec, [[guidance]],
-                        tool_format=settings.tool_format)[0]
+                        tool_format=settings.tool_format, think=settings.think)[0]
     play_reference(ep, codec, settings)
     if ep.failure is not None:  # a script is one env's, in order: it cannot go on without it
         raise ep.failure
@@ -422,6 +457,8 @@ def play_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> None
             if tools is None:
                 break
             action = rewrite(action, tools, ep.call_format)
+        if settings.think:  # the reply's form, with nothing thought: the reference has none
+            action = f"{THINK_TAGS[0]}{THINK_TAGS[1]}{action}"
         apply_action(ep, codec, codec.action(action), None, 0, settings)
 
 
@@ -450,4 +487,5 @@ def settings_of(env: EnvConfig, actor: ActorConfig) -> RolloutSettings:
     return RolloutSettings(max_turns=env.max_turns, max_context=env.max_context,
                            max_action_tokens=actor.max_action_tokens,
                            constrained=actor.constrained, tool_format=actor.tool_format,
-                           context=context_manager(env))
+                           context=context_manager(env), think=actor.think,
+                           think_trained=actor.think_trained, think_tokens=actor.think_tokens)

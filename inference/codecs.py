@@ -24,11 +24,14 @@ from collections.abc import Sequence
 from inference.backends.constraint import (
     ActionTrie,
     GrammarConstraint,
+    ThinkThen,
+    TokenConstraint,
     closing_ids,
     llguidance_tokenizer,
 )
 
 MARKERS = ("<task>", "<obs>", "<act>", "<eoa>")
+THINK_TAGS = ("<think>", "</think>")  # a thought's tags (episodes/thinking.py)
 TRIE_CACHE_SIZE = 1024  # action sets whose trie is kept (see Codec.constraint)
 EXPERIENCE_MARKERS = ("<exp>", "</exp>")  # optional: needed only to inject experience
 _SENTINEL = "\u2063AUTODIDACT-EXPERIENCE\u2063"  # where the experience block goes in a template
@@ -65,6 +68,7 @@ class Codec(abc.ABC):
         # The tokenizer as llguidance reads it, and the ids that only close things: made on
         # the first grammar (reading a 49k vocabulary takes a second).
         self._ll_tokenizer, self._closing = None, frozenset()
+        self._untagged: list[int] | None = None  # ids a thought may use: made on first use
         vocab = tokenizer.get_vocab()
         self.special = special_tokens(tokenizer)
         # Ids that structure a conversation; text from outside (queries, observations, advice)
@@ -127,6 +131,16 @@ class Codec(abc.ABC):
             self._ll_tokenizer = llguidance_tokenizer(self.tokenizer, self.eoa_id)
             self._closing = closing_ids(self.tokenizer)
         return GrammarConstraint(grammar, self._ll_tokenizer, self.eoa_id, budget, self._closing)
+
+    def think(self, inner: TokenConstraint | None, max_thought: int) -> ThinkThen:
+        """``<think>``, a thought of at most ``max_thought`` tokens that spell no tag and do
+        not end the reply, ``</think>``, then the call held to ``inner``."""
+        open_ids, close_ids = self.encode(THINK_TAGS[0]), self.encode(THINK_TAGS[1])
+        if self._untagged is None:
+            self._untagged = [i for i in range(len(self.tokenizer))
+                              if i not in self._structural and i != self.eoa_id
+                              and "<" not in self.tokenizer.decode([i])] + [close_ids[0]]
+        return ThinkThen(open_ids, close_ids, self._untagged, max_thought, inner)
 
     def constraint(self, actions: Sequence[str]) -> ActionTrie | None:
         key = tuple(actions)

@@ -232,7 +232,9 @@ def build_judge_messages(task: Task, traj: Trajectory, max_chars: int = 200) -> 
     else:
         outcome = "failure"
     steps = [
-        f"Step {i}\n  action: {clip_text(s.action, max_chars)}\n"
+        f"Step {i}\n"
+        + (f"  thought: {clip_text(s.thought, max_chars)}\n" if s.thought else "")
+        + f"  action: {clip_text(s.action, max_chars)}\n"
         f"  observation: {clip_text(s.observation, max_chars)}"
         for i, s in enumerate(traj.steps, 1)
     ]

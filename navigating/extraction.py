@@ -589,7 +589,9 @@ def build_messages(group: Group, max_items: int) -> list[dict]:
         lines = [f"Attempt {n} (reward {traj.reward:g}, {status}):"]
         for i, step in enumerate(traj.steps[:PROMPT_STEPS], 1):
             obs = " ".join(step.observation.split()[:PROMPT_OBS_WORDS])
-            lines.append(f"{i}. {step.action} -> {obs}")
+            thought = (f"(thought: {' '.join(step.thought.split()[:PROMPT_OBS_WORDS])}) "
+                       if step.thought else "")
+            lines.append(f"{i}. {thought}{step.action} -> {obs}")
         if len(traj.steps) > PROMPT_STEPS:
             lines.append(f"... {len(traj.steps) - PROMPT_STEPS} more steps")
         parts.append("\n".join(lines))

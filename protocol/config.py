@@ -235,6 +235,18 @@ class ActorConfig:
     A property of the model: every env is called in every format. Formats other than
     ``text`` need a model with a chat template (the tiny policy's vocabulary is words)."""
 
+    think: bool = False
+    """Think, then act: each reply is a free-text thought in ``<think></think>`` and then the
+    call (docs/tool-formats.md#think-then-act); the env gets the call, the step judge and the
+    experience extractor see the thought. ``max_action_tokens`` covers both."""
+
+    think_trained: bool = True
+    """With ``think``: train the thought's tokens with the call (else they are context only)."""
+
+    think_tokens: int = 64
+    """With ``think`` and ``constrained``: the most tokens of one thought; the constraint
+    closes it there."""
+
     torch_threads: int = 1
     """CPU threads per actor process."""
 
@@ -281,7 +293,8 @@ class ActorConfig:
     def check(self):
         if self.num_actors < 0:
             raise ConfigError(f"num_actors must be >= 0, got {self.num_actors}")
-        for name in ("group_size", "groups_in_flight", "max_action_tokens", "torch_threads"):
+        for name in ("group_size", "groups_in_flight", "max_action_tokens", "torch_threads",
+                     "think_tokens"):
             _positive(self, name)
         _positive(self, "gpu_memory_utilization")
         _at_most(self, "gpu_memory_utilization", 1.0)
@@ -303,6 +316,9 @@ class ActorConfig:
             raise ConfigError(f"backend must be transformers or vllm, got {self.backend!r}")
         if self.lora_apply not in ("merge", "layers"):
             raise ConfigError(f"lora_apply must be merge or layers, got {self.lora_apply!r}")
+        if self.think and self.constrained and self.think_tokens >= self.max_action_tokens:
+            raise ConfigError(f"think_tokens ({self.think_tokens}) must leave room for the call "
+                              f"within max_action_tokens ({self.max_action_tokens})")
         if self.tool_format not in TOOL_FORMATS:
             raise ConfigError(f"tool_format must be one of {', '.join(TOOL_FORMATS)}, "
                               f"got {self.tool_format!r}")

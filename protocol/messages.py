@@ -84,6 +84,7 @@ class Step:
     end: int  # one past the last action token
     valid: bool = True  # the action parsed and named a declared tool with literal arguments
     info: dict = field(default_factory=dict)  # env-specific details (error kind, tool name...)
+    thought: str = ""  # actor.think: the free text the model wrote before the call (v6)
 
 
 @message("trajectory")

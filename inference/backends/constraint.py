@@ -200,6 +200,35 @@ def _ids_of(bitmask: bytes) -> list[int]:
     return np.flatnonzero(bits).tolist()
 
 
+class ThinkThen:
+    """A thought, then a call: ``open_ids``; at most ``max_thought`` ids of ``free_ids`` (none
+    spells a tag or ends the reply); ``close_ids`` (forced once its first id is drawn, or when
+    the thought is full); then ``inner``, the call's constraint, asked about the ids after the
+    close (None: the call runs free)."""
+
+    def __init__(self, open_ids: Sequence[int], close_ids: Sequence[int],
+                 free_ids: list[int], max_thought: int, inner: TokenConstraint | None) -> None:
+        self.open_ids, self.close_ids = list(open_ids), list(close_ids)
+        self.free_ids, self.max_thought, self.inner = free_ids, max_thought, inner
+
+    def allowed(self, generated_ids: list[int]) -> list[int] | None:
+        ids, opening = list(generated_ids), len(self.open_ids)
+        if ids[:opening] != self.open_ids[:len(ids)]:
+            return []
+        if len(ids) < opening:
+            return [self.open_ids[len(ids)]]
+        thought = ids[opening:]
+        if self.close_ids[0] not in thought:
+            return [self.close_ids[0]] if len(thought) >= self.max_thought else self.free_ids
+        closing = thought[thought.index(self.close_ids[0]):]
+        if closing[:len(self.close_ids)] != self.close_ids[:len(closing)]:
+            return []
+        if len(closing) < len(self.close_ids):
+            return [self.close_ids[len(closing)]]
+        call = closing[len(self.close_ids):]
+        return None if self.inner is None else self.inner.allowed(call)
+
+
 CLOSERS = frozenset("\"')]}>")  # characters that close a string, a call, a list, a tag
 
 
