@@ -26,8 +26,7 @@ from inference.backends.constraint import (
     GrammarConstraint,
     ThinkThen,
     TokenConstraint,
-    closing_ids,
-    llguidance_tokenizer,
+    TokenizerFacts,
 )
 
 MARKERS = ("<task>", "<obs>", "<act>", "<eoa>")
@@ -65,10 +64,6 @@ class Codec(abc.ABC):
         # again: a trie is built once per set (building one per episode and turn was a fifth
         # of a tiny-model actor's time). Tries are read-only once built, so they are shared.
         self._tries: dict[tuple[str, ...], ActionTrie | None] = {}
-        # The tokenizer as llguidance reads it, and the ids that only close things: made on
-        # the first grammar (reading a 49k vocabulary takes a second).
-        self._ll_tokenizer, self._closing = None, frozenset()
-        self._untagged: list[int] | None = None  # ids a thought may use: made on first use
         vocab = tokenizer.get_vocab()
         self.special = special_tokens(tokenizer)
         # Ids that structure a conversation; text from outside (queries, observations, advice)
@@ -76,6 +71,7 @@ class Codec(abc.ABC):
         self._structural = set(self.special.values()) | {
             vocab[m] for m in (*MARKERS, *EXPERIENCE_MARKERS) if m in vocab}
         self._unk = tokenizer.unk_token_id
+        self._facts: TokenizerFacts | None = None
 
     def encode(self, text: str) -> list[int]:
         ids = self._cache.get(text)
@@ -127,20 +123,21 @@ class Codec(abc.ABC):
     def grammar(self, grammar: str, budget: int | None = None) -> GrammarConstraint:
         """One sequence's constraint to ``grammar`` (an env's call grammar), ending on
         :attr:`eoa_id`, its call closed within ``budget`` tokens."""
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance_tokenizer(self.tokenizer, self.eoa_id)
-            self._closing = closing_ids(self.tokenizer)
-        return GrammarConstraint(grammar, self._ll_tokenizer, self.eoa_id, budget, self._closing)
+        return self.facts.grammar(grammar, budget)
 
     def think(self, inner: TokenConstraint | None, max_thought: int) -> ThinkThen:
         """``<think>``, a thought of at most ``max_thought`` tokens that spell no tag and do
         not end the reply, ``</think>``, then the call held to ``inner``."""
-        open_ids, close_ids = self.encode(THINK_TAGS[0]), self.encode(THINK_TAGS[1])
-        if self._untagged is None:
-            self._untagged = [i for i in range(len(self.tokenizer))
-                              if i not in self._structural and i != self.eoa_id
-                              and "<" not in self.tokenizer.decode([i])] + [close_ids[0]]
-        return ThinkThen(open_ids, close_ids, self._untagged, max_thought, inner)
+        return self.facts.think(self.encode(THINK_TAGS[0]), self.encode(THINK_TAGS[1]),
+                                max_thought, inner)
+
+    @property
+    def facts(self) -> TokenizerFacts:
+        """What grammar and thought constraints need of the tokenizer (made once)."""
+        if self._facts is None:
+            self._facts = TokenizerFacts(self.tokenizer, self.eoa_id,
+                                         frozenset(self._structural))
+        return self._facts
 
     def constraint(self, actions: Sequence[str]) -> ActionTrie | None:
         key = tuple(actions)

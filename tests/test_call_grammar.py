@@ -17,7 +17,7 @@ from environments.call_formats import FORMATS, rewrite
 from environments.call_grammar import call_grammar
 from environments.files import FilesEnv
 from environments.shop import ShopEnv
-from inference.backends.constraint import GrammarConstraint, llguidance_tokenizer
+from inference.backends.constraint import GrammarConstraint, TokenizerFacts
 from inference.models import model_folder
 
 FORMAT_NAMES = sorted(FORMATS)
@@ -30,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def ll(tok):
-    return llguidance_tokenizer(tok, tok.eos_token_id)
+    return TokenizerFacts(tok, tok.eos_token_id, frozenset()).ll_tokenizer
 
 
 def admits(ll, tok, grammar: str, text: str) -> bool:
@@ -132,3 +132,29 @@ def test_the_constraint_answers_as_a_function_of_the_ids_so_far(ll, tok):
     assert constraint.allowed(ids[:3]) == fresh[3]  # and comes back on a shorter prefix
     with pytest.raises(ValueError, match="does not compile"):
         GrammarConstraint("start: nothing_defined", ll, tok.eos_token_id)
+
+
+def test_a_constraint_made_again_from_its_spec_answers_as_it_does(tok):
+    """What an engine worker makes of a request's spec (vllm_actions) is the same constraint:
+    a trie, a grammar, a thought before either; answers compared along a path of each."""
+    from inference.codecs import ChatCodec
+
+    codec = ChatCodec(tok)
+    env = FilesEnv()
+    env.reset(env.tasks("train")[0])
+    trie = codec.constraint(env.candidate_actions())
+    grammar = codec.grammar(env.call_grammar("json"), budget=40)
+    worker = TokenizerFacts(tok, codec.eoa_id, frozenset(codec._structural))
+    for made in (trie, grammar, codec.think(trie, 6), codec.think(grammar, 6),
+                 codec.think(None, 6)):
+        again = worker.from_spec(made.spec())
+        assert type(again) is type(made)
+        path = []
+        for _ in range(30):
+            allowed = made.allowed(path)
+            assert again.allowed(path) == allowed
+            if not allowed:
+                break
+            path.append(allowed[len(path) * 7919 % len(allowed)])
+    with pytest.raises(ValueError, match="unknown constraint kind"):
+        worker.from_spec({"kind": "regex"})

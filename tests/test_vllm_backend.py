@@ -193,7 +193,7 @@ class FakeLLM:
         trie = self._action_trie(sp)
         for _ in range(sp.max_tokens):
             candidates = sp.allowed_token_ids or range(self.vocab)
-            if trie is not None:  # what the engine's ActionTrieProcessor lets through
+            if trie is not None:  # what the engine's ConstraintProcessor lets through
                 candidates = trie.allowed_or_end(ids) or [trie.end_token_id]
             context = prompt + ids
             token = (self.script(context, list(candidates), rng) if self.script

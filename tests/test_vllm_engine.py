@@ -185,8 +185,8 @@ def test_constrained_rollouts_parse_in_every_call_format(model, fmt):
 
 @pytest.mark.parametrize("fmt", ["json", "pythonic"])
 def test_grammar_constrained_rollouts_parse_on_the_engine(model, fmt):
-    """An env that lists no candidates (as BFCL) holds the model to its call grammar; on vLLM
-    the grammar steps with ``allowed_token_ids`` (raw log-probs stay unmasked)."""
+    """An env that lists no candidates (as BFCL) holds the model to its call grammar, applied
+    by the engine's processor in one call a turn (raw log-probs stay unmasked)."""
     from environments.call_formats import FORMATS
     from environments.files import FilesEnv
     from episodes.rollout import RolloutSettings, rollout, start_episodes
@@ -204,9 +204,42 @@ def test_grammar_constrained_rollouts_parse_on_the_engine(model, fmt):
                                constrained=True, tool_format=fmt)
     episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2, FreeFormFiles, codec,
                               constrained=True, tool_format=fmt)
+    before = len(backend.calls)
     rollout(backend, episodes, codec, SamplingParams(max_new_tokens=40, seed=4,
                                                      stop_token_ids=(codec.eoa_id,)), settings)
     assert all(ep.free_form for ep in episodes)
+    assert len(backend.calls) - before == 1
     for step in (s for ep in episodes for s in ep.steps):
         assert step.valid, step.action
         FORMATS[fmt].parse(step.action, FilesEnv().tools())
+
+
+def test_a_thought_then_a_call_in_the_engine(model):
+    """actor.think, constrained, on vLLM: the thought's bound and tags and the call's grammar
+    applied by the engine's processor in one call a turn."""
+    from environments.call_formats import FORMATS
+    from environments.files import FilesEnv
+    from episodes.rollout import RolloutSettings, rollout, start_episodes
+    from inference.codecs import make_codec
+
+    class FreeFormFiles(FilesEnv):
+        def candidate_actions(self):
+            return []
+
+    name, backend, _ = model
+    if name == "tiny":
+        pytest.skip("the tiny word-level policy cannot spell a thought")
+    codec = make_codec(backend.tokenizer, "json")
+    settings = RolloutSettings(max_turns=1, max_context=1024, max_action_tokens=64,
+                               constrained=True, tool_format="json", think=True, think_tokens=16)
+    episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2, FreeFormFiles, codec,
+                              constrained=True, tool_format="json", think=True)
+    before = len(backend.calls)
+    rollout(backend, episodes, codec, SamplingParams(max_new_tokens=64, seed=4,
+                                                     stop_token_ids=(codec.eoa_id,)), settings)
+    assert len(backend.calls) - before == 1
+    for ep in episodes:
+        [step] = ep.steps
+        reply = codec.decode_action(ep.tokens[step.start:step.end])
+        assert reply.startswith("<think>") and step.valid, reply
+        FORMATS["json"].parse(step.action, FilesEnv().tools())

@@ -96,6 +96,11 @@ class ActionTrie:
             trie._insert(ids + (trie.end_token_id,))
         return trie
 
+    def spec(self) -> dict:
+        """This trie as JSON-able data (:func:`from_spec` makes it again, in an engine)."""
+        return {"kind": "actions", "actions": [list(ids) for ids in self.sequences],
+                "end": self.end_token_id}
+
     def _insert(self, ids: tuple[int, ...]) -> None:
         node = self._root
         for tok in ids:
@@ -161,10 +166,14 @@ class GrammarConstraint:
                                              llguidance.LLMatcher.grammar_from_lark(grammar))
         if self._matcher.is_error():
             raise ValueError(f"the call grammar does not compile: {self._matcher.get_error()}")
-        self.end_token_id = int(end_token_id)
+        self.grammar, self.end_token_id = grammar, int(end_token_id)
         self.budget, self.closing_ids = budget, closing_ids | {self.end_token_id}
         self._consumed: list[int] = []  # the ids the matcher has taken, in order
         self._refused: int | None = None  # the id after them the grammar would not take
+
+    def spec(self) -> dict:
+        return {"kind": "grammar", "grammar": self.grammar, "end": self.end_token_id,
+                "budget": self.budget}
 
     def allowed(self, generated_ids: list[int]) -> list[int]:
         ids = list(generated_ids)
@@ -207,9 +216,16 @@ class ThinkThen:
     close (None: the call runs free)."""
 
     def __init__(self, open_ids: Sequence[int], close_ids: Sequence[int],
-                 free_ids: list[int], max_thought: int, inner: TokenConstraint | None) -> None:
+                 free_ids: list[int], max_thought: int, inner: TokenConstraint | None,
+                 end_token_id: int) -> None:
         self.open_ids, self.close_ids = list(open_ids), list(close_ids)
         self.free_ids, self.max_thought, self.inner = free_ids, max_thought, inner
+        self.end_token_id = int(end_token_id)
+
+    def spec(self) -> dict:
+        return {"kind": "think", "open": self.open_ids, "close": self.close_ids,
+                "max": self.max_thought, "end": self.end_token_id,
+                "inner": None if self.inner is None else self.inner.spec()}
 
     def allowed(self, generated_ids: list[int]) -> list[int] | None:
         ids, opening = list(generated_ids), len(self.open_ids)
@@ -232,20 +248,63 @@ class ThinkThen:
 CLOSERS = frozenset("\"')]}>")  # characters that close a string, a call, a list, a tag
 
 
-def closing_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids of the tokens that only close things (their text, spaces aside, is made of
-    :data:`CLOSERS`): what :class:`GrammarConstraint` steers to near the end of its budget."""
-    out = set()
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id]).strip()
-        if text and set(text) <= CLOSERS:
-            out.add(token_id)
-    return frozenset(out)
+class TokenizerFacts:
+    """What the grammar and thought constraints need of one tokenizer, each made on first
+    use (reading a 49k vocabulary takes a fraction of a second, llguidance's a second):
+    the tokenizer as llguidance reads it, ending on ``end_token_id``; the ids that only close
+    things (their text, spaces aside, is made of :data:`CLOSERS`); the ids a thought may use
+    (none spells a tag, ends the reply or is one of ``structural``)."""
 
+    def __init__(self, tokenizer: Any, end_token_id: int, structural: frozenset[int]) -> None:
+        self.tokenizer, self.end_token_id = tokenizer, int(end_token_id)
+        self.structural = structural
+        self._ll = self._closing = self._untagged = None
 
-def llguidance_tokenizer(tokenizer: Any, end_token_id: int) -> Any:
-    """``tokenizer`` (Hugging Face, fast) as llguidance reads it, ending on ``end_token_id``."""
-    import llguidance.hf
+    @property
+    def ll_tokenizer(self) -> Any:
+        if self._ll is None:
+            import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer),
-                                        eos_token=int(end_token_id))
+            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=len(self.tokenizer),
+                                                    eos_token=self.end_token_id)
+        return self._ll
+
+    @property
+    def closing_ids(self) -> frozenset[int]:
+        if self._closing is None:
+            self._closing = frozenset(i for i, text in enumerate(self._texts())
+                                      if text.strip() and set(text.strip()) <= CLOSERS)
+        return self._closing
+
+    def untagged_ids(self, close_first: int) -> list[int]:
+        if self._untagged is None:
+            self._untagged = [i for i, text in enumerate(self._texts())
+                              if i not in self.structural and i != self.end_token_id
+                              and "<" not in text]
+        return [*self._untagged, close_first]
+
+    def _texts(self) -> list[str]:
+        return [self.tokenizer.decode([i]) for i in range(len(self.tokenizer))]
+
+    def grammar(self, grammar: str, budget: int | None = None) -> GrammarConstraint:
+        return GrammarConstraint(grammar, self.ll_tokenizer, self.end_token_id, budget,
+                                 self.closing_ids)
+
+    def think(self, open_ids, close_ids, max_thought: int,
+              inner: TokenConstraint | None) -> ThinkThen:
+        return ThinkThen(open_ids, close_ids, self.untagged_ids(close_ids[0]), max_thought,
+                         inner, self.end_token_id)
+
+    def from_spec(self, spec: dict | None) -> TokenConstraint | None:
+        """The constraint ``spec`` (a constraint's ``spec()``) describes, over this tokenizer:
+        how an engine worker makes again what the actor built."""
+        if spec is None:
+            return None
+        if spec["kind"] == "actions":
+            return ActionTrie.from_token_ids(spec["actions"], spec["end"])
+        if spec["kind"] == "grammar":
+            return self.grammar(spec["grammar"], spec["budget"])
+        if spec["kind"] == "think":
+            return self.think(spec["open"], spec["close"], spec["max"],
+                              self.from_spec(spec["inner"]))
+        raise ValueError(f"unknown constraint kind {spec['kind']!r}")

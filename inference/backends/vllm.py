@@ -33,12 +33,14 @@ How the contract of :class:`~inference.backends.base.InferenceBackend` maps onto
   ``top_k`` and ``top_p`` are off; with truncation on, vLLM renormalises over the kept
   tokens, which ours does not). A call asking for the other mode still gets the engine's mode;
   it is logged once and recorded in ``Generation.info["logprobs_mode"]``.
-* **Constraints.** An :class:`ActionTrie` (what the actors constrain with) travels with its
-  request to the engine, in ``extra_args``, and a per-request logits processor registered at
-  engine start masks the logits to the trie's next ids (``vllm_actions.ActionTrieProcessor``;
-  why not vLLM's structured outputs is said there); the trie's end id joins the request's stop
-  ids, so the row ends as the trie's ``[]`` ends it elsewhere. One engine call per turn. Any
-  other :class:`TokenConstraint` (or ``action_processor=False``) is stepped: one engine call
+* **Constraints.** An :class:`ActionTrie`, a :class:`GrammarConstraint` or a
+  :class:`ThinkThen` (what the actors constrain with) travels with its request to the engine
+  as its ``spec()``, in ``extra_args``, and a per-request logits processor registered at
+  engine start makes it again over the engine's tokenizer and masks the logits to its next
+  ids (``vllm_actions.ConstraintProcessor``; why not vLLM's structured outputs is said there);
+  its end id joins the request's stop ids, so the row ends as its ``[]`` ends it elsewhere.
+  One engine call per turn. Any other :class:`TokenConstraint` (or
+  ``action_processor=False``) is stepped: one engine call
   per token for its rows, each with ``max_tokens=1`` and the allowed ids as
   ``allowed_token_ids``, the prompt grown by the ids so far. Both are exact; the stepped form
   costs up to ``max_new_tokens`` calls per turn (6.6x fewer tokens/s, bench/vllm_constrained).
@@ -95,7 +97,7 @@ from inference.backends.base import (
     check_prompts,
     safetensors_files,
 )
-from inference.backends.constraint import ActionTrie
+from inference.backends.constraint import ActionTrie, GrammarConstraint, ThinkThen
 
 if TYPE_CHECKING:  # annotations only: a vLLM worker imports this module for the extension
     import torch
@@ -120,9 +122,10 @@ VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 EXTENSION_QUALNAME = "inference.backends.vllm.WeightLoaderExtension"
 LOAD_METHOD = "autodidact_load_weights_from_files"
-ACTION_PROCESSOR = "inference.backends.vllm_actions:ActionTrieProcessor"
+ACTION_PROCESSOR = "inference.backends.vllm_actions:ConstraintProcessor"
 """The engine's logits processor for action tries (``<module>:<class>``, as vLLM loads it)."""
 EXTRA_KEY = "autodidact_actions"
+IN_ENGINE = (ActionTrie, GrammarConstraint, ThinkThen)  # what the processor makes from a spec
 """``SamplingParams.extra_args`` key of a request's trie: ``{"actions": [[ids]], "end": id}``."""
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32.0 accepts (``vllm.config.lora.MaxLoRARanks``)."""
@@ -609,19 +612,18 @@ class VLLMBackend(InferenceBackend):
                 for r in rows]
 
     def _in_engine(self, constraint: TokenConstraint) -> bool:
-        """Whether the engine's action processor can apply ``constraint`` (an action trie)."""
-        return self._action_processor and isinstance(constraint, ActionTrie)
+        """Whether the engine's processor can apply ``constraint`` (an action trie, a call
+        grammar, a thought before either: what has a ``spec()``)."""
+        return self._action_processor and isinstance(constraint, IN_ENGINE)
 
     def _whole_turn(self, params: SamplingParams, row: int,
-                    constraint: ActionTrie | None) -> dict[str, Any]:
-        """One request for a whole turn; an action trie travels with it to the engine's
-        processor, and its end id stops the row as the trie's ``[]`` does elsewhere."""
+                    constraint: TokenConstraint | None) -> dict[str, Any]:
+        """One request for a whole turn; the constraint's spec travels with it to the
+        engine's processor, and its end id stops the row as its ``[]`` does elsewhere."""
         kwargs = sampling_kwargs(params, seed=derive_seed(params.seed, row, 0),
                                  max_tokens=params.max_new_tokens)
         if constraint is not None:
-            kwargs["extra_args"] = {EXTRA_KEY: {
-                "actions": [list(ids) for ids in constraint.sequences],
-                "end": constraint.end_token_id}}
+            kwargs["extra_args"] = {EXTRA_KEY: constraint.spec()}
             if constraint.end_token_id not in kwargs["stop_token_ids"]:
                 kwargs["stop_token_ids"].append(constraint.end_token_id)
         return kwargs
