@@ -193,9 +193,7 @@ class Actor:
                                 logprobs_mode="raw")
         with self._beating():
             episodes = start_episodes(tasks, n, self.make_env, self.codec, guidance,
-                                      constrained=self.rollout.constrained,
-                                      tool_format=self.rollout.tool_format,
-                                      think=self.rollout.think)
+                                      self.rollout)
             rollout(self.backend, episodes, self.codec, params, self.rollout,
                     between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))

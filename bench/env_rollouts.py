@@ -67,8 +67,7 @@ def actor(job: dict, ready, go, results) -> None:
 
     def batch(b: int):
         chosen = [tasks[i] for i in order[b * per_batch:(b + 1) * per_batch]]
-        episodes = start_episodes(chosen, cfg.actor.group_size, make, codec,
-                                  constrained=settings.constrained)
+        episodes = start_episodes(chosen, cfg.actor.group_size, make, codec, settings=settings)
         params = SamplingParams(temperature=cfg.actor.temperature, top_p=cfg.actor.top_p,
                                 max_new_tokens=cfg.actor.max_action_tokens,
                                 stop_token_ids=(codec.eoa_id,), logprobs_mode="raw",

@@ -24,6 +24,7 @@ import ast
 import json
 import math
 import re
+import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
@@ -84,7 +85,7 @@ class TextFormat(CallFormat):
     name = "text"
 
     def write(self, call: ToolCall, tool: ToolSpec) -> str:
-        return " ".join([call.tool, *(_word(v) for v in call.args)])
+        return " ".join([call.tool, *(_quoted(_word(v)) for v in call.args)])
 
     def parse(self, text, tools) -> ToolCall:
         return parse_reply(text, tools)
@@ -197,8 +198,8 @@ def tool_instructions(env_name: str, tools: Sequence[ToolSpec], example: str | N
              f"reply. {_FORM[call_format(fmt).name]}"]
     if list_tools:
         lines += ["", "Tools:"]
-        lines += [f"- {_usage(tool, fmt)}: {tool.description}" if tool.description
-                  else f"- {_usage(tool, fmt)}" for tool in tools]
+        lines += [f"- {usage(tool, fmt)}: {tool.description}" if tool.description
+                  else f"- {usage(tool, fmt)}" for tool in tools]
     if example:
         lines += ["", "Example reply:", rewrite(example, tools, fmt)]
     lines += ["", "After each call you see what it returned. Keep calling tools until the task "
@@ -206,7 +207,7 @@ def tool_instructions(env_name: str, tools: Sequence[ToolSpec], example: str | N
     return "\n".join(lines)
 
 
-def _usage(tool: ToolSpec, fmt: str) -> str:
+def usage(tool: ToolSpec, fmt: str) -> str:
     """``mv src dst`` in the text format, ``mv(src: str, dst: str)`` in the others."""
     if fmt == "text":
         return tool.usage()
@@ -321,6 +322,11 @@ def _typed(arg: ArgSpec, value, tool: str):
 
 def _named(call: ToolCall, tool: ToolSpec) -> dict:
     return {a.name: v for a, v in zip(tool.args, call.args)}
+
+
+def _quoted(word: str) -> str:
+    """A word as the shell-style parser reads it back: free text (a note) quoted."""
+    return shlex.quote(word) if any(c.isspace() or c in "'\"\\" for c in word) else word
 
 
 def _word(value) -> str:

@@ -25,6 +25,7 @@ _STR_LITERAL = re.compile(r"[A-Za-z0-9_.~/+-]{1,64}")
 _INT_LITERAL = re.compile(r"[+-]?[0-9]{1,9}")
 _FLOAT_LITERAL = re.compile(r"[+-]?[0-9]{1,9}(\.[0-9]{1,9})?")
 _BOOL_WORDS = {"true": True, "false": False}
+MAX_TEXT_CHARS = 400  # a free-text argument (kind "text"): a note the agent writes
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class ArgSpec:
     bounds: tuple | None = None
     # "id": a str naming something the call *creates* (an order id, a new file name): the
     # explorer invents fresh values in the style of ids it has seen, not only seen names.
+    # "text": a str of free text (printable, up to MAX_TEXT_CHARS; quoted in the text format),
+    # not one word: what the agent's own context tools take (episodes/context.py).
     kind: str = ""
 
     def __post_init__(self):
@@ -55,8 +58,10 @@ class ArgSpec:
                 raise ValueError(f"arg {self.name!r}: bounds is (low, high) with low <= high, "
                                  "for int and float arguments")
             object.__setattr__(self, "bounds", tuple(self.bounds))
-        if self.kind not in ("", "id"):
-            raise ValueError(f"arg {self.name!r}: kind is '' or 'id'")
+        if self.kind not in ("", "id", "text"):
+            raise ValueError(f"arg {self.name!r}: kind is '', 'id' or 'text'")
+        if self.kind == "text" and self.type != "str":
+            raise ValueError(f"arg {self.name!r}: a 'text' argument is a str")
 
     def usage(self) -> str:
         return self.name if self.required else f"[{self.name}]"
@@ -204,6 +209,10 @@ def literal_arg(spec: ArgSpec, word: str, tool: str):
     the rule every call format's arguments pass (``environments.call_formats``)."""
     if spec.type == "bool" and word.lower() in _BOOL_WORDS:
         return _BOOL_WORDS[word.lower()]
+    if spec.kind == "text":
+        if not 0 < len(word) <= MAX_TEXT_CHARS or not word.isprintable():
+            raise ActionError("bad_argument", f"error : bad argument {spec.name}", tool=tool)
+        return word
     pattern = {"str": _STR_LITERAL, "int": _INT_LITERAL, "float": _FLOAT_LITERAL}.get(spec.type)
     if pattern is None or not pattern.fullmatch(word):
         raise ActionError("bad_argument", f"error : bad argument {spec.name}", tool=tool)

@@ -10,6 +10,13 @@ sequence, until ``env.max_context``. The others keep what the model sees bounded
   with a line saying how many turns were left out, then the last ``context_turns`` turns.
 * ``summary``: as ``window``, with the left-out turns as one rule-made line each (the call
   and the first words of what it returned) instead of their count.
+* ``self``: the agent manages its own context (AgentEvolver's self-context-managing template).
+  Each observation it sees is numbered (``[turn 3] ...``) and it has two more tools, called
+  like any env tool in its call format and answered by the rollout, not the env:
+  ``forget turn`` leaves that turn out, ``note first last "text"`` replaces turns first to
+  last with its note. From the next action on, the context is the opening prompt with the
+  notes and what was left out listed after its first observation, then the turns still
+  shown.
 
 A rebuilt context is no prefix extension of the last one, so the rollout starts a new context
 in the trajectory's tokens (``Trajectory.contexts``) and the learner trains every action
@@ -18,8 +25,10 @@ against exactly the context it was sampled in (``learner.batching``: one row per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from environments.call_formats import usage
+from environments.tools import ArgSpec, ToolCall, ToolError, ToolSpec
 from protocol.config import CONTEXT_MODES, EnvConfig
 
 SUMMARY_OBS_WORDS = 12  # words of an observation a summary line keeps
@@ -47,22 +56,83 @@ class ContextManager:
         if self.mode not in CONTEXT_MODES:
             raise ValueError(f"context must be one of {CONTEXT_MODES}, not {self.mode!r}")
 
-    def note(self, turns: list[Turn]) -> str | None:
-        """None while the context grows by appending; else the context is rebuilt from the
-        opening prompt with this note after its first observation and the last ``keep``
-        turns."""
+    def rebuild(self, turns: list[Turn], memory: Memory | None = None
+                ) -> tuple[str, list[Turn]] | None:
+        """None while the context grows by appending; else the note to put after the opening
+        prompt's first observation and the turns to show after it, verbatim."""
+        if self.mode == "self":
+            return memory.rebuild(turns) if memory is not None else None
         left_out = len(turns) - self.keep
         if self.mode not in ("window", "summary") or left_out <= 0:
             return None
         if self.mode == "window":
-            return f"[{left_out} earlier turn{'s' if left_out > 1 else ''} left out]"
-        lines = [f"{i + 1}. {t.action} -> {_clipped(t.observation)}"
-                 for i, t in enumerate(turns[:left_out])]
-        return "\n".join(["[earlier turns, summarised]", *lines])
+            note = f"[{left_out} earlier turn{'s' if left_out > 1 else ''} left out]"
+        else:
+            note = "\n".join(["[earlier turns, summarised]", *(
+                f"{i + 1}. {t.action} -> {_clipped(t.observation)}"
+                for i, t in enumerate(turns[:left_out]))])
+        return note, turns[-self.keep:]
 
-    def kept(self, turns: list[Turn]) -> list[Turn]:
-        """The turns a rebuilt context shows verbatim."""
-        return turns[-self.keep:]
+
+# The agent's own context tools (env.context=self), answered by the rollout.
+CONTEXT_TOOLS = (
+    ToolSpec("forget", "leave a past turn (its call and what it returned) out of what you see",
+             (ArgSpec("turn", "int", "the turn's number"),)),
+    ToolSpec("note", "replace turns first to last with a note you write",
+             (ArgSpec("first", "int", "the first turn's number"),
+              ArgSpec("last", "int", "the last turn's number"),
+              ArgSpec("text", "str", "the note", kind="text"))),
+)
+
+
+@dataclass
+class Memory:
+    """What an agent did to its own context (``env.context=self``): turns it left out, turns
+    it replaced by notes, and whether the context shows its last change yet."""
+
+    dropped: set[int] = field(default_factory=set)  # 0-based turn indices
+    notes: list[tuple[int, int, str]] = field(default_factory=list)  # 0-based first, last
+    changed: bool = False  # an edit the current context does not show yet
+
+    def apply(self, call: ToolCall, turns: int) -> str:
+        """Carry out a context tool's call over ``turns`` past turns: its observation, or
+        ToolError for a turn that does not exist (numbers are 1-based, as shown)."""
+        numbers = call.args[:1] if call.tool == "forget" else call.args[:2]
+        if any(not 1 <= n <= turns for n in numbers) or numbers[0] > numbers[-1]:
+            raise ToolError("no_turn", f"error : turns are numbered 1 to {turns}")
+        first, last = numbers[0] - 1, numbers[-1] - 1
+        if call.tool == "forget":
+            self.dropped.add(first)
+            said = f"ok turn {first + 1} left out"
+        else:
+            self.notes.append((first, last, call.args[2]))
+            said = f"ok turns {first + 1} to {last + 1} replaced by your note"
+        self.changed = True
+        return said
+
+    def rebuild(self, turns: list[Turn]) -> tuple[str, list[Turn]] | None:
+        if not self.changed:
+            return None
+        self.changed = False
+        hidden = set(self.dropped)
+        lines = ["[your notes]"] if self.notes else []
+        for first, last, text in sorted(self.notes):
+            hidden |= set(range(first, last + 1))
+            lines.append(f"turns {first + 1}-{last + 1}: {text}")
+        if self.dropped:
+            lines.append("[left out: turns " + ", ".join(
+                str(i + 1) for i in sorted(self.dropped)) + "]")
+        return "\n".join(lines), [t for i, t in enumerate(turns) if i not in hidden]
+
+
+def context_tool_instructions(fmt: str) -> str:
+    """What the system prompt says of the context tools, in call format ``fmt``."""
+    lines = ["Your context is yours to manage. Each result you see is numbered [turn N]; two "
+             "more tools change what you see from your next call on:"]
+    lines += [f"- {usage(t, fmt)}: {t.description}" for t in CONTEXT_TOOLS]
+    if fmt == "text":
+        lines.append('Quote a note: note 1 3 "moved the reports to archive"')
+    return "\n".join(lines)
 
 
 def _clipped(text: str) -> str:

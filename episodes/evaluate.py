@@ -128,9 +128,8 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
     records = []
     for i in range(0, len(tasks), batch_tasks):
         chunk = tasks[i:i + batch_tasks]
-        episodes = start_episodes(chunk, k, make_env, codec,
-                                  constrained=policy == "model" and settings.constrained,
-                                  tool_format=settings.tool_format, think=settings.think)
+        episodes = start_episodes(chunk, k, make_env, codec, settings=dataclasses.replace(
+            settings, constrained=policy == "model" and settings.constrained))
         if policy == "model":
             rollout(backend, episodes, codec, params, settings)
         else:

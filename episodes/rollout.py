@@ -26,21 +26,30 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from environments.base import (
+    ActionError,
     Environment,
+    ToolError,
     ToolSpec,
     call_all,
     instructions_args,
     make_envs,
     step_args,
 )
-from environments.call_formats import rewrite, tool_schema
-from episodes.context import ContextManager, Turn, context_manager
+from environments.call_formats import call_format, rewrite, tool_schema
+from episodes.context import (
+    CONTEXT_TOOLS,
+    ContextManager,
+    Memory,
+    Turn,
+    context_manager,
+    context_tool_instructions,
+)
 from episodes.thinking import THINK_INSTRUCTION, split_thought, thought_tokens
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import THINK_TAGS, Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
@@ -85,6 +94,7 @@ class Episode:
     opening: tuple = ()
     turns: list[Turn] = field(default_factory=list)
     contexts: list[list[int]] = field(default_factory=list)  # Trajectory.contexts
+    memory: Memory = field(default_factory=Memory)  # env.context=self: its own edits
 
     @property
     def context_start(self) -> int:
@@ -176,17 +186,18 @@ class Guidance:
 def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environment],
                    codec: Codec,
                    guidance: Sequence[Sequence[Guidance | None]] | None = None,
-                   constrained: bool = False, tool_format: str = "text",
-                   think: bool = False) -> list[Episode]:
-    """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th;
-    ``constrained``: each env's first candidate actions are asked with its reset;
-    ``tool_format``: how the policy writes calls (the instructions ask for that form);
-    ``think``: the instructions ask for a thought before each call (a chat model's: the
-    word-level marker policy cannot spell one).
+                   settings: RolloutSettings | None = None) -> list[Episode]:
+    """``n`` episodes per task; ``guidance[i][j]`` (optional) is injected into task i's j-th.
+    ``settings`` (default: unconstrained text calls) say what the opening asks: constrained,
+    each env's first candidate actions with its reset; the instructions in the call format,
+    with a thought before each call (``think``: a chat model's, the word-level marker policy
+    cannot spell one) and the agent's own context tools (``context`` self).
 
     The envs are made together (a served env's sessions opened at once), so a server that
     cannot make them (none there, no worker up) fails the batch after one deadline, not one
     deadline per episode."""
+    settings = settings or RolloutSettings(constrained=False)
+    constrained, tool_format, think = settings.constrained, settings.tool_format, settings.think
     if think and not codec.shows_instructions:
         raise ValueError("actor.think needs a model with a chat template: the word-level "
                          "marker policy cannot spell a thought; set actor.think=false")
@@ -216,9 +227,7 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         if ep.failure is not None:
             continue
         first, instruction = answered["reset"], answered.get("instructions")
-        if think and codec.shows_instructions:
-            instruction = f"{instruction}\n\n{THINK_INSTRUCTION}" if instruction \
-                else THINK_INSTRUCTION
+        instruction = _with_extras(instruction, settings, codec)
         ep.tools = answered.get("tools")
         if constrained:
             ep.take_constraint("candidate_actions", answered["candidate_actions"])
@@ -231,6 +240,33 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         if guide is not None:
             ep.experience_span, ep.experience_ids = span, list(guide.exp_ids)
     return episodes
+
+
+def context_step(ep: Episode, call_text: str, settings: RolloutSettings) -> tuple | None:
+    """The rollout's own answer (observation, done, info) to a reply that calls one of the
+    agent's context tools (``env.context=self``); None for any other reply (the env's)."""
+    if settings.context.mode != "self":
+        return None
+    try:
+        call = call_format(ep.call_format).parse(call_text, CONTEXT_TOOLS)
+    except ActionError:
+        return None
+    try:
+        obs, error = ep.memory.apply(call, len(ep.turns)), None
+    except ToolError as err:
+        obs, error = err.observation, err.kind
+    return obs, False, {"valid": True, "tool": call.tool, "error": error, "context": True}
+
+
+def _with_extras(instruction: str | None, settings: RolloutSettings,
+                 codec: Codec) -> str | None:
+    """The env's instructions and what the rollout adds: the thought, the context tools."""
+    extras = [THINK_INSTRUCTION] if settings.think else []
+    if settings.context.mode == "self":
+        extras.append(context_tool_instructions(settings.tool_format))
+    if not extras or not codec.shows_instructions:
+        return instruction
+    return "\n\n".join([*([instruction] if instruction else []), *extras])
 
 
 def env_call(ep: Episode, call: Callable, *args):
@@ -258,7 +294,8 @@ def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: lis
                  version: int, settings: RolloutSettings) -> None:
     """Append one action and the environment's answer; decide whether the episode ends."""
     taken = take_action(ep, codec, action_ids, logprobs, version, settings)
-    stepped = env_call(ep, ep.env.step, *step_args(taken.call, ep.call_format))
+    stepped = context_step(ep, taken.call, settings) or \
+        env_call(ep, ep.env.step, *step_args(taken.call, ep.call_format))
     if stepped is not None:
         observe(ep, codec, taken, stepped, settings)
 
@@ -299,18 +336,19 @@ def observe(ep: Episode, codec: Codec, taken: Taken, stepped: tuple,
     ep.steps.append(Step(action=action, observation=obs, start=start, end=len(ep.tokens),
                          valid=bool(info.get("valid", False)), thought=taken.thought,
                          info={k: _utf8(v) for k, v in info.items() if v is not None}))
-    next_ids = codec.observation(obs, info.get("role", "tool"),
+    shown = f"[turn {len(ep.turns) + 1}] {obs}" if settings.context.mode == "self" else obs
+    next_ids = codec.observation(shown, info.get("role", "tool"),
                                  settings.context.observation_tokens)
     ep.turns.append(Turn(ep.tokens[start:], next_ids, action, obs))
     if done or len(ep.steps) >= settings.max_turns:
         ep.done = True
         return
-    note = settings.context.note(ep.turns)
-    if note is None:
+    rebuilt = settings.context.rebuild(ep.turns, ep.memory)
+    if rebuilt is None:
         added, span = next_ids, None
         length = len(ep.context) + len(next_ids)
     else:
-        added, span = rebuilt_context(ep, codec, note, settings.context.kept(ep.turns))
+        added, span = rebuilt_context(ep, codec, *rebuilt)
         length = len(added)
     if length + settings.max_action_tokens > settings.max_context:
         ep.done = ep.truncated = True
@@ -397,7 +435,10 @@ def _step_all(active: list[Episode], taken: list[Taken], codec: Codec,
               settings: RolloutSettings, reward: Grading | None) -> None:
     """Every active episode's action sent to its env, with what its next turn or its score
     needs from the env after that step."""
-    calls = [(ep, "step", step_args(t.call, ep.call_format)) for ep, t in zip(active, taken)]
+    local = [context_step(ep, t.call, settings) for ep, t in zip(active, taken)]
+    calls = [(ep, "step", step_args(t.call, ep.call_format))
+             for ep, t, answered in zip(active, taken, local) if answered is None]
+    stepped_by_env = len(calls)
     for ep in active:
         ep.candidates = ep.grammar = None
         ep.constraint_known = False
@@ -407,10 +448,12 @@ def _step_all(active: list[Episode], taken: list[Taken], codec: Codec,
         elif settings.constrained:
             calls.append((ep, *ep.constraint_call))
     answers = ask_envs(calls)
-    for ep, t, stepped in zip(active, taken, answers):
+    by_env = iter(answers[:stepped_by_env])
+    for ep, t, answered in zip(active, taken, local):
+        stepped = answered if answered is not None else next(by_env)
         if stepped is not None:
             observe(ep, codec, t, stepped, settings)
-    for (ep, method, _), answer in zip(calls[len(active):], answers[len(active):]):
+    for (ep, method, _), answer in zip(calls[stepped_by_env:], answers[stepped_by_env:]):
         if ep.failure is not None:
             continue
         if method == "evaluate":
@@ -438,7 +481,7 @@ def scripted_episode(task: Task, env: Environment, codec: Codec,
                      settings: RolloutSettings, guidance: Guidance | None = None) -> Episode:
     """Replay ``task.reference`` as if the policy had produced it (for warm-start data)."""
     ep = start_episodes([task], 1, lambda: env, codec, [[guidance]],
-                        tool_format=settings.tool_format, think=settings.think)[0]
+                        replace(settings, constrained=False))[0]
     play_reference(ep, codec, settings)
     if ep.failure is not None:  # a script is one env's, in order: it cannot go on without it
         raise ep.failure

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from environments.base import Environment, described_only, step_args
 from environments.call_formats import rewrite
 from inference.llm import ChatModel, LLMError, ReplyFormat, clip_text
-from protocol.messages import Task, Trajectory
+from protocol.messages import Step, Task, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,12 @@ class ReferenceJudge(StepJudge):
         self.env_factory = env_factory
 
     def judge(self, task: Task, traj: Trajectory) -> Judgement:
-        labels = self._replay(task, [s.action for s in traj.steps],
+        labels = self._replay(task, traj.steps,
                               traj.info.get("call_format", "text")) if traj.steps else []
         self._count(trajectories=1, steps=len(labels), good=sum(labels))
         return Judgement(labels, "reference", attempts=0)
 
-    def _replay(self, task: Task, actions: list[str], call_format: str) -> list[int]:
+    def _replay(self, task: Task, steps: list[Step], call_format: str) -> list[int]:
         env = self.env_factory()
         env.reset(task)
         # A goal in words only cannot be measured on the state: the reference alone decides.
@@ -113,7 +113,11 @@ class ReferenceJudge(StepJudge):
         unmatched = [_normalise(a) for a in task.reference]
         progress = env.goal_progress(task) if measured else 0.0
         labels = []
-        for action in actions:
+        for step in steps:
+            if step.info.get("context"):  # the agent's own context tool: not the env's to replay
+                labels.append(int(_clean(step.info)))
+                continue
+            action = step.action
             # references are text-format calls: a call in another format is matched as one
             said = action if call_format == "text" else rewrite(action, env.tools(), "text",
                                                                  call_format)

@@ -247,6 +247,7 @@ def in_text_format(task: Task, trajs: Sequence[Trajectory]) -> list[Trajectory]:
     (``info["call_format"]``) rewritten as the text-format call it makes: the rules read,
     replay and quote text-format calls. A reply that is no call stays as it was (a replay
     refuses it again)."""
+    trajs = [_without_context_steps(t) for t in trajs]
     if all(t.info.get("call_format", "text") == "text" or not t.steps for t in trajs):
         return list(trajs)
     try:
@@ -260,6 +261,14 @@ def in_text_format(task: Task, trajs: Sequence[Trajectory]) -> list[Trajectory]:
         t, info={**t.info, "call_format": "text"},
         steps=[replace(s, action=rewrite(s.action, tools, "text", t.info["call_format"]))
                for s in t.steps]) for t in trajs]
+
+
+def _without_context_steps(traj: Trajectory) -> Trajectory:
+    """``traj`` without the steps that called the agent's own context tools (env.context
+    self): the env never saw them, so no replay or rule may."""
+    if not any(s.info.get("context") for s in traj.steps):
+        return traj
+    return replace(traj, steps=[s for s in traj.steps if not s.info.get("context")])
 
 
 def _run(task: Task, actions: Sequence[str]) -> _Replay | None:

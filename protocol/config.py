@@ -126,7 +126,7 @@ class ModelConfig:
 
 
 # How an episode's context grows (env.context; episodes/context.py builds each).
-CONTEXT_MODES = ("linear", "window", "truncate", "summary")
+CONTEXT_MODES = ("linear", "window", "truncate", "summary", "self")
 
 
 @dataclass
@@ -145,9 +145,11 @@ class EnvConfig:
     """How the model's context grows over an episode (docs/context.md): ``linear`` (every turn
     appended), ``window`` (the system prompt and task, a line saying how many turns were left
     out, the last ``context_turns`` turns), ``truncate`` (each observation cut to
-    ``context_obs_tokens`` tokens with a marker) or ``summary`` (as ``window``, with the left-out
-    turns as a rule-made summary line each). Training stays exact: each action is trained
-    against the context it was sampled in."""
+    ``context_obs_tokens`` tokens with a marker), ``summary`` (as ``window``, with the left-out
+    turns as a rule-made summary line each) or ``self`` (the agent manages its context with two
+    more tools: ``forget`` a past turn, ``note`` a range of turns away behind a note it
+    writes). Training stays exact: each action is trained against the context it was sampled
+    in."""
 
     context_turns: int = 4
     """``window`` and ``summary``: the most turns (action and observation) kept verbatim."""

@@ -158,3 +158,25 @@ def test_a_constraint_made_again_from_its_spec_answers_as_it_does(tok):
             path.append(allowed[len(path) * 7919 % len(allowed)])
     with pytest.raises(ValueError, match="unknown constraint kind"):
         worker.from_spec({"kind": "regex"})
+
+
+def test_near_its_budget_the_constraint_closes_the_string_the_reply_is_in(ll, tok):
+    """In its last 24 tokens a reply is steered to closing tokens, the tightest first: inside
+    a single-quoted string that is a single quote (a double quote there is only text)."""
+    from environments.tools import ArgSpec, ToolSpec
+
+    say = ToolSpec("say", "", (ArgSpec("text"), ArgSpec("times", "int", required=False)))
+    grammar = call_grammar([say], "pythonic", strings="any")
+    facts = TokenizerFacts(tok, tok.eos_token_id, frozenset())
+    ids = tok.encode("[say(text='hello world", add_special_tokens=False)
+    roomy = facts.grammar(grammar, budget=200).allowed(ids)
+    tight = facts.grammar(grammar, budget=len(ids) + 10)
+    closing = tight.allowed(ids)
+    assert len(roomy) > 1000 and 0 < len(closing) < 10
+    assert all("')" in tok.decode([t]) for t in closing)  # each ends the string and the call
+    path = list(ids)
+    while (allowed := tight.allowed(path)):  # greedy on what it allows: a complete call
+        path.append(allowed[0])
+    text = tok.decode(path[:-1])
+    assert path[-1] == tok.eos_token_id and len(path) <= len(ids) + 10
+    assert text.startswith("[say(text='hello world") and text.endswith(")]")

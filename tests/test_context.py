@@ -17,6 +17,7 @@ from inference.backends.base import SamplingParams
 from inference.backends.hf import TransformersBackend
 from inference.codecs import make_codec
 from inference.tiny_model import make_tiny_chat_model
+from judge.step_judges import ReferenceJudge
 from learner.advantages import grpo_advantages
 from learner.batching import build_batch, split_contexts
 from learner.logprobs import token_logprobs
@@ -156,14 +157,94 @@ def test_a_step_that_crosses_a_context_is_refused(rolled):
 
 def test_the_notes_each_mode_writes():
     turns = [Turn([1], [2], f"cat f{i}.md", "word " * 30) for i in range(5)]
-    assert ContextManager("linear").note(turns) is None
-    assert ContextManager("truncate", observation_tokens=5).note(turns) is None
-    assert ContextManager("window", keep=5).note(turns) is None
-    assert ContextManager("window", keep=4).note(turns) == "[1 earlier turn left out]"
-    summary = ContextManager("summary", keep=3).note(turns)
+    assert ContextManager("linear").rebuild(turns) is None
+    assert ContextManager("truncate", observation_tokens=5).rebuild(turns) is None
+    assert ContextManager("window", keep=5).rebuild(turns) is None
+    assert ContextManager("window", keep=4).rebuild(turns) == ("[1 earlier turn left out]",
+                                                              turns[-4:])
+    summary, kept = ContextManager("summary", keep=3).rebuild(turns)
     assert summary.splitlines() == ["[earlier turns, summarised]",
                                     "1. cat f0.md -> " + "word " * 11 + "word ...",
                                     "2. cat f1.md -> " + "word " * 11 + "word ..."]
-    assert ContextManager("window", keep=2).kept(turns) == turns[-2:]
+    assert kept == turns[-3:]
     with pytest.raises(ValueError, match="context must be one of"):
         ContextManager("forget")
+
+
+# --- env.context=self: the agent's own context tools -------------------------------------------
+
+
+def _self_episode(chat_path, actions: list[str]):
+    """``actions`` played as the policy's replies under env.context=self."""
+    from transformers import AutoTokenizer
+
+    from episodes.rollout import apply_action
+
+    codec = make_codec(AutoTokenizer.from_pretrained(chat_path))
+    settings = RolloutSettings(max_turns=20, max_context=8192, constrained=False,
+                               context=ContextManager("self"))
+    env = FilesEnv()
+    [ep] = start_episodes(env.tasks("train")[:1], 1, lambda: env, codec, settings=settings)
+    for action in actions:
+        apply_action(ep, codec, codec.action(action), None, 0, settings)
+    return ep, codec, env
+
+
+def test_the_agent_forgets_and_notes_turns_away_and_the_env_never_sees_it(chat_path):
+    ep, codec, env = _self_episode(chat_path, [
+        "ls", "forget 1", "cd docs", 'note 3 3 "went into docs"', "forget 9", "pwd"])
+    prompt = codec.tokenizer.decode(ep.tokens[:ep.prompt_len])
+    assert "forget turn: leave a past turn" in prompt and 'note 1 3 "moved' in prompt
+    steps = ep.steps
+    assert [s.info.get("context", False) for s in steps] == [False, True, False, True, True,
+                                                             False]
+    assert steps[1].observation == "ok turn 1 left out"
+    assert steps[3].observation == "ok turns 3 to 3 replaced by your note"
+    assert steps[4].observation == "error : turns are numbered 1 to 4"
+    assert env.responses == [steps[0].observation, steps[2].observation, steps[5].observation]
+    traj = ep.to_trajectory()
+    traj.validate()
+    assert len(traj.contexts) == 2  # after the forget, after the note; not after the refusal
+    bounds = traj.context_bounds()
+    second = codec.tokenizer.decode(traj.tokens[bounds[1][0]:bounds[1][1]])
+    third = codec.tokenizer.decode(traj.tokens[bounds[2][0]:])
+    first_result = steps[0].observation
+    assert "[left out: turns 1]" in second and f"[turn 1] {first_result}" not in second
+    assert "[turn 2] ok turn 1 left out" in second
+    assert "turns 3-3: went into docs" in third and "[turn 3]" not in third
+    assert third.count("<|im_start|>assistant") == 4 + 1  # turns 2, 4, 5, 6 and the next
+    judge = ReferenceJudge(FilesEnv)
+    labels = judge.judge(ep.task, traj).labels
+    assert labels[1] == labels[3] == 1 and labels[4] == 0  # by their own outcome, unreplayed
+
+
+@pytest.fixture(scope="module")
+def self_rolled(chat_path):
+    """Sampled under env.context=self, constrained to candidates that include forgetting."""
+    class Forgetful(FilesEnv):
+        def candidate_actions(self):
+            return ["forget 1", "forget 2"]  # the agent edits every turn (from turn 2, for real)
+
+    with TransformersBackend(chat_path, device="cpu") as backend:
+        codec = make_codec(backend.tokenizer)
+        settings = RolloutSettings(max_turns=6, max_context=4096, max_action_tokens=16,
+                                   constrained=True, context=ContextManager("self"))
+        episodes = start_episodes(FilesEnv().tasks("train")[:1], 4, Forgetful, codec,
+                                  settings=settings)
+        rollout(backend, episodes, codec, SamplingParams(
+            temperature=1.0, max_new_tokens=16, seed=3, stop_token_ids=(codec.eoa_id,),
+            logprobs_mode="raw"), settings)
+    return episodes, codec
+
+
+def test_the_learner_recomputes_the_samplers_log_probs_when_the_agent_edits_its_context(
+        self_rolled, chat_path):
+    episodes, codec = self_rolled
+    [group] = to_groups(episodes, 4, "a", 0.0)
+    assert sum(len(t.contexts) for t in group.trajectories) >= 2
+    batch, _ = build_batch([group], codec.tokenizer.pad_token_id or 0)
+    model = AutoModelForCausalLM.from_pretrained(chat_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        learner = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    trained = batch.action_mask.bool()
+    assert (learner - batch.behaviour_logprobs)[trained].abs().max().item() < TOLERANCE

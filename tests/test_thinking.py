@@ -54,7 +54,7 @@ def _rolled(chat_path, fmt: str, trained: bool, constrained: bool = True, free_f
                                    constrained=constrained, tool_format=fmt, think=True,
                                    think_trained=trained, think_tokens=12)
         episodes = start_episodes(FilesEnv().tasks("train")[:1], 3, env_cls, codec,
-                                  constrained=constrained, tool_format=fmt, think=True)
+                                  settings=settings)
         rollout(backend, episodes, codec, SamplingParams(
             temperature=1.0, max_new_tokens=48, stop_token_ids=(codec.eoa_id,), seed=2),
             settings)
@@ -128,4 +128,5 @@ def test_warm_start_scripts_write_an_empty_thought_before_each_reference_call(ch
 
 def test_the_marker_policy_cannot_think(files_codec):
     with pytest.raises(ValueError, match="actor.think needs a model with a chat template"):
-        start_episodes(FilesEnv().tasks("train")[:1], 1, FilesEnv, files_codec, think=True)
+        start_episodes(FilesEnv().tasks("train")[:1], 1, FilesEnv, files_codec,
+                       settings=RolloutSettings(think=True))

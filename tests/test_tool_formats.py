@@ -117,7 +117,7 @@ def test_smollm2_constrained_replies_all_parse_in_the_format(smollm2, fmt):
     settings = RolloutSettings(max_turns=2, max_context=2048, max_action_tokens=48,
                                constrained=True, tool_format=fmt)
     tasks = FilesEnv().tasks("validation")[:1]
-    episodes = start_episodes(tasks, 2, FilesEnv, codec, constrained=True, tool_format=fmt)
+    episodes = start_episodes(tasks, 2, FilesEnv, codec, settings=settings)
     params = SamplingParams(temperature=1.0, max_new_tokens=48, stop_token_ids=(codec.eoa_id,),
                             seed=1)
     rollout(smollm2, episodes, codec, params, settings)
@@ -164,7 +164,8 @@ def test_a_template_that_renders_tools_is_handed_their_schemas(chat_path):
     tok.chat_template = TOOLS_TEMPLATE
     codec = ChatCodec(tok)
     assert codec.renders_tools
-    [ep] = start_episodes(FilesEnv().tasks("train")[:1], 1, FilesEnv, codec, tool_format="hermes")
+    [ep] = start_episodes(FilesEnv().tasks("train")[:1], 1, FilesEnv, codec,
+                          settings=RolloutSettings(constrained=False, tool_format="hermes"))
     schemas = [tool_schema(t) for t in FilesEnv().tools()]
     prompt = tok.decode(ep.tokens)
     env = FilesEnv()
@@ -249,7 +250,7 @@ def test_a_bfcl_entry_past_the_context_gets_a_first_action_in_pythonic(smollm2):
         settings = RolloutSettings(max_turns=1, max_context=8192, max_action_tokens=24,
                                    constrained=False, tool_format=fmt,
                                    context=ContextManager("window", keep=4))
-        [ep] = start_episodes([task], 1, BFCLEnv, codec, tool_format=fmt)
+        [ep] = start_episodes([task], 1, BFCLEnv, codec, settings=settings)
         rollout(smollm2, [ep], codec, params, settings)
         firsts[fmt] = (len(ep.tokens), len(ep.steps), ep.truncated)
     assert firsts["text"][0] > 8192 - 24 and firsts["text"][1:] == (0, True)
@@ -269,7 +270,7 @@ def test_smollm2_held_to_bfcls_call_grammar_writes_calls_that_parse(smollm2):
                                constrained=True, tool_format=fmt,
                                context=ContextManager("window", keep=4))
     episodes = start_episodes(BFCLEnv().tasks("validation")[:1], 1, BFCLEnv, codec,
-                              constrained=True, tool_format=fmt)
+                              settings=settings)
     assert all(ep.free_form and ep.candidates == [] for ep in episodes)
     rollout(smollm2, episodes, codec, SamplingParams(
         temperature=1.0, max_new_tokens=40, stop_token_ids=(codec.eoa_id,), seed=5), settings)

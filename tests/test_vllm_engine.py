@@ -173,7 +173,7 @@ def test_constrained_rollouts_parse_in_every_call_format(model, fmt):
     settings = RolloutSettings(max_turns=2, max_context=1024, max_action_tokens=48,
                                constrained=True, tool_format=fmt)
     episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2, FilesEnv, codec,
-                              constrained=True, tool_format=fmt)
+                              settings=settings)
     rollout(backend, episodes, codec, SamplingParams(max_new_tokens=48, seed=2,
                                                      stop_token_ids=(codec.eoa_id,)), settings)
     steps = [s for ep in episodes for s in ep.steps]
@@ -203,7 +203,7 @@ def test_grammar_constrained_rollouts_parse_on_the_engine(model, fmt):
     settings = RolloutSettings(max_turns=1, max_context=1024, max_action_tokens=40,
                                constrained=True, tool_format=fmt)
     episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2, FreeFormFiles, codec,
-                              constrained=True, tool_format=fmt)
+                              settings=settings)
     before = len(backend.calls)
     rollout(backend, episodes, codec, SamplingParams(max_new_tokens=40, seed=4,
                                                      stop_token_ids=(codec.eoa_id,)), settings)
@@ -233,7 +233,7 @@ def test_a_thought_then_a_call_in_the_engine(model):
     settings = RolloutSettings(max_turns=1, max_context=1024, max_action_tokens=64,
                                constrained=True, tool_format="json", think=True, think_tokens=16)
     episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2, FreeFormFiles, codec,
-                              constrained=True, tool_format="json", think=True)
+                              settings=settings)
     before = len(backend.calls)
     rollout(backend, episodes, codec, SamplingParams(max_new_tokens=64, seed=4,
                                                      stop_token_ids=(codec.eoa_id,)), settings)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 
 @runtime_checkable
 class TokenConstraint(Protocol):
@@ -197,14 +199,28 @@ class GrammarConstraint:
         allowed = _ids_of(self._matcher.compute_bitmask())
         if self.budget is not None and len(ids) >= self.budget - self.CLOSE_WITHIN:
             closing = [i for i in allowed if i in self.closing_ids]
-            return closing or allowed
+            return self._tightest(closing) if closing else allowed
         return allowed
+
+    def _tightest(self, closing: list[int]) -> list[int]:
+        """Of the closing ids the grammar allows now, those after which it allows the fewest
+        ids: a quote that ends the string the reply is in leaves a handful, one that is
+        only text inside it leaves the whole vocabulary; the end itself, where allowed,
+        leaves nothing."""
+        if self.end_token_id in closing:
+            return [self.end_token_id]
+        sizes = {}
+        for token in closing:
+            if self._matcher.try_consume_tokens([token]) == 1:
+                sizes[token] = int(np.unpackbits(np.frombuffer(
+                    self._matcher.compute_bitmask(), dtype=np.uint8)).sum())
+                self._matcher.rollback(1)
+        fewest = min(sizes.values(), default=None)
+        return [t for t, n in sizes.items() if n == fewest] or closing
 
 
 def _ids_of(bitmask: bytes) -> list[int]:
     """The token ids set in llguidance's little-endian bitmask."""
-    import numpy as np
-
     bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
     return np.flatnonzero(bits).tolist()
 
