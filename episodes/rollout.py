@@ -149,14 +149,15 @@ class Episode:
             return "candidate_actions", ()
         return "call_grammar", () if self.call_format == "text" else (self.call_format,)
 
-    def constraint(self, codec: Codec, budget: int, think_tokens: int | None = None):
+    def constraint(self, codec: Codec, budget: int, think_tokens: int | None = None,
+                   own: Sequence[str] = ()):
         """The token constraint of the next action (at most ``budget`` tokens): the
-        candidates' trie, else the grammar; with ``think_tokens``, after a thought that long
-        at most."""
+        candidates' trie (with ``own`` calls the rollout answers), else the grammar; with
+        ``think_tokens``, after a thought that long at most."""
         if think_tokens is not None:
             budget -= think_tokens + len(codec.encode(THINK_TAGS[0] + THINK_TAGS[1]))
         if self.candidates:
-            call = codec.constraint(self.candidates)
+            call = codec.constraint([*self.candidates, *own])
         else:
             call = codec.grammar(self.grammar, budget) if self.grammar else None
         return call if think_tokens is None else codec.think(call, think_tokens)
@@ -256,6 +257,15 @@ def context_step(ep: Episode, call_text: str, settings: RolloutSettings) -> tupl
     except ToolError as err:
         obs, error = err.observation, err.kind
     return obs, False, {"valid": True, "tool": call.tool, "error": error, "context": True}
+
+
+def _forget_calls(ep: Episode, settings: RolloutSettings) -> list[str]:
+    """Under ``env.context=self``, a ``forget`` of each past turn, in the policy's format: the
+    context calls a candidate constraint can list (a note's free text cannot be listed)."""
+    if settings.context.mode != "self":
+        return []
+    return [rewrite(f"forget {k}", CONTEXT_TOOLS, ep.call_format)
+            for k in range(1, len(ep.turns) + 1)]
 
 
 def _with_extras(instruction: str | None, settings: RolloutSettings,
@@ -420,7 +430,8 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
             if not active:
                 continue
             thought = settings.think_tokens if settings.think else None
-            constraints = [ep.constraint(codec, params.max_new_tokens, thought) for ep in active]
+            constraints = [ep.constraint(codec, params.max_new_tokens, thought,
+                                         _forget_calls(ep, settings)) for ep in active]
         gens = backend.generate([ep.context for ep in active], params, constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version, settings)
                  for ep, g in zip(active, gens)]

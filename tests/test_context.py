@@ -222,8 +222,17 @@ def test_the_agent_forgets_and_notes_turns_away_and_the_env_never_sees_it(chat_p
 def self_rolled(chat_path):
     """Sampled under env.context=self, constrained to candidates that include forgetting."""
     class Forgetful(FilesEnv):
+        """Lists pwd until stepped once, then nothing of its own: the choice is among the
+        forget calls the rollout adds (a random model would not draw them beside pwd)."""
+
+        stepped = False
+
+        def step(self, action_text, call_format="text"):
+            self.stepped = True
+            return super().step(action_text, call_format)
+
         def candidate_actions(self):
-            return ["forget 1", "forget 2"]  # the agent edits every turn (from turn 2, for real)
+            return ["cat nothing.md"] if self.stepped else ["pwd"]
 
     with TransformersBackend(chat_path, device="cpu") as backend:
         codec = make_codec(backend.tokenizer)
