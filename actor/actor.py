@@ -74,7 +74,7 @@ class Actor:
         self.backend = backend
         self.weights = weights
         self.actor_id = actor_id
-        self.rollout = settings_of(settings.env, settings.actor)
+        self.rollout = settings_of(settings.env, settings.actor, settings.llm)
         self.codec = make_codec(backend.tokenizer, self.rollout.tool_format)
         self.make_env = env_maker(settings.env)
         self.reward = reward or OutcomeReward()

@@ -162,9 +162,11 @@ def with_model(cfg: RunConfig, path: str) -> RunConfig:
 
 
 def actor_settings(cfg: RunConfig) -> ActorSettings:
+    writes_summaries = cfg.env.context == "summary" and cfg.env.context_summary == "llm"
     return ActorSettings(actor=cfg.actor, env=cfg.env, seed=cfg.seed,
                          max_staleness=cfg.learner.max_staleness,
-                         batch_groups=cfg.learner.batch_groups)
+                         batch_groups=cfg.learner.batch_groups,
+                         llm=cfg.llm if writes_summaries else None)
 
 
 def learner_settings(cfg: RunConfig, max_updates: int | None = None) -> LearnerSettings:

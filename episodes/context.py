@@ -8,8 +8,9 @@ sequence, until ``env.max_context``. The others keep what the model sees bounded
 * ``window``: once more than ``env.context_turns`` turns have passed, the context is rebuilt
   before each action: the opening prompt (instructions, experience, task, first observation)
   with a line saying how many turns were left out, then the last ``context_turns`` turns.
-* ``summary``: as ``window``, with the left-out turns as one rule-made line each (the call
-  and the first words of what it returned) instead of their count.
+* ``summary``: as ``window``, with the left-out turns summarised instead of counted: one
+  rule-made line each (the call and the first words of what it returned), or a few lines the
+  ``llm`` endpoint writes (``env.context_summary=llm``; the rule's where a request fails).
 * ``self``: the agent manages its own context (AgentEvolver's self-context-managing template).
   Each observation it sees is numbered (``[turn 3] ...``) and it has two more tools, called
   like any env tool in its call format and answered by the rollout, not the env:
@@ -25,13 +26,23 @@ against exactly the context it was sampled in (``learner.batching``: one row per
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from environments.call_formats import usage
 from environments.tools import ArgSpec, ToolCall, ToolError, ToolSpec
-from protocol.config import CONTEXT_MODES, EnvConfig
+from inference.llm import ChatModel, LLMError, OpenAIChat
+from protocol.config import CONTEXT_MODES, EnvConfig, LLMConfig
+
+log = logging.getLogger(__name__)
 
 SUMMARY_OBS_WORDS = 12  # words of an observation a summary line keeps
+SUMMARY_MAX_CHARS = 1200  # the most of an LLM-written summary a context shows
+SUMMARY_PROMPT = (
+    "You keep the memory of an agent that calls tools. Summarise the calls below and what "
+    "they returned in at most five short lines: what was found, what changed, what failed. "
+    "Write only the summary.")
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,7 @@ class ContextManager:
     mode: str = "linear"
     keep: int = 4  # window / summary: turns kept verbatim
     observation_tokens: int | None = None  # truncate: the most tokens of one observation
+    summarizer: Summarizer | None = None  # summary: who writes it (None: the rule)
 
     def __post_init__(self):
         if self.mode not in CONTEXT_MODES:
@@ -68,10 +80,56 @@ class ContextManager:
         if self.mode == "window":
             note = f"[{left_out} earlier turn{'s' if left_out > 1 else ''} left out]"
         else:
-            note = "\n".join(["[earlier turns, summarised]", *(
-                f"{i + 1}. {t.action} -> {_clipped(t.observation)}"
-                for i, t in enumerate(turns[:left_out]))])
+            note = "[earlier turns, summarised]\n" + (
+                self.summarizer or RuleSummary()).summary(turns[:left_out])
         return note, turns[-self.keep:]
+
+
+class Summarizer(Protocol):
+    """Who writes the summary of the turns a ``summary`` context leaves out."""
+
+    def summary(self, turns: list[Turn]) -> str:
+        """The left-out ``turns`` (the earliest of the episode, in order), summarised."""
+
+
+class RuleSummary:
+    """One line a turn: its number, the call and the first words of what it returned."""
+
+    def summary(self, turns: list[Turn]) -> str:
+        return "\n".join(f"{i + 1}. {t.action} -> {_clipped(t.observation)}"
+                         for i, t in enumerate(turns))
+
+
+class LLMSummary:
+    """The summary an LLM endpoint writes (``env.context_summary=llm``), asked once per set of
+    left-out turns; where a request fails, the rule's lines (counted in ``failures``)."""
+
+    def __init__(self, chat: ChatModel, max_tokens: int = 200):
+        self.chat, self.max_tokens = chat, max_tokens
+        self.requests = self.failures = 0
+        self._written: dict[tuple, str] = {}
+
+    def summary(self, turns: list[Turn]) -> str:
+        key = tuple((t.action, t.observation) for t in turns)
+        if key not in self._written:
+            self._written[key] = self._ask(turns)
+        return self._written[key]
+
+    def _ask(self, turns: list[Turn]) -> str:
+        self.requests += 1
+        calls = RuleSummary().summary([Turn([], [], t.action, " ".join(t.observation.split()))
+                                       for t in turns])
+        try:
+            text = self.chat.complete([{"role": "system", "content": SUMMARY_PROMPT},
+                                       {"role": "user", "content": calls}],
+                                      temperature=0.0, max_tokens=self.max_tokens).strip()
+        except LLMError as exc:
+            text = ""
+            log.warning("context summary request failed (the rule's lines instead): %s", exc)
+        if not text:
+            self.failures += 1
+            return RuleSummary().summary(turns)
+        return text[:SUMMARY_MAX_CHARS]
 
 
 # The agent's own context tools (env.context=self), answered by the rollout.
@@ -141,7 +199,12 @@ def _clipped(text: str) -> str:
                                                   else "")
 
 
-def context_manager(env: EnvConfig) -> ContextManager:
-    """The context manager a run's env section sets."""
+def context_manager(env: EnvConfig, llm: LLMConfig | None = None) -> ContextManager:
+    """The context manager a run's env section sets; ``llm``, the endpoint that writes
+    summaries where ``env.context_summary=llm``."""
+    writes = env.context == "summary" and env.context_summary == "llm"
+    if writes and llm is None:
+        raise ValueError("env.context_summary=llm needs the llm section's endpoint")
     return ContextManager(env.context, env.context_turns,
-                          env.context_obs_tokens if env.context == "truncate" else None)
+                          env.context_obs_tokens if env.context == "truncate" else None,
+                          LLMSummary(OpenAIChat.from_config(llm)) if writes else None)

@@ -53,7 +53,7 @@ from episodes.context import (
 from episodes.thinking import THINK_INSTRUCTION, split_thought, thought_tokens
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import THINK_TAGS, Codec, PromptCodec, make_codec  # noqa: F401  (re-exported)
-from protocol.config import ActorConfig, EnvConfig, RunConfig
+from protocol.config import ActorConfig, EnvConfig, LLMConfig, RunConfig
 from protocol.errors import EnvFailed
 from protocol.messages import Group, Step, Task, Trajectory
 
@@ -533,13 +533,15 @@ def success_rate(episodes: list[Episode]) -> float:
 
 def rollout_settings(cfg: RunConfig) -> RolloutSettings:
     """The rollout limits a run's config sets (actors, evaluation and warm-start share them)."""
-    return settings_of(cfg.env, cfg.actor)
+    return settings_of(cfg.env, cfg.actor, cfg.llm)
 
 
-def settings_of(env: EnvConfig, actor: ActorConfig) -> RolloutSettings:
-    """The rollout settings of a run's env and actor sections."""
+def settings_of(env: EnvConfig, actor: ActorConfig,
+                llm: LLMConfig | None = None) -> RolloutSettings:
+    """The rollout settings of a run's env and actor sections (``llm``: the endpoint that
+    writes context summaries, where the env section asks for one)."""
     return RolloutSettings(max_turns=env.max_turns, max_context=env.max_context,
                            max_action_tokens=actor.max_action_tokens,
                            constrained=actor.constrained, tool_format=actor.tool_format,
-                           context=context_manager(env), think=actor.think,
+                           context=context_manager(env, llm), think=actor.think,
                            think_trained=actor.think_trained, think_tokens=actor.think_tokens)

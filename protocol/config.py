@@ -154,6 +154,11 @@ class EnvConfig:
     context_turns: int = 4
     """``window`` and ``summary``: the most turns (action and observation) kept verbatim."""
 
+    context_summary: str = "rule"
+    """``summary``: who writes the left-out turns' summary: ``rule`` (one line a turn: the call
+    and the first words of its result) or ``llm`` (the ``llm`` section's endpoint, in a few
+    lines; the rule's lines where a request fails)."""
+
     context_obs_tokens: int = 256
     """``truncate``: the most tokens of one observation the model sees."""
 
@@ -189,6 +194,9 @@ class EnvConfig:
         if self.context not in CONTEXT_MODES:
             raise ConfigError(f"context must be one of {', '.join(CONTEXT_MODES)}, "
                               f"got {self.context!r}")
+        if self.context_summary not in ("rule", "llm"):
+            raise ConfigError(f"context_summary must be rule or llm, got "
+                              f"{self.context_summary!r}")
         if self.address and self.address.partition("://")[0] not in ("tcp", "ipc"):
             raise ConfigError(f"address must be a ZeroMQ tcp:// or ipc:// address, got "
                               f"{self.address!r}")
@@ -1019,6 +1027,10 @@ class RunConfig:
             raise ConfigError(f"actor.max_action_tokens ({self.actor.max_action_tokens}) must "
                               f"be < env.max_context ({self.env.max_context}): no action fits")
         self._check_env_link()
+        if self.env.context_summary == "llm" and self.env.context == "summary" \
+                and not self.llm.url:
+            raise ConfigError("env.context_summary=llm needs llm.url (an OpenAI-compatible "
+                              "endpoint that writes the summaries)")
         if self.judge.backend == "endpoint" and not (self.llm.url or self.judge.url
                                                      or self.judge.serve):
             raise ConfigError("judge.backend=endpoint needs judge.url or llm.url (an "

@@ -17,6 +17,7 @@ from protocol.config import (
     ExperienceConfig,
     JudgeConfig,
     LearnerConfig,
+    LLMConfig,
 )
 
 
@@ -36,6 +37,9 @@ class ActorSettings:
 
     batch_groups: int
     """``learner.batch_groups``: the groups of one update, the unit admission counts in."""
+
+    llm: LLMConfig | None = None
+    """The endpoint that writes context summaries (``env.context_summary=llm``), else None."""
 
 
 @dataclass(frozen=True)

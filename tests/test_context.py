@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from llm_stub import ScriptedChatServer
 from transformers import AutoModelForCausalLM
 
 from environments.files import FilesEnv
@@ -22,7 +23,7 @@ from learner.advantages import grpo_advantages
 from learner.batching import build_batch, split_contexts
 from learner.logprobs import token_logprobs
 from learner.losses import policy_loss
-from protocol.errors import SchemaError
+from protocol.errors import ConfigError, SchemaError
 from protocol.messages import Step
 
 CORPUS = ["ls docs mv ideas.md music cat notes.txt error : unknown tool ok moved into "
@@ -257,3 +258,48 @@ def test_the_learner_recomputes_the_samplers_log_probs_when_the_agent_edits_its_
         learner = token_logprobs(model, batch.input_ids, batch.attention_mask)
     trained = batch.action_mask.bool()
     assert (learner - batch.behaviour_logprobs)[trained].abs().max().item() < TOLERANCE
+
+
+# --- summary written by an LLM endpoint ---------------------------------------------------------
+
+
+def test_an_llm_writes_the_summary_and_the_rule_stands_in_when_it_fails(chat_path):
+    """env.context_summary=llm against a scripted endpoint (no LLM on this machine; the HTTP,
+    the client and the rollout are real): each new set of left-out turns is asked once, the
+    reply is the summary; a failed request leaves the rule's lines."""
+    from transformers import AutoTokenizer
+
+    from episodes.context import LLMSummary
+    from episodes.rollout import apply_action
+    from inference.llm import OpenAIChat
+    from protocol.config import LLMConfig
+
+    replies = ["you listed the root", {"status": 500}, "you listed the root, then docs twice"]
+    with ScriptedChatServer(replies) as server:
+        summarizer = LLMSummary(OpenAIChat.from_config(
+            LLMConfig(url=server.url, model="m", max_retries=0)))
+        codec = make_codec(AutoTokenizer.from_pretrained(chat_path))
+        settings = RolloutSettings(max_turns=20, max_context=8192, constrained=False,
+                                   context=ContextManager("summary", keep=2,
+                                                          summarizer=summarizer))
+        env = FilesEnv()
+        [ep] = start_episodes(env.tasks("train")[:1], 1, lambda: env, codec, settings=settings)
+        for action in ["ls", "ls docs", "pwd", "ls docs", "pwd"]:
+            apply_action(ep, codec, codec.action(action), None, 0, settings)
+        asked = [r["messages"][-1]["content"] for r in server.requests]
+    traj = ep.to_trajectory()
+    contexts = [codec.tokenizer.decode(traj.tokens[lo:hi]) for lo, hi in traj.context_bounds()]
+    assert len(contexts) == 4  # rebuilt after turns 3, 4 and 5
+    assert "[earlier turns, summarised]\nyou listed the root" in contexts[1]
+    assert "1. ls -> " in contexts[2] and "2. ls docs -> " in contexts[2]  # the rule, for 500
+    assert "you listed the root, then docs twice" in contexts[3]
+    assert summarizer.requests == 3 and summarizer.failures == 1
+    assert asked[0].startswith("1. ls -> ") and asked[2].count("\n") == 2  # 3 turns asked
+
+
+def test_an_llm_summary_needs_an_endpoint():
+    from protocol.config import load_config
+
+    with pytest.raises(ConfigError, match="context_summary=llm needs llm.url"):
+        load_config(None, ["env.context=summary", "env.context_summary=llm"])
+    load_config(None, ["env.context=window", "env.context_summary=llm"])  # unused: no need
