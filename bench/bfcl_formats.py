@@ -1,0 +1,90 @@
+"""BFCL in one call format against another: two ``autodidact eval --env bfcl`` runs on the
+same entries, each arm's rates with 95% intervals, and B - A paired by entry.
+
+    python -m bench.bfcl_formats --a runs/bfcl-text --b runs/bfcl-pythonic-window \\
+        [--json docs/results/bfcl_formats.json]
+
+Each argument is an eval's run directory (``--run-dir``); its ``eval/bfcl-test-model-k*.jsonl``
+holds one record per entry. Per arm: avg@k and best@k (two-level bootstrap over entries and
+samples, ``metrics.intervals``), the valid-action rate (actions that parsed and named a declared
+function, of all actions), and the share of episodes that reach a first action (an episode
+whose prompt leaves no room for one ends before it). B - A: avg@k and the reached share, paired
+by entry. Entries only one arm has are left out of the pairing (an arm still running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from metrics.intervals import effect_label, paired_interval, rate_interval
+
+
+def records(run_dir: Path) -> dict[str, dict]:
+    """``{task_id: record}`` of the test eval in ``run_dir``."""
+    files = sorted((run_dir / "eval").glob("bfcl-test-model-k*.jsonl"))
+    if not files:
+        raise SystemExit(f"{run_dir}/eval: no bfcl-test-model-k*.jsonl; run autodidact eval "
+                         f"--env bfcl --split test --run-dir {run_dir} first")
+    return {r["task_id"]: r for r in map(json.loads, files[-1].read_text().splitlines())}
+
+
+def arm(rows: dict[str, dict]) -> dict:
+    """One arm's rates over its entries, with intervals, overall and per category."""
+    out = {"entries": len(rows), **_rates(list(rows.values()))}
+    categories = sorted({r["category"] for r in rows.values()})
+    out["categories"] = {c: _rates([r for r in rows.values() if r["category"] == c])
+                         for c in categories}
+    return out
+
+
+def _rates(rows: list[dict]) -> dict:
+    success = [[float(x >= 1.0) for x in r["rewards"]] for r in rows]
+    reached = [[float(n > 0) for n in r["steps"]] for r in rows]
+    valid, total = sum(r["valid_steps"] for r in rows), sum(r["total_steps"] for r in rows)
+    return {"avg": sum(map(_mean, success)) / len(rows), "avg_ci": rate_interval(success),
+            "best": sum(max(s) for s in success) / len(rows),
+            "best_ci": rate_interval([[max(s)] for s in success]),
+            "reached_first_action": sum(map(_mean, reached)) / len(rows),
+            "reached_ci": rate_interval(reached),
+            "valid_action_rate": valid / total if total else 0.0,
+            "actions": total}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def compare(a: dict[str, dict], b: dict[str, dict]) -> dict:
+    """B - A on the entries both arms have: avg@k and the reached share, paired by entry."""
+    out = {}
+    for name, of in (("avg", lambda r: [float(x >= 1.0) for x in r["rewards"]]),
+                     ("reached_first_action", lambda r: [float(n > 0) for n in r["steps"]])):
+        paired = paired_interval({t: of(r) for t, r in a.items()},
+                                 {t: of(r) for t, r in b.items()})
+        out[name] = {**paired, "label": effect_label(paired["low"], paired["high"])}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", type=Path, required=True, help="baseline arm's eval run dir")
+    parser.add_argument("--b", type=Path, required=True, help="the other arm's eval run dir")
+    parser.add_argument("--json", type=Path, help="write the result here")
+    args = parser.parse_args(argv)
+    a, b = records(args.a), records(args.b)
+    result = {"command": "python -m bench.bfcl_formats " + " ".join(sys.argv[1:] if argv is None
+                                                                      else argv),
+              "a": {"run_dir": str(args.a), **arm(a)}, "b": {"run_dir": str(args.b), **arm(b)},
+              "b_minus_a": compare(a, b)}
+    text = json.dumps(result, indent=1)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""bench/bfcl_formats.py on two eval run directories written as autodidact eval writes them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.bfcl_formats import main
+
+
+def _eval_dir(root, name, rows):
+    (root / name / "eval").mkdir(parents=True)
+    path = root / name / "eval" / "bfcl-test-model-k2.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / name
+
+
+def _row(task, category, rewards, steps, valid):
+    return {"task_id": task, "category": category, "rewards": rewards, "steps": steps,
+            "valid_steps": valid, "total_steps": sum(steps)}
+
+
+def test_each_arm_and_the_paired_difference(tmp_path, capsys):
+    a = _eval_dir(tmp_path, "a", [_row("e1", "base", [0.0, 0.0], [0, 0], 0),
+                                  _row("e2", "long", [0.0, 0.0], [3, 1], 0)])
+    b = _eval_dir(tmp_path, "b", [_row("e1", "base", [1.0, 0.0], [2, 2], 4),
+                                  _row("e2", "long", [1.0, 1.0], [1, 1], 1),
+                                  _row("e3", "long", [0.0, 0.0], [1, 0], 1)])
+    out = tmp_path / "r.json"
+    assert main(["--a", str(a), "--b", str(b), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python -m bench.bfcl_formats --a ")
+    assert result["a"]["reached_first_action"] == 0.5 and result["a"]["valid_action_rate"] == 0
+    assert result["b"]["entries"] == 3 and result["b"]["best"] == pytest.approx(2 / 3)
+    assert result["b"]["valid_action_rate"] == pytest.approx(6 / 7)
+    assert result["b"]["categories"]["long"]["avg"] == 0.5
+    diff = result["b_minus_a"]["avg"]
+    assert diff["tasks"] == 2 and diff["diff"] == pytest.approx(0.75)  # e3: B only, unpaired
+    assert result["b_minus_a"]["reached_first_action"]["diff"] == pytest.approx(0.5)
+
+
+def test_a_directory_without_an_eval_says_what_to_run(tmp_path):
+    with pytest.raises(SystemExit, match="run autodidact eval --env bfcl --split test"):
+        main(["--a", str(tmp_path), "--b", str(tmp_path)])
