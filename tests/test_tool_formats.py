@@ -112,13 +112,13 @@ def smollm2():
 @pytest.mark.parametrize("fmt", ["json", "hermes", "pythonic"])
 def test_smollm2_constrained_replies_all_parse_in_the_format(smollm2, fmt):
     """The acceptance check on the transformers engine: every constrained reply of a real
-    model is a well-formed call in ``fmt`` of a declared tool (vLLM: test_vllm_backend.py)."""
+    model is a well-formed call in ``fmt`` of a declared tool (vLLM: test_vllm_engine.py)."""
     codec = make_codec(smollm2.tokenizer, fmt)
-    settings = RolloutSettings(max_turns=2, max_context=2048, max_action_tokens=48,
+    settings = RolloutSettings(max_turns=1, max_context=2048, max_action_tokens=40,
                                constrained=True, tool_format=fmt)
-    tasks = FilesEnv().tasks("validation")[:1]
+    tasks = FilesEnv().tasks("validation")[:2]
     episodes = start_episodes(tasks, 2, FilesEnv, codec, settings=settings)
-    params = SamplingParams(temperature=1.0, max_new_tokens=48, stop_token_ids=(codec.eoa_id,),
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(codec.eoa_id,),
                             seed=1)
     rollout(smollm2, episodes, codec, params, settings)
     steps = [s for ep in episodes for s in ep.steps]
