@@ -9,6 +9,7 @@ becomes an error observation with ``info["valid"] = False``; nothing the model w
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import inspect
 import logging
@@ -18,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from environments.call_formats import call_format as format_named
-from environments.call_formats import tool_instructions
+from environments.call_formats import reply_form, rewrite, tool_instructions
 from environments.call_grammar import call_grammar
 from environments.tools import (  # noqa: F401  (the names envs have always imported from here)
     ARG_TYPES,
@@ -74,6 +75,14 @@ class Environment(ABC):
     # Rollout limits this env needs when no config sets them (``autodidact eval --env``):
     # keys max_turns and max_context (env section) and max_action_tokens (actor section).
     default_limits: dict = {}
+
+    def __init_subclass__(cls, **kwargs):
+        """An env written before call formats (``def step(self, action_text)``, ``def
+        instructions(self)``) is called in every format all the same: its ``step`` is given
+        the call rewritten as text, and its instructions are followed by the format's own
+        reply form (:func:`_speaks_formats`)."""
+        super().__init_subclass__(**kwargs)
+        _speaks_formats(cls)
 
     def __init__(self):
         self.task: Task | None = None
@@ -239,15 +248,30 @@ class Environment(ABC):
         return obs, done, {"valid": True, "tool": call.tool, "error": error}
 
 
-def step_args(action_text: str, call_format: str) -> tuple:
-    """The arguments of a ``step`` in ``call_format``: the text alone for the text format, so
-    an env written before formats existed (``def step(self, action_text)``) still serves it."""
-    return (action_text,) if call_format == "text" else (action_text, call_format)
+def _speaks_formats(cls: type) -> None:
+    """Wrap ``cls``'s own ``step`` / ``instructions`` where they take no call format."""
+    step, instructions = cls.__dict__.get("step"), cls.__dict__.get("instructions")
+    if step is not None and not _takes(step, "call_format"):
+        def step_in_format(self, action_text, call_format="text", _step=step):
+            if call_format != "text":
+                action_text = rewrite(action_text, self.tools(), "text", call_format)
+            return _step(self, action_text)
+        cls.step = functools.wraps(step)(step_in_format)
+    if instructions is not None and not _takes(instructions, "call_format"):
+        def instructions_in_format(self, call_format="text", list_tools=True,
+                                   _instructions=instructions):
+            text = _instructions(self)
+            if call_format == "text" or text is None:
+                return text
+            return f"{text}\n\n{reply_form(call_format)}"
+        cls.instructions = functools.wraps(instructions)(instructions_in_format)
 
 
-def instructions_args(call_format: str, list_tools: bool) -> tuple:
-    """The arguments of ``instructions`` (none for the defaults; see :func:`step_args`)."""
-    return () if (call_format, list_tools) == ("text", True) else (call_format, list_tools)
+def _takes(function, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): leave it as it is
+        return True
 
 
 VERIFY_REASONS = ("ok", "no_reference", "satisfied_at_start", "invalid_step", "goal_not_reached")

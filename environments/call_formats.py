@@ -188,6 +188,11 @@ _FORM = {
 }
 
 
+def reply_form(fmt: str) -> str:
+    """One sentence saying how a call is written in format ``fmt``."""
+    return _FORM[call_format(fmt).name]
+
+
 def tool_instructions(env_name: str, tools: Sequence[ToolSpec], example: str | None = None,
                       fmt: str = "text", list_tools: bool = True) -> str:
     """A system prompt an instruct model can act on: the reply form of call format ``fmt``,
@@ -195,7 +200,7 @@ def tool_instructions(env_name: str, tools: Sequence[ToolSpec], example: str | N
     ``list_tools=False``, where the chat template shows the tools' schemas itself), and
     ``example`` (a text-format call) as one reply, written in ``fmt``."""
     lines = [f"You operate the {env_name} environment by calling its tools, one call per "
-             f"reply. {_FORM[call_format(fmt).name]}"]
+             f"reply. {reply_form(fmt)}"]
     if list_tools:
         lines += ["", "Tools:"]
         lines += [f"- {usage(tool, fmt)}: {tool.description}" if tool.description

@@ -38,9 +38,7 @@ from environments.base import (
     ToolCall,
     ToolError,
     ToolSpec,
-    instructions_args,
     register_served,
-    step_args,
 )
 from protocol import codec
 from protocol import env_wire as wire
@@ -611,7 +609,7 @@ def _parts(part: GoalPart | None) -> wire.EnvParts:
 _CALLS: dict[type, Callable[[Environment, Any], Any]] = {
     wire.EnvReset: lambda env, m: wire.EnvValue(env.reset(m.task)),
     wire.EnvTools: lambda env, m: wire.EnvToolList([tool_to_wire(t) for t in env.tools()]),
-    wire.EnvStep: lambda env, m: wire.EnvStepped(*env.step(*step_args(m.action, m.call_format))),
+    wire.EnvStep: lambda env, m: wire.EnvStepped(*env.step(m.action, m.call_format)),
     wire.EnvExecute: lambda env, m: wire.EnvValue(env.execute(ToolCall(m.tool,
                                                                       tuple(m.args)))),
     wire.EnvState: lambda env, m: wire.EnvValue(env.state()),
@@ -619,7 +617,7 @@ _CALLS: dict[type, Callable[[Environment, Any], Any]] = {
     wire.EnvGoalProgress: lambda env, m: wire.EnvValue(env.goal_progress(m.task)),
     wire.EnvCandidateActions: lambda env, m: wire.EnvValue(list(env.candidate_actions())),
     wire.EnvInstructions: lambda env, m: wire.EnvValue(
-        env.instructions(*instructions_args(m.call_format, m.list_tools))),
+        env.instructions(m.call_format, m.list_tools)),
     wire.EnvCallGrammar: lambda env, m: wire.EnvValue(env.call_grammar(m.call_format)),
     wire.EnvExampleAction: lambda env, m: wire.EnvValue(env.example_action()),
     wire.EnvCanonicalAction: lambda env, m: wire.EnvValue(env.canonical_action(m.text)),

@@ -37,9 +37,7 @@ from environments.base import (
     ToolError,
     ToolSpec,
     call_all,
-    instructions_args,
     make_envs,
-    step_args,
 )
 from environments.call_formats import call_format, rewrite, tool_schema
 from episodes.context import (
@@ -147,7 +145,7 @@ class Episode:
         """What to ask the env for this episode's next constraint."""
         if not self.free_form:
             return "candidate_actions", ()
-        return "call_grammar", () if self.call_format == "text" else (self.call_format,)
+        return "call_grammar", (self.call_format,)
 
     def constraint(self, codec: Codec, budget: int, think_tokens: int | None = None,
                    own: Sequence[str] = ()):
@@ -219,7 +217,7 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
              *(["instructions"] if codec.shows_instructions else []),
              *(["candidate_actions"] if constrained else [])]
     args = {"reset": None, "tools": (), "candidate_actions": (),
-            "instructions": instructions_args(tool_format, not codec.renders_tools)}
+            "instructions": (tool_format, not codec.renders_tools)}
     answers = ask_envs([(ep, method, (ep.task,) if method == "reset" else args[method])
                         for ep, _ in live for method in asked])
     per_episode = [dict(zip(asked, answers[i:i + len(asked)]))
@@ -305,7 +303,7 @@ def apply_action(ep: Episode, codec: Codec, action_ids: list[int], logprobs: lis
     """Append one action and the environment's answer; decide whether the episode ends."""
     taken = take_action(ep, codec, action_ids, logprobs, version, settings)
     stepped = context_step(ep, taken.call, settings) or \
-        env_call(ep, ep.env.step, *step_args(taken.call, ep.call_format))
+        env_call(ep, ep.env.step, taken.call, ep.call_format)
     if stepped is not None:
         observe(ep, codec, taken, stepped, settings)
 
@@ -447,7 +445,7 @@ def _step_all(active: list[Episode], taken: list[Taken], codec: Codec,
     """Every active episode's action sent to its env, with what its next turn or its score
     needs from the env after that step."""
     local = [context_step(ep, t.call, settings) for ep, t in zip(active, taken)]
-    calls = [(ep, "step", step_args(t.call, ep.call_format))
+    calls = [(ep, "step", (t.call, ep.call_format))
              for ep, t, answered in zip(active, taken, local) if answered is None]
     stepped_by_env = len(calls)
     for ep in active:

@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from environments.base import Environment, described_only, step_args
+from environments.base import Environment, described_only
 from environments.call_formats import rewrite
 from inference.llm import ChatModel, LLMError, ReplyFormat, clip_text
 from protocol.messages import Step, Task, Trajectory
@@ -121,7 +121,7 @@ class ReferenceJudge(StepJudge):
             # references are text-format calls: a call in another format is matched as one
             said = action if call_format == "text" else rewrite(action, env.tools(), "text",
                                                                  call_format)
-            _, _, info = env.step(*step_args(action, call_format))
+            _, _, info = env.step(action, call_format)
             after = env.goal_progress(task) if measured else 0.0
             good = _clean(info) and (self._match(said, unmatched) or after > progress)
             labels.append(int(good))

@@ -276,3 +276,28 @@ def test_smollm2_held_to_bfcls_call_grammar_writes_calls_that_parse(smollm2):
         temperature=1.0, max_new_tokens=40, stop_token_ids=(codec.eoa_id,), seed=5), settings)
     [step] = episodes[0].steps
     assert step.valid and step.info.get("calls"), step.action
+
+
+def test_an_env_written_before_formats_is_called_in_every_format():
+    """``def step(self, action_text)`` and ``def instructions(self)``, as envs were written
+    before call formats: the call reaches the env as text, the instructions get the format's
+    reply form."""
+
+    class OldStyle(FilesEnv):
+        def step(self, action_text):
+            self.seen = action_text
+            return super().step(action_text)
+
+        def instructions(self):
+            return "Move the files where the task says."
+
+    env = OldStyle()
+    task = env.tasks("train")[0]
+    for fmt in FORMAT_NAMES:
+        env.reset(task)
+        written = rewrite(task.reference[0], env.tools(), fmt)
+        assert env.step(written, fmt)[2]["valid"] and env.seen == task.reference[0]
+        assert env.evaluate(task) == 1.0
+    assert env.instructions() == "Move the files where the task says."
+    hermes = env.instructions("hermes", False)
+    assert hermes.startswith("Move the files") and "<tool_call></tool_call>" in hermes
