@@ -57,6 +57,49 @@ from protocol.messages import Group, Step, Task, Trajectory
 
 
 @dataclass
+class NextCall:
+    """What constrains an episode's next reply (``actor.constrained``): the env's candidate
+    calls, asked with its last answer (one round trip to a served env a turn, not two), or,
+    where it lists none (free-form: BFCL), the grammar of its calls."""
+
+    candidates: list[str] | None = None  # None: not asked yet this turn
+    grammar: str | None = None
+    free_form: bool = False  # the env lists no candidates: it is asked for its grammar
+    known: bool = False  # this turn's candidates or grammar have been answered
+
+    def asked(self, call_format: str) -> tuple[str, tuple]:
+        """The env call that answers this turn's constraint."""
+        return (("call_grammar", (call_format,)) if self.free_form
+                else ("candidate_actions", ()))
+
+    def take(self, method: str, answer) -> None:
+        if method == "call_grammar":
+            self.grammar = answer
+        else:
+            self.candidates = answer
+        self.free_form = self.free_form or answer == []
+        self.known = method == "call_grammar" or answer != []
+
+    def clear(self) -> None:
+        """A new turn: its constraint is asked again."""
+        self.candidates = self.grammar = None
+        self.known = False
+
+    def constraint(self, codec: Codec, budget: int, think_tokens: int | None = None,
+                   own: Sequence[str] = ()):
+        """The token constraint of the next reply (at most ``budget`` tokens): the
+        candidates' trie (with ``own`` calls the rollout answers), else the grammar; with
+        ``think_tokens``, after a thought that long at most."""
+        if think_tokens is not None:
+            budget -= think_tokens + len(codec.encode(THINK_TAGS[0] + THINK_TAGS[1]))
+        if self.candidates:
+            call = codec.constraint([*self.candidates, *own])
+        else:
+            call = codec.grammar(self.grammar, budget) if self.grammar else None
+        return call if think_tokens is None else codec.think(call, think_tokens)
+
+
+@dataclass
 class Episode:
     """A trajectory being built."""
 
@@ -75,18 +118,12 @@ class Episode:
     truncated: bool = False
     reward: float = 0.0
     failure: EnvFailed | None = None  # the served env failed it: ended, never to be trained on
-    # Constrained decoding: the env's candidate actions for the next turn, asked with its
-    # last answer (one round trip to a served env a turn, not two); None when not yet asked.
-    candidates: list[str] | None = None
-    # Where the env lists no candidates (free_form: BFCL), the grammar of its calls instead.
-    grammar: str | None = None
-    free_form: bool = False
-    constraint_known: bool = False  # this turn's candidates or grammar have been answered
     scored: bool = False  # ``reward`` is the env's evaluate(), asked with the last step
     call_format: str = "text"  # how the policy writes a call (environments.call_formats)
     # The env's tools, asked at the start where candidates must be rewritten in a format
     # other than text or the chat template shows the tools' schemas; None otherwise.
     tools: list[ToolSpec] | None = None
+    next_call: NextCall = field(default_factory=NextCall)  # what constrains the next reply
     # What the opening prompt was made of (codec.start's arguments), to rebuild it under a
     # context manager that leaves turns out, and the turns so far as the model saw them.
     opening: tuple = ()
@@ -129,36 +166,12 @@ class Episode:
         return bool(self.experience_ids)
 
     def take_constraint(self, method: str, answer) -> None:
-        """The env's answer to ``candidate_actions`` (text-format calls, written here as the
-        policy writes; none at all makes the episode free-form) or to ``call_grammar``."""
-        if method == "call_grammar":
-            self.grammar = answer
-        elif answer is None or self.call_format == "text" or not self.tools:
-            self.candidates = answer
-        else:
-            self.candidates = [rewrite(a, self.tools, self.call_format) for a in answer]
-        self.free_form = self.free_form or answer == []
-        self.constraint_known = method == "call_grammar" or answer != []
-
-    @property
-    def constraint_call(self) -> tuple[str, tuple]:
-        """What to ask the env for this episode's next constraint."""
-        if not self.free_form:
-            return "candidate_actions", ()
-        return "call_grammar", (self.call_format,)
-
-    def constraint(self, codec: Codec, budget: int, think_tokens: int | None = None,
-                   own: Sequence[str] = ()):
-        """The token constraint of the next action (at most ``budget`` tokens): the
-        candidates' trie (with ``own`` calls the rollout answers), else the grammar; with
-        ``think_tokens``, after a thought that long at most."""
-        if think_tokens is not None:
-            budget -= think_tokens + len(codec.encode(THINK_TAGS[0] + THINK_TAGS[1]))
-        if self.candidates:
-            call = codec.constraint([*self.candidates, *own])
-        else:
-            call = codec.grammar(self.grammar, budget) if self.grammar else None
-        return call if think_tokens is None else codec.think(call, think_tokens)
+        """The env's answer to :attr:`NextCall.asked`, candidates written as the policy
+        writes calls."""
+        if method == "candidate_actions" and answer and self.call_format != "text" \
+                and self.tools:
+            answer = [rewrite(a, self.tools, self.call_format) for a in answer]
+        self.next_call.take(method, answer)
 
 
 @dataclass
@@ -421,15 +434,17 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
         constraints = None
         if settings.constrained:
             for _ in range(2):  # a free-form env's first answer (no candidates) asks again
-                calls = [(ep, *ep.constraint_call) for ep in active if not ep.constraint_known]
+                calls = [(ep, *ep.next_call.asked(ep.call_format)) for ep in active
+                         if not ep.next_call.known]
                 for (ep, method, _), answer in zip(calls, ask_envs(calls)):
                     ep.take_constraint(method, answer)
             active = [ep for ep in active if ep.failure is None]
             if not active:
                 continue
             thought = settings.think_tokens if settings.think else None
-            constraints = [ep.constraint(codec, params.max_new_tokens, thought,
-                                         _forget_calls(ep, settings)) for ep in active]
+            constraints = [ep.next_call.constraint(codec, params.max_new_tokens, thought,
+                                                   _forget_calls(ep, settings))
+                           for ep in active]
         gens = backend.generate([ep.context for ep in active], params, constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version, settings)
                  for ep, g in zip(active, gens)]
@@ -449,13 +464,12 @@ def _step_all(active: list[Episode], taken: list[Taken], codec: Codec,
              for ep, t, answered in zip(active, taken, local) if answered is None]
     stepped_by_env = len(calls)
     for ep in active:
-        ep.candidates = ep.grammar = None
-        ep.constraint_known = False
+        ep.next_call.clear()
         if len(ep.steps) + 1 >= settings.max_turns:  # this step is its last, whatever it says
             if reward is None or reward.env_decides(ep.task):
                 calls.append((ep, "evaluate", (ep.task,)))
         elif settings.constrained:
-            calls.append((ep, *ep.constraint_call))
+            calls.append((ep, *ep.next_call.asked(ep.call_format)))
     answers = ask_envs(calls)
     by_env = iter(answers[:stepped_by_env])
     for ep, t, answered in zip(active, taken, local):

@@ -271,7 +271,7 @@ def test_smollm2_held_to_bfcls_call_grammar_writes_calls_that_parse(smollm2):
                                context=ContextManager("window", keep=4))
     episodes = start_episodes(BFCLEnv().tasks("validation")[:1], 1, BFCLEnv, codec,
                               settings=settings)
-    assert all(ep.free_form and ep.candidates == [] for ep in episodes)
+    assert all(ep.next_call.free_form and ep.next_call.candidates == [] for ep in episodes)
     rollout(smollm2, episodes, codec, SamplingParams(
         temperature=1.0, max_new_tokens=40, stop_token_ids=(codec.eoa_id,), seed=5), settings)
     [step] = episodes[0].steps

@@ -208,7 +208,7 @@ def test_grammar_constrained_rollouts_parse_on_the_engine(model, fmt):
     by the engine's processor in one call a turn (raw log-probs stay unmasked)."""
     episodes, _, calls = _rolled_calls(model, True, max_turns=1, max_action_tokens=40,
                                        tool_format=fmt)
-    assert all(ep.free_form for ep in episodes) and calls == 1
+    assert all(ep.next_call.free_form for ep in episodes) and calls == 1
     _parse_all(episodes, fmt)
 
 
