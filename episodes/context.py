@@ -8,6 +8,10 @@ sequence, until ``env.max_context``. The others keep what the model sees bounded
 * ``window``: once more than ``env.context_turns`` turns have passed, the context is rebuilt
   before each action: the opening prompt (instructions, experience, task, first observation)
   with a line saying how many turns were left out, then the last ``context_turns`` turns.
+  With ``env.context_stride`` S > 1 it is rebuilt every S turns instead and grows between
+  rebuilds (``context_turns`` to ``context_turns + S - 1`` turns shown), so the engine's
+  prefix cache holds between rebuilds: a rebuilt context is prefilled again past the opening
+  prompt, which on long observations is most of a step's cost.
 * ``summary``: as ``window``, with the left-out turns summarised instead of counted: one
   rule-made line each (the call and the first words of what it returned), or a few lines the
   ``llm`` endpoint writes (``env.context_summary=llm``; the rule's where a request fails).
@@ -61,6 +65,7 @@ class ContextManager:
 
     mode: str = "linear"
     keep: int = 4  # window / summary: turns kept verbatim
+    stride: int = 1  # window / summary: a rebuild every `stride` turns past the window
     observation_tokens: int | None = None  # truncate: the most tokens of one observation
     summarizer: Summarizer | None = None  # summary: who writes it (None: the rule)
 
@@ -75,7 +80,8 @@ class ContextManager:
         if self.mode == "self":
             return memory.rebuild(turns) if memory is not None else None
         left_out = len(turns) - self.keep
-        if self.mode not in ("window", "summary") or left_out <= 0:
+        if self.mode not in ("window", "summary") or left_out <= 0 \
+                or left_out % self.stride:
             return None
         if self.mode == "window":
             note = f"[{left_out} earlier turn{'s' if left_out > 1 else ''} left out]"
@@ -205,6 +211,6 @@ def context_manager(env: EnvConfig, llm: LLMConfig | None = None) -> ContextMana
     writes = env.context == "summary" and env.context_summary == "llm"
     if writes and llm is None:
         raise ValueError("env.context_summary=llm needs the llm section's endpoint")
-    return ContextManager(env.context, env.context_turns,
+    return ContextManager(env.context, env.context_turns, env.context_stride,
                           env.context_obs_tokens if env.context == "truncate" else None,
                           LLMSummary(OpenAIChat.from_config(llm)) if writes else None)

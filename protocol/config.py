@@ -154,6 +154,12 @@ class EnvConfig:
     context_turns: int = 4
     """``window`` and ``summary``: the most turns (action and observation) kept verbatim."""
 
+    context_stride: int = 1
+    """``window`` and ``summary``: rebuild the context every this many turns past the window
+    (1: every turn, the last ``context_turns`` exactly; S: between ``context_turns`` and
+    ``context_turns + S - 1`` turns shown, the context growing between rebuilds so the
+    engine's prefix cache holds)."""
+
     context_summary: str = "rule"
     """``summary``: who writes the left-out turns' summary: ``rule`` (one line a turn: the call
     and the first words of its result) or ``llm`` (the ``llm`` section's endpoint, in a few
@@ -190,6 +196,7 @@ class EnvConfig:
         _positive(self, "max_context")
         _positive(self, "call_timeout_s")
         _positive(self, "context_turns")
+        _positive(self, "context_stride")
         _positive(self, "context_obs_tokens")
         if self.context not in CONTEXT_MODES:
             raise ConfigError(f"context must be one of {', '.join(CONTEXT_MODES)}, "

@@ -34,6 +34,7 @@ MODES = {
     "window": ContextManager("window", keep=2),
     "truncate": ContextManager("truncate", observation_tokens=6),
     "summary": ContextManager("summary", keep=2),
+    "window_stride": ContextManager("window", keep=2, stride=2),
 }
 TOLERANCE = 1e-4
 
@@ -67,7 +68,8 @@ def test_each_mode_shows_the_model_what_it_says(rolled):
             traj.validate()
             assert len(traj.steps) == 6
             rebuilt = len(traj.contexts)
-            assert rebuilt == (6 - 1 - 2 if mode in ("window", "summary") else 0), mode
+            expected = {"window": 3, "summary": 3, "window_stride": 1}.get(mode, 0)
+            assert rebuilt == expected, mode  # 6 turns, the last unanswered; stride 2: at 4
             last = codec.tokenizer.decode(traj.tokens[traj.context_bounds()[-1][0]:])
             if mode == "window":
                 assert "[3 earlier turns left out]" in last
@@ -168,6 +170,10 @@ def test_the_notes_each_mode_writes():
                                     "1. cat f0.md -> " + "word " * 11 + "word ...",
                                     "2. cat f1.md -> " + "word " * 11 + "word ..."]
     assert kept == turns[-3:]
+    strided = ContextManager("window", keep=2, stride=3)
+    assert [strided.rebuild(turns[:n]) is not None for n in range(1, 6)] == [
+        False, False, False, False, True]  # rebuilt at 5 turns: 3 left out; grows at 3, 4
+    assert strided.rebuild(turns)[1] == turns[-2:]
     with pytest.raises(ValueError, match="context must be one of"):
         ContextManager("forget")
 
