@@ -157,10 +157,11 @@ def test_weights_from_a_folder_and_versions_per_generation(model, tmp_path):
     assert backend.version == version
 
 
-def _rolled_calls(model, free_form: bool, **settings):
-    """SmolLM2's constrained replies on the files env's validation tasks (2 tasks x 2), under
-    ``settings`` (RolloutSettings fields); the candidates, or free-form its call grammar.
-    Returns the episodes, the codec, and the engine calls the rollout made."""
+def _rolled_calls(model, free_form: bool, formats=("json",), **settings):
+    """SmolLM2's constrained replies on the files env's validation tasks (2 tasks x 2 in each
+    of ``formats``, one rollout: the format is each episode's), under ``settings``
+    (RolloutSettings fields); the candidates, or free-form its call grammar. Returns the
+    episodes, the codec, and the engine calls the rollout made."""
     from environments.files import FilesEnv
     from episodes.rollout import RolloutSettings, rollout, start_episodes
     from inference.codecs import make_codec
@@ -172,53 +173,56 @@ def _rolled_calls(model, free_form: bool, **settings):
     name, backend, _ = model
     if name == "tiny":
         pytest.skip("the tiny word-level policy writes text-format calls only")
-    settings = RolloutSettings(max_context=1024, constrained=True, **settings)
-    codec = make_codec(backend.tokenizer, settings.tool_format)
-    episodes = start_episodes(FilesEnv().tasks("validation")[:2], 2,
-                              FreeFormFiles if free_form else FilesEnv, codec, settings=settings)
+    codec = make_codec(backend.tokenizer, formats[0])
+    episodes = []
+    for fmt in formats:
+        rollout_settings = RolloutSettings(max_context=1024, constrained=True, tool_format=fmt,
+                                           **settings)
+        episodes += start_episodes(FilesEnv().tasks("validation")[:2], 2,
+                                   FreeFormFiles if free_form else FilesEnv, codec,
+                                   settings=rollout_settings)
     before = len(backend.calls)
     rollout(backend, episodes, codec, SamplingParams(
-        max_new_tokens=settings.max_action_tokens, seed=4, stop_token_ids=(codec.eoa_id,)),
-        settings)
+        max_new_tokens=rollout_settings.max_action_tokens, seed=4,
+        stop_token_ids=(codec.eoa_id,)), rollout_settings)
     return episodes, codec, len(backend.calls) - before
 
 
-def _parse_all(episodes, fmt: str) -> None:
+def _parse_all(episodes) -> None:
     from environments.call_formats import FORMATS
     from environments.files import FilesEnv
 
-    for step in (s for ep in episodes for s in ep.steps):
-        assert step.valid, step.action
-        FORMATS[fmt].parse(step.action, FilesEnv().tools())
+    for ep in episodes:
+        for step in ep.steps:
+            assert step.valid, step.action
+            FORMATS[ep.call_format].parse(step.action, FilesEnv().tools())
 
 
-@pytest.mark.parametrize("fmt", ["json", "hermes", "pythonic"])
-def test_constrained_rollouts_parse_in_every_call_format(model, fmt):
+def test_constrained_rollouts_parse_in_every_call_format(model):
     """The acceptance check on the vLLM engine with SmolLM2 (the transformers engine's is in
-    test_tool_formats.py): every constrained reply is a well-formed call in ``fmt``."""
-    episodes, _, _ = _rolled_calls(model, False, max_turns=2, max_action_tokens=48,
-                                   tool_format=fmt)
-    assert sum(len(ep.steps) for ep in episodes) >= 4
-    _parse_all(episodes, fmt)
+    test_tool_formats.py): every constrained reply is a well-formed call in its format."""
+    episodes, _, calls = _rolled_calls(model, False, ("json", "hermes", "pythonic"),
+                                       max_turns=1, max_action_tokens=40)
+    assert sum(len(ep.steps) for ep in episodes) == 12 and calls == 1
+    _parse_all(episodes)
 
 
 @pytest.mark.parametrize("fmt", ["json", "pythonic"])
 def test_grammar_constrained_rollouts_parse_on_the_engine(model, fmt):
     """An env that lists no candidates (as BFCL) holds the model to its call grammar, applied
     by the engine's processor in one call a turn (raw log-probs stay unmasked)."""
-    episodes, _, calls = _rolled_calls(model, True, max_turns=1, max_action_tokens=40,
-                                       tool_format=fmt)
+    episodes, _, calls = _rolled_calls(model, True, (fmt,), max_turns=1, max_action_tokens=40)
     assert all(ep.next_call.free_form for ep in episodes) and calls == 1
-    _parse_all(episodes, fmt)
+    _parse_all(episodes)
 
 
 def test_a_thought_then_a_call_in_the_engine(model):
     """actor.think, constrained, on vLLM: the thought's bound and tags and the call's grammar
     applied by the engine's processor in one call a turn."""
-    episodes, codec, calls = _rolled_calls(model, True, max_turns=1, max_action_tokens=64,
-                                           tool_format="json", think=True, think_tokens=16)
+    episodes, codec, calls = _rolled_calls(model, True, ("json",), max_turns=1,
+                                           max_action_tokens=64, think=True, think_tokens=16)
     assert calls == 1
     for ep in episodes:
         [step] = ep.steps
         assert codec.decode_action(ep.tokens[step.start:step.end]).startswith("<think>")
-    _parse_all(episodes, "json")
+    _parse_all(episodes)
