@@ -17,6 +17,7 @@ the generation config are carried over.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -96,7 +97,13 @@ def model_folder(path: str, cache: Path | None = None) -> str:
         return path
     out = (cache or cache_dir()) / path
     if not _converted(out):
-        convert_gguf(named_gguf(path), out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # One conversion however many processes ask at once (test workers, a run's roles):
+        # the others wait for it, then find it done.
+        with open(out.parent / f".{path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _converted(out):
+                convert_gguf(named_gguf(path), out)
     return str(out)
 
 

@@ -230,7 +230,7 @@ def quick_warm_start(tmp_path_factory, redis_url):
     same stage, from the same base model, with a Redis for the experiences its examples show,
     as a run of quick.yaml at seed 0 makes it: the whole-run tests of quick.yaml each spent a
     warm-start on the same policy. Runs that warm-start themselves:
-    tests/test_explore_integration.py, tests/test_ablation.py, tests/test_netns.py."""
+    tests/test_explore_integration.py, tests/test_ablation.py."""
     def make(folder):
         from autodidact.base_model import prepare_model
         from autodidact.resolve import resolve_config

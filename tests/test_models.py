@@ -20,8 +20,11 @@ PROMPTS = ["The capital of France is", "def add(a, b):\n    return",
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("models")
+def converted():
+    """The model cache every SmolLM2 test uses: the conversion runs once a machine (the first
+    to ask converts, under a lock; on a clean CI machine, during this suite), and these tests
+    check what it made, not a second conversion of their own."""
+    cache = models.cache_dir()
     return cache, model_folder("smollm2-135m", cache)
 
 

@@ -94,11 +94,12 @@ def test_generate_reproduces_and_matches_a_transformers_forward(model):
 
 
 def test_a_batch_larger_than_one_engine_step_with_seeds(model):
-    """80 seeded prompts of 300 tokens exceed one scheduler step (4,096 tokens); with chunked
-    prefill vLLM 0.32.0 on CPU crashed here (make_backend turns it off on CPU)."""
+    """80 seeded prompts of about 64 tokens exceed one scheduler step (4,096 tokens); with
+    chunked prefill vLLM 0.32.0 on CPU crashed here (make_backend turns it off on CPU)."""
     name, backend, _ = model
     prompt = _prompts(name, backend.tokenizer)[1]
-    prompts = [(prompt * 60)[:300 - i % 7] for i in range(80)]
+    prompts = [(prompt * 60)[:64 - i % 7] for i in range(80)]
+    assert sum(map(len, prompts)) > 4096
     gens = backend.generate(prompts, SamplingParams(max_new_tokens=4, seed=3, ignore_eos=True))
     assert [len(g.token_ids) for g in gens] == [4] * 80
 
@@ -207,11 +208,13 @@ def test_constrained_rollouts_parse_in_every_call_format(model):
     _parse_all(episodes)
 
 
-@pytest.mark.parametrize("fmt", ["json", "pythonic"])
-def test_grammar_constrained_rollouts_parse_on_the_engine(model, fmt):
+def test_grammar_constrained_rollouts_parse_on_the_engine(model):
     """An env that lists no candidates (as BFCL) holds the model to its call grammar, applied
-    by the engine's processor in one call a turn (raw log-probs stay unmasked)."""
-    episodes, _, calls = _rolled_calls(model, True, (fmt,), max_turns=1, max_action_tokens=40)
+    by the engine's processor in one call a turn (raw log-probs stay unmasked); json and
+    pythonic episodes in one rollout, each held to its own format's grammar."""
+    episodes, _, calls = _rolled_calls(model, True, ("json", "pythonic"), max_turns=1,
+                                       max_action_tokens=40)
+    assert {ep.call_format for ep in episodes} == {"json", "pythonic"}
     assert all(ep.next_call.free_form for ep in episodes) and calls == 1
     _parse_all(episodes)
 
