@@ -76,7 +76,7 @@ def resolve_config(path: str | Path | None = None, overrides: list[str] = (),
     the start defaults (those of a run directory need ``run_dir``); raises
     :class:`~protocol.errors.ConfigError` naming the first bad key."""
     cfg = load_config(path, list(overrides))
-    values = flag_values(cfg, flags, run_dir)
+    values = flag_values(cfg, flags, run_dir, set_keys(overrides))
     if values:
         cfg = with_values(cfg, values)
     check_env_options(cfg.env)
@@ -89,7 +89,7 @@ def resolve_run(path: str | Path | None, overrides: list[str], run_dir: str | Pa
     (``runs/<name>`` unless ``run_dir``; absolute, not made here)."""
     cfg = load_config(path, list(overrides))
     directory = run_directory(cfg.name, run_dir)
-    values = flag_values(cfg, flags, directory)
+    values = flag_values(cfg, flags, directory, set_keys(overrides))
     if values:
         cfg = with_values(cfg, values)
     check_env_options(cfg.env)
@@ -101,11 +101,18 @@ def run_directory(name: str, run_dir: str | Path | None = None) -> Path:
     return (Path(run_dir) if run_dir else Path("runs") / name).resolve()
 
 
-def flag_values(cfg: RunConfig, flags: Flags, run_dir: Path | None = None) -> dict[str, Any]:
-    """``{"section.key": value}`` that ``flags`` and the start defaults set on ``cfg``."""
+def set_keys(overrides: list[str]) -> frozenset[str]:
+    """The ``section.key`` of each ``section.key=value`` override."""
+    return frozenset(o.partition("=")[0].strip() for o in overrides)
+
+
+def flag_values(cfg: RunConfig, flags: Flags, run_dir: Path | None = None,
+                explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``{"section.key": value}`` that ``flags`` and the start defaults set on ``cfg``; the
+    env's own limits (``--env``) leave alone the ``explicit`` keys the user set."""
     values: dict[str, Any] = {}
     if flags.env:
-        values.update(env_values(cfg, flags.env, flags.env_limits))
+        values.update(env_values(cfg, flags.env, flags.env_limits, explicit))
     for key, value in (("redis.url", flags.redis_url), ("replay.address", flags.replay_addr),
                        ("weights.address", flags.weights_addr), ("actor.device", flags.device)):
         if value:
@@ -127,9 +134,11 @@ def flag_values(cfg: RunConfig, flags: Flags, run_dir: Path | None = None) -> di
     return values
 
 
-def env_values(cfg: RunConfig, name: str, limits: bool) -> dict[str, Any]:
+def env_values(cfg: RunConfig, name: str, limits: bool,
+               explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Switch to env ``name``: its options reset (another env's options mean nothing to it),
-    and with ``limits`` the env's own rollout limits (e.g. bfcl: long contexts and actions)."""
+    and with ``limits`` the env's own rollout limits (e.g. bfcl: long contexts and actions),
+    but for those the command sets itself (``explicit``: ``--set env.max_turns=8`` wins)."""
     from environments import env_class
 
     try:
@@ -144,6 +153,8 @@ def env_values(cfg: RunConfig, name: str, limits: bool) -> dict[str, Any]:
         if "max_action_tokens" in own:
             values["actor.max_action_tokens"] = own.pop("max_action_tokens")
         values.update({f"env.{key}": value for key, value in own.items()})
+        for key in explicit & {"actor.max_action_tokens", *(f"env.{k}" for k in own)}:
+            values.pop(key, None)
     return values
 
 

@@ -69,6 +69,11 @@ def test_env_switch_resets_options_and_takes_the_envs_limits_without_a_file():
     own = resolve_config(None, sets, Flags(env="bfcl", env_limits=True))
     assert (own.env.max_turns, own.env.max_context, own.actor.max_action_tokens) == \
         (64, 16384, 256)
+    # ... but a limit the command sets itself is the command's
+    mine = resolve_config(None, ["actor.max_action_tokens=128", "env.max_turns=8"],
+                          Flags(env="bfcl", env_limits=True))
+    assert (mine.env.max_turns, mine.env.max_context, mine.actor.max_action_tokens) == \
+        (8, 16384, 128)
     with pytest.raises(ConfigError, match="nope"):
         resolve_config(None, [], Flags(env="nope"))
 
