@@ -1,4 +1,4 @@
-"""bench/bfcl_formats.py on two eval run directories written as autodidact eval writes them."""
+"""bench/call_formats.py on two eval run directories written as autodidact eval writes them."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from bench.bfcl_formats import main
+from bench.call_formats import main
 
 
-def _eval_dir(root, name, rows):
+def _eval_dir(root, name, rows, env="bfcl"):
     (root / name / "eval").mkdir(parents=True)
-    path = root / name / "eval" / "bfcl-test-model-k2.jsonl"
+    path = root / name / "eval" / f"{env}-test-model-k2.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root / name
 
@@ -30,7 +30,7 @@ def test_each_arm_and_the_paired_difference(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["--a", str(a), "--b", str(b), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python -m bench.bfcl_formats --a ")
+    assert result["command"].startswith("python -m bench.call_formats --a ")
     assert result["a"]["reached_first_action"] == 0.5 and result["a"]["valid_action_rate"] == 0
     assert result["b"]["entries"] == 3 and result["b"]["best"] == pytest.approx(2 / 3)
     assert result["b"]["valid_action_rate"] == pytest.approx(6 / 7)
@@ -43,3 +43,14 @@ def test_each_arm_and_the_paired_difference(tmp_path, capsys):
 def test_a_directory_without_an_eval_says_what_to_run(tmp_path):
     with pytest.raises(SystemExit, match="run autodidact eval --env bfcl --split test"):
         main(["--a", str(tmp_path), "--b", str(tmp_path)])
+
+
+def test_another_envs_evals_are_read_by_its_name(tmp_path):
+    a = _eval_dir(tmp_path, "a", [_row("t1", "shop", [0.0, 1.0], [3, 4], 5)], env="shop")
+    b = _eval_dir(tmp_path, "b", [_row("t1", "shop", [1.0, 1.0], [2, 2], 4)], env="shop")
+    out = tmp_path / "r.json"
+    assert main(["--a", str(a), "--b", str(b), "--env", "shop", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["env"] == "shop" and result["b_minus_a"]["avg"]["diff"] == pytest.approx(0.5)
+    with pytest.raises(SystemExit, match="no files-test-model-k"):
+        main(["--a", str(a), "--b", str(b), "--env", "files"])

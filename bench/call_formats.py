@@ -1,15 +1,17 @@
-"""BFCL in one call format against another: two ``autodidact eval --env bfcl`` runs on the
-same entries, each arm's rates with 95% intervals, and B - A paired by entry.
+"""One call format against another on one env: two ``autodidact eval --split test`` runs on the
+same tasks, each arm's rates with 95% intervals, and B - A paired by task.
 
-    python -m bench.bfcl_formats --a runs/bfcl-text --b runs/bfcl-pythonic-window \\
-        [--json docs/results/bfcl_formats.json]
+    python -m bench.call_formats --a runs/bfcl-text --b runs/bfcl-pythonic-window \\
+        [--env bfcl] [--json docs/results/bfcl_formats.json]
 
-Each argument is an eval's run directory (``--run-dir``); its ``eval/bfcl-test-model-k*.jsonl``
-holds one record per entry. Per arm: avg@k and best@k (two-level bootstrap over entries and
-samples, ``metrics.intervals``), the valid-action rate (actions that parsed and named a declared
-function, of all actions), and the share of episodes that reach a first action (an episode
-whose prompt leaves no room for one ends before it). B - A: avg@k and the reached share, paired
-by entry. Entries only one arm has are left out of the pairing (an arm still running).
+Each argument is an eval's run directory (``--run-dir``); its ``eval/<env>-test-model-k*.jsonl``
+holds one record per task (a BFCL entry, a held-out world's task). Per arm: avg@k and best@k
+(two-level bootstrap over tasks and samples, ``metrics.intervals``), the valid-action rate
+(actions that parsed and named a declared tool, of all actions), and the share of episodes that
+reach a first action (an episode whose prompt leaves no room for one ends before it), overall
+and per category (BFCL's four; an env's name where its tasks have none). B - A: avg@k and the
+reached share, paired by task. Tasks only one arm has are left out of the pairing (an arm still
+running).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from pathlib import Path
 from metrics.intervals import effect_label, paired_interval, rate_interval
 
 
-def records(run_dir: Path) -> dict[str, dict]:
-    """``{task_id: record}`` of the test eval in ``run_dir``."""
-    files = sorted((run_dir / "eval").glob("bfcl-test-model-k*.jsonl"))
+def records(run_dir: Path, env: str = "bfcl") -> dict[str, dict]:
+    """``{task_id: record}`` of the test eval of ``env`` in ``run_dir``."""
+    files = sorted((run_dir / "eval").glob(f"{env}-test-model-k*.jsonl"))
     if not files:
-        raise SystemExit(f"{run_dir}/eval: no bfcl-test-model-k*.jsonl; run autodidact eval "
-                         f"--env bfcl --split test --run-dir {run_dir} first")
+        raise SystemExit(f"{run_dir}/eval: no {env}-test-model-k*.jsonl; run autodidact eval "
+                         f"--env {env} --split test --run-dir {run_dir} first")
     return {r["task_id"]: r for r in map(json.loads, files[-1].read_text().splitlines())}
 
 
@@ -72,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", type=Path, required=True, help="baseline arm's eval run dir")
     parser.add_argument("--b", type=Path, required=True, help="the other arm's eval run dir")
+    parser.add_argument("--env", default="bfcl", help="the env both arms evaluated")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
-    a, b = records(args.a), records(args.b)
-    result = {"command": "python -m bench.bfcl_formats " + " ".join(sys.argv[1:] if argv is None
+    a, b = records(args.a, args.env), records(args.b, args.env)
+    result = {"command": "python -m bench.call_formats " + " ".join(sys.argv[1:] if argv is None
                                                                       else argv),
-              "a": {"run_dir": str(args.a), **arm(a)}, "b": {"run_dir": str(args.b), **arm(b)},
+              "env": args.env, "a": {"run_dir": str(args.a), **arm(a)}, "b": {"run_dir": str(args.b), **arm(b)},
               "b_minus_a": compare(a, b)}
     text = json.dumps(result, indent=1)
     if args.json:
