@@ -184,7 +184,7 @@ def learner_settings(cfg: RunConfig, max_updates: int | None = None) -> LearnerS
     """``max_updates``: the command's ``--max-updates`` (None: ``learner.max_updates``)."""
     return LearnerSettings(
         learner=cfg.learner, model_path=cfg.model.path, seed=cfg.seed,
-        max_updates=max_updates or cfg.learner.max_updates,
+        max_updates=cfg.learner.max_updates if max_updates is None else max_updates,
         # Labels are only worth waiting for when some judge will write them.
         judged=cfg.learner.advantage == "composite" and cfg.judge.workers > 0,
         judge_deadline_s=cfg.judge.deadline_s,

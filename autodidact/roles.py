@@ -65,7 +65,7 @@ def training_roles(cfg: RunConfig, run_dir: Path, config_path: Path,
     judges, the experience extractor (``experience.update_every``) and, with
     ``explore.stage=alongside``, an explorer that runs until stopped."""
     rd = RunDir(run_dir)
-    learner_extra = ["--max-updates", str(max_updates)] if max_updates else []
+    learner_extra = [] if max_updates is None else ["--max-updates", str(max_updates)]
     resumed = learner_argv(cfg, run_dir, config_path, *learner_extra, "--resume")
     specs = [RoleSpec("learner", resumed if resume else resumed[:-1], restart_argv=resumed,
                       max_restarts=5, log_path=rd.log("learner"),

@@ -211,3 +211,21 @@ def test_one_redaction_for_configs_and_their_dicts():
     assert url_password(cfg.redis.url) == "s3cretpw" and url_password("redis://h:1") == ""
     assert redact_url("unix://:pw@/r/redis.sock") == "unix://:***@/r/redis.sock"
     assert redacted_config({"name": "x"}) == {"name": "x"}
+
+
+def test_max_updates_zero_is_a_run_without_rl_updates_not_the_configs_default(tmp_path):
+    """``autodidact run --max-updates 0``: warm-start and its evaluations, no update (0 was
+    read as "not given" and the run trained learner.max_updates)."""
+    from autodidact.resolve import learner_settings
+    from autodidact.roles import training_roles
+
+    cfg = resolve_config(None, ["learner.max_updates=30"])
+    assert learner_settings(cfg, 0).max_updates == 0
+    assert learner_settings(cfg).max_updates == 30
+    [learner] = [r for r in training_roles(cfg, tmp_path, tmp_path / "c.yaml", 0)
+                 if r.name == "learner"]
+    argv = list(learner.argv)
+    assert argv[argv.index("--max-updates") + 1] == "0"
+    [default] = [r for r in training_roles(cfg, tmp_path, tmp_path / "c.yaml")
+                 if r.name == "learner"]
+    assert "--max-updates" not in default.argv
