@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from environments.tools import ToolSpec
+from environments.tools import MAX_TEXT_CHARS, ToolSpec
 
 STRING_KINDS = ("word", "any")
 WORD = r"[A-Za-z0-9_.~/+-]{1,64}"  # the text parser's str literal (environments.tools)
@@ -43,6 +43,19 @@ def call_grammar(tools: Sequence[ToolSpec], fmt: str, strings: str = "word",
     return "\n".join([f"start: {start}", 'empty: ""', *rules])
 
 
+def either(*grammars: str) -> str:
+    """One grammar whose strings are those of any of ``grammars`` (each in the Lark dialect, as
+    :func:`call_grammar` writes them): llguidance's top-level form, each a named sub-grammar,
+    so their rule names never meet. The env's calls beside the rollout's own (the context
+    tools of ``env.context=self``)."""
+    if any(g.lstrip().startswith("{") for g in grammars):
+        raise ValueError("either() combines Lark grammars, not a combined one")
+    names = [f"calls_{i}" for i in range(len(grammars))]
+    top = {"lark_grammar": "start: " + " | ".join(f"@{name}" for name in names)}
+    return json.dumps({"grammars": [top, *({"name": name, "lark_grammar": grammar}
+                                          for name, grammar in zip(names, grammars))]})
+
+
 # --- text: tool arg arg ------------------------------------------------------------------------
 
 
@@ -57,6 +70,8 @@ def _text(tools, strings, several):
 
 
 def _text_value(arg) -> str:
+    if arg.kind == "text":  # free text, quoted as the shell-style parser reads it
+        return f'/"[^"\\\\\\n]{{1,{MAX_TEXT_CHARS}}}"/'
     if arg.choices:
         return _alternatives(arg.choices)
     if arg.type == "int" and _enumerable(arg):

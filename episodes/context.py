@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from environments.call_formats import usage
+from environments.call_grammar import call_grammar
 from environments.tools import ArgSpec, ToolCall, ToolError, ToolSpec
 from inference.llm import ChatModel, LLMError, OpenAIChat
 from protocol.config import CONTEXT_MODES, EnvConfig, LLMConfig
@@ -148,6 +149,11 @@ CONTEXT_TOOLS = (
               ArgSpec("text", "str", "the note", kind="text"))),
 )
 
+
+def context_call_grammar(fmt: str) -> str:
+    """The grammar of one context call in format ``fmt`` (a note's text free: quoted in
+    ``text``, any string literal in the others), for a free-form env's constraint."""
+    return call_grammar(CONTEXT_TOOLS, fmt, strings="word" if fmt == "text" else "any")
 
 @dataclass
 class Memory:

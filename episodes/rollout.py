@@ -40,11 +40,13 @@ from environments.base import (
     make_envs,
 )
 from environments.call_formats import call_format, rewrite, tool_schema
+from environments.call_grammar import either
 from episodes.context import (
     CONTEXT_TOOLS,
     ContextManager,
     Memory,
     Turn,
+    context_call_grammar,
     context_manager,
     context_tool_instructions,
 )
@@ -86,16 +88,19 @@ class NextCall:
         self.known = False
 
     def constraint(self, codec: Codec, budget: int, think_tokens: int | None = None,
-                   own: Sequence[str] = ()):
+                   own: Sequence[str] = (), own_grammar: str | None = None):
         """The token constraint of the next reply (at most ``budget`` tokens): the
-        candidates' trie (with ``own`` calls the rollout answers), else the grammar; with
-        ``think_tokens``, after a thought that long at most."""
+        candidates' trie (with ``own`` calls the rollout answers), else the grammar (or
+        ``own_grammar``'s calls, the rollout's own); with ``think_tokens``, after a thought
+        that long at most."""
         if think_tokens is not None:
             budget -= think_tokens + len(codec.encode(THINK_TAGS[0] + THINK_TAGS[1]))
         if self.candidates:
             call = codec.constraint([*self.candidates, *own])
         else:
-            call = codec.grammar(self.grammar, budget) if self.grammar else None
+            grammar = either(self.grammar, own_grammar) if self.grammar and own_grammar \
+                else self.grammar
+            call = codec.grammar(grammar, budget) if grammar else None
         return call if think_tokens is None else codec.think(call, think_tokens)
 
 
@@ -279,6 +284,14 @@ def _forget_calls(ep: Episode, settings: RolloutSettings) -> list[str]:
             for k in range(1, len(ep.turns) + 1)]
 
 
+def _context_grammar(ep: Episode, settings: RolloutSettings) -> str | None:
+    """Under ``env.context=self``, the grammar of a context call in the policy's format
+    (a note's text free), allowed beside a free-form env's grammar."""
+    if settings.context.mode != "self" or not ep.turns:
+        return None
+    return context_call_grammar(ep.call_format)
+
+
 def _with_extras(instruction: str | None, settings: RolloutSettings,
                  codec: Codec) -> str | None:
     """The env's instructions and what the rollout adds: the thought, the context tools."""
@@ -443,7 +456,8 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
                 continue
             thought = settings.think_tokens if settings.think else None
             constraints = [ep.next_call.constraint(codec, params.max_new_tokens, thought,
-                                                   _forget_calls(ep, settings))
+                                                   _forget_calls(ep, settings),
+                                                   _context_grammar(ep, settings))
                            for ep in active]
         gens = backend.generate([ep.context for ep in active], params, constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version, settings)

@@ -180,3 +180,54 @@ def test_near_its_budget_the_constraint_closes_the_string_the_reply_is_in(ll, to
     text = tok.decode(path[:-1])
     assert path[-1] == tok.eos_token_id and len(path) <= len(ids) + 10
     assert text.startswith("[say(text='hello world") and text.endswith(")]")
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_context_calls_beside_a_free_form_envs_calls_in_one_grammar(ll, tok, fmt):
+    """env.context=self where the env lists no candidates: the constraint is the env's grammar
+    or a context call (either()), so the agent can still forget a turn or write a note."""
+    from environments.call_grammar import either
+    from episodes.context import CONTEXT_TOOLS, context_call_grammar
+
+    env = FilesEnv()
+    combined = either(call_grammar(env.tools(), fmt), context_call_grammar(fmt))
+    end = tok.eos_token_id
+
+    def admitted(text: str) -> bool:
+        constraint = GrammarConstraint(combined, ll, end)
+        ids = [*tok.encode(text, add_special_tokens=False), end]
+        return all(i in constraint.allowed(ids[:n]) for n, i in enumerate(ids))
+
+    reference = env.tasks("validation")[0].reference[0]
+    for call in (reference, "forget 2", 'note 1 3 "found the report in /docs"'):
+        tools = CONTEXT_TOOLS if call.split()[0] in ("forget", "note") else env.tools()
+        assert admitted(rewrite(call, tools, fmt)), (fmt, call)
+    assert not admitted("I would list the files.")
+    with pytest.raises(ValueError, match="Lark"):
+        either(combined, call_grammar(env.tools(), fmt))
+
+
+def test_under_self_a_free_form_envs_next_reply_may_be_a_context_call(tok):
+    """The rollout's wiring of the above: once a turn is past, the constraint of an episode
+    whose env lists no candidates takes a forget call as well as the env's calls."""
+    from episodes.context import ContextManager
+    from episodes.rollout import RolloutSettings, _context_grammar, apply_action, start_episodes
+    from inference.codecs import make_codec
+
+    class FreeFormFiles(FilesEnv):
+        def candidate_actions(self):
+            return []
+
+    codec = make_codec(tok, "pythonic")
+    settings = RolloutSettings(max_context=4096, constrained=True, tool_format="pythonic",
+                               context=ContextManager("self"))
+    [ep] = start_episodes(FilesEnv().tasks("validation")[:1], 1, FreeFormFiles, codec,
+                          settings=settings)
+    assert _context_grammar(ep, settings) is None  # nothing to forget yet
+    first = codec.action("[ls()]")
+    apply_action(ep, codec, first, [0.0] * len(first), 0, settings)
+    ep.next_call.take("call_grammar", ep.env.call_grammar("pythonic"))
+    constraint = ep.next_call.constraint(codec, 64, own_grammar=_context_grammar(ep, settings))
+    for text in ("[forget(turn=1)]", "[pwd()]"):
+        ids = [*tok.encode(text, add_special_tokens=False), codec.eoa_id]
+        assert all(i in constraint.allowed(ids[:n]) for n, i in enumerate(ids)), text

@@ -192,8 +192,10 @@ class GrammarConstraint:
                  budget: int | None = None, closing_ids: frozenset[int] = frozenset()) -> None:
         import llguidance
 
-        self._matcher = llguidance.LLMatcher(ll_tokenizer,
-                                             llguidance.LLMatcher.grammar_from_lark(grammar))
+        # Lark, or llguidance's top-level JSON form (environments.call_grammar.either)
+        compiled = grammar if grammar.lstrip().startswith("{") \
+            else llguidance.LLMatcher.grammar_from_lark(grammar)
+        self._matcher = llguidance.LLMatcher(ll_tokenizer, compiled)
         if self._matcher.is_error():
             raise ValueError(f"the call grammar does not compile: {self._matcher.get_error()}")
         self.grammar, self.end_token_id = grammar, int(end_token_id)
