@@ -9,6 +9,7 @@ import ast
 import json
 
 import llguidance
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -153,6 +154,10 @@ def test_a_constraint_made_again_from_its_spec_answers_as_it_does(tok):
         for _ in range(30):
             allowed = made.allowed(path)
             assert again.allowed(path) == allowed
+            if hasattr(made, "allowed_bits"):  # the vLLM processor's form: the same ids
+                bits = again.allowed_bits(path)
+                assert (np.flatnonzero(bits).tolist() if isinstance(bits, np.ndarray)
+                        else bits) == allowed
             if not allowed:
                 break
             path.append(allowed[len(path) * 7919 % len(allowed)])

@@ -207,7 +207,7 @@ class GrammarConstraint:
         return {"kind": "grammar", "grammar": self.grammar, "end": self.end_token_id,
                 "budget": self.budget}
 
-    def allowed(self, generated_ids: list[int]) -> list[int]:
+    def allowed(self, generated_ids: list[int], as_list: bool = True) -> list[int]:
         ids = list(generated_ids)
         common = 0
         while common < min(len(ids), len(self._consumed)) and ids[common] == self._consumed[common]:
@@ -226,11 +226,18 @@ class GrammarConstraint:
             return []  # the ids left the grammar, or ended
         if self._matcher.is_stopped():  # complete, nothing can follow: only the end may
             return [self.end_token_id]
-        allowed = _ids_of(self._matcher.compute_bitmask())
+        bits = _bits(self._matcher.compute_bitmask())
         if self.budget is not None and len(ids) >= self.budget - self.CLOSE_WITHIN:
-            closing = [i for i in allowed if i in self.closing_ids]
-            return self._tightest(closing) if closing else allowed
-        return allowed
+            closing = sorted(i for i in self.closing_ids if i < len(bits) and bits[i])
+            if closing:
+                return self._tightest(closing)
+        return np.flatnonzero(bits).tolist() if as_list else bits
+
+    def allowed_bits(self, generated_ids: list[int]) -> list[int] | np.ndarray:
+        """:meth:`allowed`, but where the answer is the grammar's whole mask, that mask as a
+        bool array over the token ids (no list of tens of thousands of ids to build and
+        read back: a fifth of an engine's time on BFCL)."""
+        return self.allowed(generated_ids, as_list=False)
 
     def _tightest(self, closing: list[int]) -> list[int]:
         """Of the closing ids the grammar allows now, those after which it allows the fewest
@@ -249,10 +256,9 @@ class GrammarConstraint:
         return [t for t, n in sizes.items() if n == fewest] or closing
 
 
-def _ids_of(bitmask: bytes) -> list[int]:
-    """The token ids set in llguidance's little-endian bitmask."""
-    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")
-    return np.flatnonzero(bits).tolist()
+def _bits(bitmask: bytes) -> np.ndarray:
+    """llguidance's little-endian bitmask as one bool a token id."""
+    return np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little").view(bool)
 
 
 class ThinkThen:
@@ -273,7 +279,7 @@ class ThinkThen:
                 "max": self.max_thought, "end": self.end_token_id,
                 "inner": None if self.inner is None else self.inner.spec()}
 
-    def allowed(self, generated_ids: list[int]) -> list[int] | None:
+    def allowed(self, generated_ids: list[int], as_list: bool = True) -> list[int] | None:
         ids, opening = list(generated_ids), len(self.open_ids)
         if ids[:opening] != self.open_ids[:len(ids)]:
             return []
@@ -288,7 +294,15 @@ class ThinkThen:
         if len(closing) < len(self.close_ids):
             return [self.close_ids[len(closing)]]
         call = closing[len(self.close_ids):]
-        return None if self.inner is None else self.inner.allowed(call)
+        if self.inner is None:
+            return None
+        if as_list or not hasattr(self.inner, "allowed_bits"):
+            return self.inner.allowed(call)
+        return self.inner.allowed_bits(call)
+
+    def allowed_bits(self, generated_ids: list[int]) -> list[int] | np.ndarray | None:
+        """:meth:`allowed`, with the call's answer as its constraint's ``allowed_bits``."""
+        return self.allowed(generated_ids, as_list=False)
 
 
 CLOSERS = frozenset("\"')]}>")  # characters that close a string, a call, a list, a tag

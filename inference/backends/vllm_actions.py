@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
@@ -59,13 +60,21 @@ class ConstraintProcessor(AdapterLogitsProcessor):
         else:
             constraint = self._facts_for(end).from_spec(spec)
 
+        ask = getattr(constraint, "allowed_bits", constraint.allowed)
+
         def mask(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
             try:
-                allowed = constraint.allowed(list(output_ids))
+                allowed = ask(list(output_ids))
             except ValueError:  # ids that left a trie: end the row (raising would kill the engine)
                 allowed = []
             if allowed is None:
                 return logits
+            if isinstance(allowed, np.ndarray):  # a grammar's whole mask, one bool an id
+                keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                n = min(len(allowed), len(keep))
+                keep[:n] = torch.from_numpy(allowed[:n])
+                keep[end] |= not bool(keep.any())
+                return logits.masked_fill_(~keep, float("-inf"))
             keep = torch.tensor(allowed or [end], device=logits.device)
             kept = logits[keep].clone()
             logits.fill_(float("-inf"))
