@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     a, b = records(args.a, args.env), records(args.b, args.env)
     result = {"command": "python -m bench.call_formats " + " ".join(sys.argv[1:] if argv is None
                                                                       else argv),
-              "env": args.env, "a": {"run_dir": str(args.a), **arm(a)}, "b": {"run_dir": str(args.b), **arm(b)},
-              "b_minus_a": compare(a, b)}
+              "env": args.env, "a": {"run_dir": str(args.a), **arm(a)},
+              "b": {"run_dir": str(args.b), **arm(b)}, "b_minus_a": compare(a, b)}
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text + "\n")
