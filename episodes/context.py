@@ -30,6 +30,7 @@ against exactly the context it was sampled in (``learner.batching``: one row per
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -150,10 +151,12 @@ CONTEXT_TOOLS = (
 )
 
 
+@functools.cache  # asked each turn of each episode; the same string for a format
 def context_call_grammar(fmt: str) -> str:
     """The grammar of one context call in format ``fmt`` (a note's text free: quoted in
     ``text``, any string literal in the others), for a free-form env's constraint."""
     return call_grammar(CONTEXT_TOOLS, fmt, strings="word" if fmt == "text" else "any")
+
 
 @dataclass
 class Memory:

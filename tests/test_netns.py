@@ -200,14 +200,16 @@ print(json.dumps(stats_until(weights_addr, lambda s: s.get("bytes", 0) > 0)))
 
 
 @pytest.fixture(scope="module")
-def multinode_run(tmp_path_factory, quick_warm_start):
+def multinode_run(request, tmp_path_factory):
     reason = netns_unavailable()
     if reason:
         pytest.skip(f"multi-node test skipped: {reason}")
     tmp = tmp_path_factory.mktemp("netns")
     # RL starts from quick.yaml's warm-started policy, made once for the session (conftest):
-    # what is under test here is the head and the node, not a warm-start of their own.
-    head_dir, worker_dir, keys = quick_warm_start(tmp / "head"), tmp / "worker", tmp / "keys"
+    # what is under test here is the head and the node, not a warm-start of their own. Asked
+    # for after the skip, so a machine without namespaces does not make it for nothing.
+    place = request.getfixturevalue("quick_warm_start")
+    head_dir, worker_dir, keys = place(tmp / "head"), tmp / "worker", tmp / "keys"
     subprocess.run([sys.executable, "-m", "autodidact.cli", "keys", "generate", "--out",
                     str(keys), "--client", NODE], check=True, capture_output=True, cwd=ROOT)
     sets = [a for s in RUN_SETS for a in ("--set", s)]
