@@ -131,7 +131,8 @@ def evaluate(backend: InferenceBackend | None, tasks: list[Task],
         episodes = start_episodes(chunk, k, make_env, codec, settings=dataclasses.replace(
             settings, constrained=policy == "model" and settings.constrained))
         if policy == "model":
-            rollout(backend, episodes, codec, params, settings)
+            # Seeded by its first task, so a resumed evaluation draws what an unbroken one would.
+            rollout(backend, episodes, codec, params.fork(chunk[0].task_id), settings)
         else:
             for ep in episodes:
                 replay_reference(ep, codec, settings)

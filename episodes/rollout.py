@@ -24,6 +24,7 @@ at once with ``failure`` set; the others go on, and the actor drops the failed o
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -436,8 +437,9 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
 
     A served env is asked once a turn: the step, then (constrained) the next turn's candidate
     actions, or (on the last turn, when the env scores the episode) its evaluate(), sent in
-    one round trip; only episodes the env ends early are evaluated after the last turn."""
-    while True:
+    one round trip; only episodes the env ends early are evaluated after the last turn.
+    Each turn samples with its own seed forked from ``params.seed``."""
+    for turn in itertools.count():
         for ep in episodes:  # a prompt with no room left for an action (long instructions)
             if not ep.done and len(ep.context) + settings.max_action_tokens > settings.max_context:
                 ep.done = ep.truncated = True
@@ -459,7 +461,7 @@ def rollout(backend: InferenceBackend, episodes: list[Episode], codec: Codec,
                                                    _forget_calls(ep, settings),
                                                    _context_grammar(ep, settings))
                            for ep in active]
-        gens = backend.generate([ep.context for ep in active], params, constraints)
+        gens = backend.generate([ep.context for ep in active], params.fork(turn), constraints)
         taken = [take_action(ep, codec, g.token_ids, g.logprobs, g.version, settings)
                  for ep, g in zip(active, gens)]
         _step_all(active, taken, codec, settings, reward)

@@ -101,7 +101,8 @@ def test_the_learner_recomputes_the_samplers_log_probs_in_every_mode(rolled, cha
         with torch.no_grad():
             wrong = token_logprobs(model, glued.input_ids, glued.attention_mask)
         mask = glued.action_mask.bool()
-        assert (wrong - glued.behaviour_logprobs)[mask].abs().max().item() > 1e-2
+        # (an order of magnitude past the tolerance: 8e-3 on the summary mode's draw)
+        assert (wrong - glued.behaviour_logprobs)[mask].abs().max().item() > 10 * TOLERANCE
 
 
 def _glued(group):

@@ -10,6 +10,8 @@ on exactly the ids that were sampled, with the log-probs the sampler saw.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +67,16 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         # Accept any iterable (a list from a config file) but store a hashable tuple.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def fork(self, key: int | str) -> SamplingParams:
+        """These params with a seed of their own for ``key`` (a rollout's turn, the first task
+        of an evaluation's batch). A backend seeds each call's rows alike, so reusing one seed
+        across turns would draw every turn from the same random numbers; forked seeds differ
+        and still reproduce. No seed stays no seed."""
+        if self.seed is None:
+            return self
+        digest = hashlib.blake2b(f"{self.seed}/{key}".encode(), digest_size=8).digest()
+        return dataclasses.replace(self, seed=int.from_bytes(digest, "little") & (2**63 - 1))
 
 
 @dataclass
