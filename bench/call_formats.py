@@ -4,8 +4,8 @@ same tasks, each arm's rates with 95% intervals, and B - A paired by task.
     python -m bench.call_formats --a runs/bfcl-text --b runs/bfcl-pythonic-window \\
         [--env bfcl] [--json docs/results/bfcl_formats.json]
 
-Each argument is an eval's run directory (``--run-dir``); its ``eval/<env>-test-model-k*.jsonl``
-holds one record per task (a BFCL entry, a held-out world's task). Per arm: avg@k and best@k
+Each argument is an eval's run directory (``--run-dir``), whose ``eval/<env>-test-model-k*.jsonl``
+holds one record per task, or such a file itself (an eval's ``--out``) (a BFCL entry, a held-out world's task). Per arm: avg@k and best@k
 (two-level bootstrap over tasks and samples, ``metrics.intervals``), the valid-action rate
 (actions that parsed and named a declared tool, of all actions), and the share of episodes that
 reach a first action (an episode whose prompt leaves no room for one ends before it), overall
@@ -24,13 +24,26 @@ from pathlib import Path
 from metrics.intervals import effect_label, paired_interval, rate_interval
 
 
-def records(run_dir: Path, env: str = "bfcl") -> dict[str, dict]:
-    """``{task_id: record}`` of the test eval of ``env`` in ``run_dir``."""
-    files = sorted((run_dir / "eval").glob(f"{env}-test-model-k*.jsonl"))
-    if not files:
-        raise SystemExit(f"{run_dir}/eval: no {env}-test-model-k*.jsonl; run autodidact eval "
-                         f"--env {env} --split test --run-dir {run_dir} first")
-    return {r["task_id"]: r for r in map(json.loads, files[-1].read_text().splitlines())}
+def records(arm_path: Path, env: str = "bfcl") -> dict[str, dict]:
+    """``{task_id: record}`` of the test eval of ``env`` in the run dir ``arm_path``, or in the
+    file ``arm_path`` (an eval's ``--out``, such as an arm kept in the repository between
+    sessions). A line cut short by a kill is skipped, as ``--resume`` skips it."""
+    if arm_path.is_file():
+        path = arm_path
+    else:
+        files = sorted((arm_path / "eval").glob(f"{env}-test-model-k*.jsonl"))
+        if not files:
+            raise SystemExit(f"{arm_path}/eval: no {env}-test-model-k*.jsonl; run autodidact "
+                             f"eval --env {env} --split test --run-dir {arm_path} first")
+        path = files[-1]
+    rows = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        rows[row["task_id"]] = row
+    return rows
 
 
 def arm(rows: dict[str, dict]) -> dict:
@@ -72,16 +85,16 @@ def compare(a: dict[str, dict], b: dict[str, dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--a", type=Path, required=True, help="baseline arm's eval run dir")
-    parser.add_argument("--b", type=Path, required=True, help="the other arm's eval run dir")
+    parser.add_argument("--a", type=Path, required=True, help="baseline arm's eval run dir or results file")
+    parser.add_argument("--b", type=Path, required=True, help="the other arm's eval run dir or results file")
     parser.add_argument("--env", default="bfcl", help="the env both arms evaluated")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     a, b = records(args.a, args.env), records(args.b, args.env)
     result = {"command": "python -m bench.call_formats " + " ".join(sys.argv[1:] if argv is None
                                                                       else argv),
-              "env": args.env, "a": {"run_dir": str(args.a), **arm(a)},
-              "b": {"run_dir": str(args.b), **arm(b)}, "b_minus_a": compare(a, b)}
+              "env": args.env, "a": {"results": str(args.a), **arm(a)},
+              "b": {"results": str(args.b), **arm(b)}, "b_minus_a": compare(a, b)}
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text + "\n")

@@ -54,3 +54,15 @@ def test_another_envs_evals_are_read_by_its_name(tmp_path):
     assert result["env"] == "shop" and result["b_minus_a"]["avg"]["diff"] == pytest.approx(0.5)
     with pytest.raises(SystemExit, match="no files-test-model-k"):
         main(["--a", str(a), "--b", str(b), "--env", "files"])
+
+
+def test_an_arm_may_be_its_results_file_with_a_line_a_kill_cut(tmp_path):
+    rows = [_row("t1", "base", [0.0, 1.0], [3, 4], 5), _row("t2", "base", [1.0, 1.0], [2, 2], 4)]
+    a = _eval_dir(tmp_path, "a", rows)
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:30])
+    out = tmp_path / "r.json"
+    assert main(["--a", str(a), "--b", str(kept), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["b"]["entries"] == 1 and result["b"]["results"] == str(kept)
+    assert result["b_minus_a"]["avg"]["tasks"] == 1
