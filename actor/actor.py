@@ -58,6 +58,16 @@ def actor_seed(seed: int, actor_id: str) -> int:
     return seed * 1000 + zlib.crc32(actor_id.encode()) % 1000
 
 
+def task_outcomes(episodes) -> dict[str, tuple[int, int]]:
+    """``{task_id: (successes, rollouts)}`` of finished episodes, a success being a reward of
+    1 or more (as the held-out evaluation counts one): what the frontier feeder weighs."""
+    out: dict[str, tuple[int, int]] = {}
+    for ep in episodes:
+        successes, trials = out.get(ep.task.task_id, (0, 0))
+        out[ep.task.task_id] = (successes + int(ep.reward >= 1.0), trials + 1)
+    return out
+
+
 class Actor:
     """Built from its settings and what it rolls out with: ``backend`` (the engine),
     ``weights`` (follows the learner's versions), ``navigator`` (retrieves experience; None
@@ -198,6 +208,7 @@ class Actor:
                     between_turns=self.maybe_load_weights, reward=self.reward)
         self.tokens.add(sum(sum(ep.mask) for ep in episodes))
         episodes = self._without_failed_groups(episodes, n)
+        self.control.record_outcomes(task_outcomes(episodes))
         if self.navigator:
             self.navigator.record(episodes)
             self._navigation = self.navigator.metrics(episodes, n)

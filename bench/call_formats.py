@@ -4,14 +4,14 @@ same tasks, each arm's rates with 95% intervals, and B - A paired by task.
     python -m bench.call_formats --a runs/bfcl-text --b runs/bfcl-pythonic-window \\
         [--env bfcl] [--json docs/results/bfcl_formats.json]
 
-Each argument is an eval's run directory (``--run-dir``), whose ``eval/<env>-test-model-k*.jsonl``
-holds one record per task, or such a file itself (an eval's ``--out``) (a BFCL entry, a held-out world's task). Per arm: avg@k and best@k
-(two-level bootstrap over tasks and samples, ``metrics.intervals``), the valid-action rate
-(actions that parsed and named a declared tool, of all actions), and the share of episodes that
-reach a first action (an episode whose prompt leaves no room for one ends before it), overall
-and per category (BFCL's four; an env's name where its tasks have none). B - A: avg@k and the
-reached share, paired by task. Tasks only one arm has are left out of the pairing (an arm still
-running).
+Each argument is an eval's run directory (``--run-dir``), whose
+``eval/<env>-test-model-k*.jsonl`` holds one record per task (a BFCL entry, a held-out world's
+task), or such a file itself (an eval's ``--out``). Per arm: avg@k and best@k (two-level
+bootstrap over tasks and samples, ``metrics.intervals``), the valid-action rate (actions that
+parsed and named a declared tool, of all actions), and the share of episodes that reach a first
+action (an episode whose prompt leaves no room for one ends before it), overall and per category
+(BFCL's four; an env's name where its tasks have none). B - A: avg@k and the reached share,
+paired by task. Tasks only one arm has are left out of the pairing (an arm still running).
 """
 
 from __future__ import annotations
@@ -85,8 +85,10 @@ def compare(a: dict[str, dict], b: dict[str, dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--a", type=Path, required=True, help="baseline arm's eval run dir or results file")
-    parser.add_argument("--b", type=Path, required=True, help="the other arm's eval run dir or results file")
+    parser.add_argument("--a", type=Path, required=True,
+                        help="baseline arm's eval run dir or results file")
+    parser.add_argument("--b", type=Path, required=True,
+                        help="the other arm's eval run dir or results file")
     parser.add_argument("--env", default="bfcl", help="the env both arms evaluated")
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)

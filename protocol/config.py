@@ -212,6 +212,7 @@ class EnvConfig:
 # How a model may write a tool call; ``environments.call_formats`` parses each (a test keeps
 # the two lists equal). Here because the actor's config and the env wire both name them.
 TOOL_FORMATS = ("text", "json", "hermes", "pythonic")
+CURRICULA = ("uniform", "frontier")  # tasks.curriculum
 
 
 @dataclass
@@ -769,7 +770,24 @@ class TasksConfig:
     grader_repetition_cap: float = 0.3
     """LLM grader: the cap applied then."""
 
+    curriculum: str = "uniform"
+    """How the feeder draws training tasks: ``uniform`` (every task of the mixture alike) or
+    ``frontier`` (by the actors' outcomes so far: a task whose rollouts both fail and succeed
+    more often than one that always fails or always succeeds; ``autodidact/task_mix.py``,
+    docs/questioning.md#which-tasks-training-draws)."""
+
+    frontier_floor: float = 0.1
+    """``frontier``: the draw weight of a task that has always failed or always succeeded, as
+    its rollouts pile up, against 1 for a task at 50%. Above 0, so such tasks come back."""
+
     def check(self):
+        if self.curriculum not in CURRICULA:
+            raise ConfigError(f"curriculum must be one of {', '.join(CURRICULA)}, "
+                              f"got {self.curriculum!r}")
+        in_range(self, "frontier_floor", 0.0, 1.0)
+        if self.frontier_floor <= 0:
+            raise ConfigError("frontier_floor must be above 0: a task the feeder never "
+                              "draws again could never show it was learned or forgotten")
         if self.synthetic_share != -1.0:
             in_range(self, "synthetic_share", 0.0, 1.0)
         if self.reward not in ("auto", "state", "llm"):

@@ -67,6 +67,10 @@ class Keys:
         self.claims = f"{prefix}:claims"
         self.state = f"{prefix}:state"
         self.experience_cursor = f"{prefix}:exp:cursor"  # next replay seq to extract from
+        # Per task id: rollouts the actors finished of it, and how many of them succeeded
+        # (reward >= 1). The frontier feeder weighs tasks by them (autodidact/task_mix.py).
+        self.task_trials = f"{prefix}:task:trials"
+        self.task_successes = f"{prefix}:task:successes"
         self.experience = ExperienceKeys(prefix)  # the run's experience pool
 
     def heartbeat(self, role: str, member: str) -> str:
@@ -202,6 +206,29 @@ class ControlPlane:
         """Pool entries from index ``start`` on (what a reader has not seen yet)."""
         return [codec.decode_body(Task.TYPE, b) for b in self.r.lrange(self.keys.synthetic,
                                                                        start, -1)]
+
+    # --- per-task outcomes: what the actors' rollouts of each task scored ---
+    # Kept with the run's Redis (durable across a resume); a Redis that lost its data starts
+    # them again from nothing, which only makes the feeder uniform until they fill again.
+
+    def record_outcomes(self, outcomes: dict[str, tuple[int, int]]) -> None:
+        """Add ``{task_id: (successes, trials)}`` to the running counts."""
+        if not outcomes:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for task_id, (successes, trials) in outcomes.items():
+            pipe.hincrby(self.keys.task_trials, task_id, trials)
+            if successes:
+                pipe.hincrby(self.keys.task_successes, task_id, successes)
+        pipe.execute()
+
+    def task_outcomes(self) -> dict[str, tuple[int, int]]:
+        """``{task_id: (successes, trials)}`` of every task rolled out so far."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.task_trials)
+        pipe.hgetall(self.keys.task_successes)
+        trials, successes = pipe.execute()
+        return {k.decode(): (int(successes.get(k, 0)), int(n)) for k, n in trials.items()}
 
     # --- experience extraction: where in replay's ingest order the worker is ---
 
