@@ -263,7 +263,8 @@ def judge(config, run_dir, sets, redis_url, replay_addr, weights_addr, judge_id)
 @click.option("--redis-url", default=None,
               help="Also add tasks to this run's synthetic pool in Redis (redis.url).")
 @click.option("--env", "env_name", default=None,
-              help="Environment to explore (default env.name), e.g. bfcl.")
+              help="Environment to explore (default env.name), e.g. bfcl. Without -c, the "
+                   "env's own rollout limits apply where --set does not set them.")
 @click.option("--rounds", type=int, default=None,
               help="Rounds over the seeds (default explore.rounds; 0 = until stopped).")
 @click.option("--proposer-url", default=None,
@@ -288,8 +289,9 @@ def explore(config, run_dir, sets, env_name, redis_url, rounds, proposer_url, pr
     from questioning import factory as task_factory
 
     cfg, path = load_run(config, sets, run_dir,
-                         Flags(env=env_name, redis_url=redis_url, llm_url=proposer_url,
-                               llm_model=proposer_model, redis_prefix=True))
+                         Flags(env=env_name, env_limits=config is None, redis_url=redis_url,
+                               llm_url=proposer_url, llm_model=proposer_model,
+                               redis_prefix=True))
     check_model(cfg.model.path)
     if profile_only:
         from questioning.profile import render_toc

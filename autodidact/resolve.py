@@ -46,8 +46,9 @@ class Flags:
     """--env: another environment; its options are reset to that env's defaults."""
 
     env_limits: bool = False
-    """With ``env``: also take the env's own rollout limits (``default_limits``: turns,
-    context, action tokens), for a command run without a config file."""
+    """Take the env's own rollout limits (``default_limits``: turns, context, action tokens)
+    where the command does not ``--set`` them: ``env``'s, or without it the configured env's.
+    For a command run without a config file (``eval``, ``explore``)."""
 
     device: str | None = None
     """--device: the actors' torch device (``actor.device``)."""
@@ -113,6 +114,8 @@ def flag_values(cfg: RunConfig, flags: Flags, run_dir: Path | None = None,
     values: dict[str, Any] = {}
     if flags.env:
         values.update(env_values(cfg, flags.env, flags.env_limits, explicit))
+    elif flags.env_limits:
+        values.update(configured_env_limits(cfg, explicit))
     for key, value in (("redis.url", flags.redis_url), ("replay.address", flags.replay_addr),
                        ("weights.address", flags.weights_addr), ("actor.device", flags.device)):
         if value:
@@ -149,13 +152,30 @@ def env_values(cfg: RunConfig, name: str, limits: bool,
     if name != cfg.env.name:
         values.update({"env.name": name, "env.options": {}})
     if limits:
-        own = dict(getattr(cls, "default_limits", {}))
-        if "max_action_tokens" in own:
-            values["actor.max_action_tokens"] = own.pop("max_action_tokens")
-        values.update({f"env.{key}": value for key, value in own.items()})
-        for key in explicit & {"actor.max_action_tokens", *(f"env.{k}" for k in own)}:
-            values.pop(key, None)
+        values.update(own_limits(cls, explicit))
     return values
+
+
+def own_limits(cls, explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``{"section.key": value}`` of env class ``cls``'s ``default_limits`` but the
+    ``explicit`` keys the command sets itself."""
+    own = dict(getattr(cls, "default_limits", {}))
+    values = {f"env.{key}": value for key, value in own.items() if key != "max_action_tokens"}
+    if "max_action_tokens" in own:
+        values["actor.max_action_tokens"] = own["max_action_tokens"]
+    return {key: value for key, value in values.items() if key not in explicit}
+
+
+def configured_env_limits(cfg: RunConfig, explicit: frozenset[str]) -> dict[str, Any]:
+    """The configured env's own limits (``env.name``, or the server at ``env.address``), for a
+    command run without a config file and without ``--env``."""
+    from environments import env_class
+
+    try:
+        cls = env_class(cfg.env)
+    except KeyError as exc:
+        raise ConfigError(f"env.name: {exc.args[0]}") from None
+    return own_limits(cls, explicit)
 
 
 def with_redis_url(cfg: RunConfig, url: str) -> RunConfig:

@@ -75,6 +75,11 @@ class Environment(ABC):
     # Rollout limits this env needs when no config sets them (``autodidact eval --env``):
     # keys max_turns and max_context (env section) and max_action_tokens (actor section).
     default_limits: dict = {}
+    # Seeds of the worlds training may use besides those of the "train" tasks: explore visits
+    # them too (questioning/explorer.py, seed_tasks). An env with no training tasks declares
+    # them to be explored in more than one world (a range will do); a declared seed that a
+    # validation or test task uses is never visited.
+    train_worlds: Sequence[int] = ()
 
     def __init_subclass__(cls, **kwargs):
         """An env written before call formats (``def step(self, action_text)``, ``def

@@ -639,7 +639,8 @@ _CALLS: dict[type, Callable[[Environment, Any], Any]] = {
 def served_facts(cls: type[Environment]) -> wire.EnvServed:
     """The hello a server of ``cls`` answers: its name and class-level facts."""
     return wire.EnvServed(wire.ENV_WIRE_VERSION, cls.name, list(cls.vocabulary()),
-                          bool(cls.query_in_prompt), dict(cls.default_limits))
+                          bool(cls.query_in_prompt), dict(cls.default_limits),
+                          [int(seed) for seed in cls.train_worlds])
 
 
 def answer(env: Environment, request):
@@ -686,6 +687,7 @@ def _bind(link: EnvLink) -> type[RemoteEnv]:
         "name": served.env, "_link": link, "_vocabulary": tuple(served.vocabulary),
         "query_in_prompt": served.query_in_prompt,
         "default_limits": dict(served.default_limits),
+        "train_worlds": tuple(served.train_worlds),
         "__module__": __name__,
     })
 

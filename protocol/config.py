@@ -666,7 +666,8 @@ class ExploreConfig:
     calls is replaced by schema sampling, and the log says so."""
 
     seeds: int = 0
-    """Seeds (initial states) to explore; 0 = every seed of the env's training tasks."""
+    """Worlds (seeds) to explore, the first this many in seed order; 0 = every training world
+    (the seeds of the env's training tasks and its ``train_worlds``)."""
 
     explorations_per_seed: int = 4
     """Explorations per seed and round."""

@@ -50,9 +50,9 @@ from protocol.messages import Task
 
 # v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers); the client names a new session
 # (EnvOpen.session). v4: a step and the instructions name the call format the agent speaks;
-# EnvCallGrammar.
+# EnvCallGrammar. v5: the hello carries the class's train_worlds.
 # Bump on any incompatible change to a message below.
-ENV_WIRE_VERSION = 4
+ENV_WIRE_VERSION = 5
 
 # Python's own exception types by name (not BaseException's others: a worker that is told to
 # exit, exits). A served env's raise of one is raised again by the client as that type.
@@ -103,6 +103,7 @@ class EnvServed:
     vocabulary: list[str]  # the class's vocabulary(): every word it can show, [] when open
     query_in_prompt: bool = True  # the class attribute of that name (see Environment)
     default_limits: dict = field(default_factory=dict)  # the class's default_limits
+    train_worlds: list[int] = field(default_factory=list)  # the class's train_worlds, listed
 
 
 # --- sessions ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from environments.base import ActionError, Environment, FreshEnvs, ToolSpec, parse_action
-from protocol.messages import Task
+from protocol.messages import HELD_OUT_SPLITS, Task
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,21 @@ class ExploreSettings:
 
 
 def seed_tasks(env: Environment, limit: int = 0) -> list[Task]:
-    """Initial states to explore: one per distinct seed of the env's training tasks, or a plain
-    reset state (seed 0) for an environment without tasks."""
-    by_seed = {}
-    for task in env.tasks("train"):
-        by_seed.setdefault(task.seed, task)
-    seeds = [by_seed[s] for s in sorted(by_seed)] or [Task("explore/0", env.name, "", 0)]
-    seeds = [Task(f"explore/{t.seed}", env.name, "", t.seed) for t in seeds]
-    return seeds[:limit] if limit else seeds
+    """Initial states to explore, one per world in seed order: the seeds of the env's training
+    tasks and the worlds it declares for training (``train_worlds``) but those a held-out task
+    uses, or a plain reset state (seed 0) for an environment with neither. ``limit``: the
+    first that many."""
+    declared = set(env.train_worlds)
+    if declared:
+        held_out = {t.seed for split in HELD_OUT_SPLITS for t in env.tasks(split)}
+        if declared & held_out:
+            log.warning("%s: train_worlds holds %d seeds of held-out tasks (%s...); explore "
+                        "leaves them out", env.name, len(declared & held_out),
+                        ", ".join(map(str, sorted(declared & held_out)[:5])))
+        declared -= held_out
+    seeds = sorted({t.seed for t in env.tasks("train")} | declared) or [0]
+    seeds = seeds[:limit] if limit else seeds
+    return [Task(f"explore/{seed}", env.name, "", seed) for seed in seeds]
 
 
 # --- proposers ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -249,6 +250,40 @@ def test_seed_tasks():
     assert [t.seed for t in seeds] == sorted({t.seed for t in env.tasks("train")})
     assert [t.seed for t in seed_tasks(env, 3)] == [0, 1, 2]
     assert all(t.env == "files" and t.task_id == f"explore/{t.seed}" for t in seeds)
+
+
+def test_seed_tasks_visit_the_declared_training_worlds_and_no_held_out_one(caplog):
+    class Declared(FilesEnv):
+        train_worlds = range(0, 60)  # files' held-out worlds among them
+
+    env = Declared()
+    held_out = {t.seed for split in ("validation", "test") for t in env.tasks(split)}
+    with caplog.at_level("WARNING", logger="questioning.explorer"):
+        seeds = [t.seed for t in seed_tasks(env)]
+    assert seeds == sorted(set(range(60)) - held_out) and len(seeds) > 30
+    assert "leaves them out" in caplog.text
+    assert [t.seed for t in seed_tasks(env, 4)] == seeds[:4]
+
+    class NoTasks(FilesEnv):
+        def tasks(self, split):
+            return []
+
+    assert [t.seed for t in seed_tasks(NoTasks())] == [0]  # nothing declared: one world
+    NoTasks.train_worlds = (9, 3, 3)
+    assert [t.seed for t in seed_tasks(NoTasks())] == [3, 9]
+
+
+def test_a_served_class_carries_its_training_worlds():
+    from environments.remote import _bind, served_facts
+    from protocol import codec
+
+    class Declared(FilesEnv):
+        train_worlds = range(2, 5)
+
+    frame = codec.encode(served_facts(Declared), "hello")
+    served = codec.decode(frame)[1]
+    link = SimpleNamespace(hello=lambda: served, address="tcp://127.0.0.1:1")
+    assert _bind(link).train_worlds == (2, 3, 4)
 
 
 def test_explorer_steps_phases_and_snapshots_replay():

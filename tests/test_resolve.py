@@ -78,6 +78,36 @@ def test_env_switch_resets_options_and_takes_the_envs_limits_without_a_file():
         resolve_config(None, [], Flags(env="nope"))
 
 
+def test_the_configured_envs_limits_apply_without_a_file_and_without_env():
+    """``explore --set env.name=shop`` (no -c, no --env) explores with shop's own limits."""
+    shop = resolve_config(None, ["env.name=shop"], Flags(env_limits=True))
+    assert (shop.env.max_turns, shop.env.max_context, shop.actor.max_action_tokens) == (6, 512, 8)
+    mine = resolve_config(None, ["env.name=shop", "env.max_turns=12"], Flags(env_limits=True))
+    assert (mine.env.max_turns, mine.env.max_context) == (12, 512)
+    files = resolve_config(None, [], Flags(env_limits=True))  # files declares none
+    assert files.env.max_turns == RunConfig().env.max_turns
+    with pytest.raises(ConfigError, match="env.name: .*nope"):
+        resolve_config(None, ["env.name=nope"], Flags(env_limits=True))
+
+
+def test_explore_without_a_file_takes_the_envs_limits(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from autodidact.cli import main
+    from questioning import factory
+
+    seen = {}
+
+    def profile_only(cfg, run_dir):
+        seen.update(turns=cfg.env.max_turns, tokens=cfg.actor.max_action_tokens)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(factory, "profile_only", profile_only)
+    result = CliRunner().invoke(main, ["explore", "--profile-only", "--run-dir", str(tmp_path),
+                                       "--set", "env.name=shop"])
+    assert "stop here" in result.output and seen == {"turns": 6, "tokens": 8}
+
+
 def test_proposer_flags_need_a_model_and_gpu_actors_use_cuda():
     with pytest.raises(ConfigError, match="--proposer-model"):
         resolve_config(None, [], Flags(llm_url="http://h/v1"))

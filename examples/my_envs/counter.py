@@ -26,6 +26,8 @@ TOOLS = (ToolSpec("new", "create a counter", (ArgSpec("name", kind="id"),)),
 class Counter(Environment):
     """Named counters: create one, add to it, delete it."""
 
+    train_worlds = range(15)  # no training tasks: explore visits these worlds (held out: 15-24)
+
     def reset(self, task: Task) -> str:
         self.task, self.responses = task, []
         self.counters = {"a1": task.seed % 5}
@@ -72,7 +74,7 @@ class Counter(Environment):
 
     def tasks(self, split):
         if split == "train":
-            return []  # no training tasks: self-questioning makes them, in seed 0's world only
+            return []  # no training tasks: self-questioning makes them, in train_worlds
         # held out: worlds (seeds) no training task or exploration uses
         seeds = {"validation": range(15, 20), "test": range(20, 25)}[split]
         return [Task(f"c/{split}/{s}", "counter", "make counter b2 4", s,
