@@ -672,6 +672,16 @@ class ExploreConfig:
     explorations_per_seed: int = 4
     """Explorations per seed and round."""
 
+    kind_target: float = 0.0
+    """Goal-directed explorations (``questioning/probes.py``) run while the stored tasks hold
+    less than this share of a kind: ``event`` (a change undone), ``read`` (a read after one
+    change) or ``long`` (three or more calls on one entity); the rest are random walks. Each
+    probe fixes one entity and changes it three more times, undoes a change to it, or reads
+    it. 0: random walks only (what the recorded results used)."""
+
+    probe_steps: int = 8
+    """The most steps of a goal-directed exploration (it ends when its goal is reached)."""
+
     rounds: int = 1
     """Rounds over the seeds for ``autodidact explore`` (0 = until stopped; the ``alongside``
     role always runs until stopped)."""
@@ -738,8 +748,9 @@ class ExploreConfig:
         if self.proposer not in ("auto", "llm", "policy", "schema"):
             raise ConfigError(f"proposer must be auto, llm, policy or schema, got "
                               f"{self.proposer!r}")
+        in_range(self, "kind_target", 0.0, 1.0)
         for name in ("explorations_per_seed", "probe_calls", "candidates_per_exploration",
-                     "max_parts", "min_steps", "context_observations"):
+                     "max_parts", "min_steps", "context_observations", "probe_steps"):
             _positive(self, name)
         for name in ("seeds", "rounds", "breadth_steps", "depth_steps", "max_steps",
                      "max_entities", "max_tasks", "min_tasks"):

@@ -4,9 +4,10 @@ Per tool: how many calls succeeded during exploration and what share of the stor
 it in their reference. Per argument: how many distinct values were tried, and per argument
 type the same summed. A tool no stored task uses, or an argument never given a value, is a
 *gap*; the explorer favours tools by how few stored tasks use them, gaps most
-(``SchemaSampler.task_share``). The saved report also counts the candidates synthesis refused,
-by reason (``refused``: ``duplicate``, ``contaminated``, ``goal_not_reached`` ...), summed over
-every explore of the run directory.
+(``SchemaSampler.task_share``). Per kind of task (:data:`TASK_KINDS`): the share of the stored
+tasks; goal-directed explorations go after the kind the store holds fewest of. The saved
+report also counts the candidates synthesis refused, by reason (``refused``: ``duplicate``,
+``contaminated``, ``goal_not_reached`` ...), summed over every explore of the run directory.
 """
 
 from __future__ import annotations
@@ -29,6 +30,22 @@ def tools_used(task: Task) -> set[str]:
     return {m.group().rsplit(".", 1)[-1] for m in found if m}
 
 
+# Kinds of stored task the report counts: what its goal asks for (``state``: an end state,
+# ``read``: a read-only call's answer, ``event``: calls made in order, one undoing another),
+# and ``long``: three or more reference calls on one entity. A task may be long and of a kind.
+TASK_KINDS = ("state", "read", "event", "long")
+LONG_PLAN_CALLS = 3
+
+
+def task_kinds(task: Task) -> list[str]:
+    """The kinds ``task`` counts as, from what synthesis wrote in its meta (``goal_kind``,
+    ``entity_calls``); a task made elsewhere (an LLM's, the env's own) counts as ``state``."""
+    kinds = [task.meta.get("goal_kind", "state")]
+    if task.meta.get("entity_calls", 0) >= LONG_PLAN_CALLS:
+        kinds.append("long")
+    return kinds
+
+
 def count_tool_uses(tasks: Sequence[Task]) -> Counter:
     """How many of ``tasks`` use each tool (what :func:`coverage` takes as ``uses``)."""
     return Counter(name for task in tasks for name in tools_used(task))
@@ -36,9 +53,9 @@ def count_tool_uses(tasks: Sequence[Task]) -> Counter:
 
 def coverage(tools: Sequence[ToolSpec], ok_calls: Mapping[str, int],
              tried: Mapping[tuple[str, str], set], uses: Mapping[str, int],
-             n_tasks: int) -> dict:
+             n_tasks: int, kinds: Mapping[str, int] | None = None) -> dict:
     """The coverage report (JSON-able) of ``n_tasks`` stored tasks of which ``uses[tool]`` use
-    each tool; see the module docstring."""
+    each tool and ``kinds[kind]`` are of each of ``TASK_KINDS``; see the module docstring."""
     n = max(n_tasks, 1)
     per_tool = {t.name: {"ok_calls": int(ok_calls.get(t.name, 0)),
                          "task_share": round(uses.get(t.name, 0) / n, 4)} for t in tools}
@@ -48,7 +65,8 @@ def coverage(tools: Sequence[ToolSpec], ok_calls: Mapping[str, int],
     for t in tools:
         for a in t.args:
             per_type[a.type] += per_arg[f"{t.name}.{a.name}"]
-    return {"tasks": n_tasks, "tools": per_tool, "args": per_arg,
+    kind_share = {k: round((kinds or {}).get(k, 0) / n, 4) for k in TASK_KINDS}
+    return {"tasks": n_tasks, "tools": per_tool, "args": per_arg, "kinds": kind_share,
             "values_by_type": dict(per_type),
             "gaps": {"tools": [name for name in per_tool if not uses.get(name)],
                      "args": [name for name, n_values in per_arg.items() if not n_values]}}
@@ -72,7 +90,9 @@ def render(report: dict) -> str:
     tools = report["tools"]
     covered = sum(1 for v in tools.values() if v["task_share"] > 0)
     gaps = report["gaps"]
+    kinds = ", ".join(f"{k} {v:.1%}" for k, v in report.get("kinds", {}).items())
     return (f"coverage: {covered}/{len(tools)} tools used by the {report['tasks']} stored "
             f"tasks; values tried by type {report['values_by_type']}\n"
+            f"  kinds of task: {kinds or 'not counted'}\n"
             f"  gaps: tools {gaps['tools'] or 'none'}; arguments never given a value "
             f"{gaps['args'] or 'none'}")

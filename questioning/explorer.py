@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from environments.base import ActionError, Environment, FreshEnvs, ToolSpec, parse_action
 from protocol.messages import HELD_OUT_SPLITS, Task
+from questioning.probes import Inverses, ProbePlanner
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class ExploreStep:
     valid: bool  # the action parsed into a declared tool with literal arguments
     tool: str | None  # the tool it named, when known
     error: str | None  # the env's refusal kind (a precondition that failed), None on success
-    phase: str  # "breadth" or "depth"
+    phase: str  # "breadth", "depth" or "probe:<kind>" (a goal-directed exploration)
     proposer: str  # "schema" or the LLM's name
     state: dict  # snapshot of env.state() after the action
 
@@ -73,6 +74,7 @@ class ExploreSettings:
     breadth_temperature: float = 1.2
     depth_temperature: float = 0.8
     context_observations: int = 3  # ``k``: observations the depth phase builds on
+    probe_steps: int = 8  # the most steps of a goal-directed exploration (questioning/probes.py)
 
 
 def seed_tasks(env: Environment, limit: int = 0) -> list[Task]:
@@ -284,6 +286,10 @@ class SchemaSampler:
         scores = [self._score(c, phase) for c in calls]
         return calls[_softmax_choice(scores, temperature, self.rng)]
 
+    def draft(self, tool: str, slot: int, arg):
+        """A value for ``tool``'s argument ``slot`` from the names of the current world."""
+        return self._value(tool, slot, arg, list(self.here), set())
+
     def _sample_call(self, pool: list[str], latest: set[str]) -> str:
         tool = self.rng.choice(self.tools)
         words = [tool.name]
@@ -453,6 +459,7 @@ class Explorer:
         self.sampler = SchemaSampler(self.env.tools(), self.rng,
                                      vocabulary=type(self.env).vocabulary())
         self.llm = llm
+        self.inverses = Inverses()
         self.counts: Counter = Counter()
 
     @property
@@ -460,42 +467,73 @@ class Explorer:
         """The env explorations run in now (a fresh one after a served env failed one)."""
         return self.envs.env
 
-    def explore(self, seed_task: Task, index: int) -> Exploration | None:
-        """One exploration of ``seed_task``'s world; None when a served env failed it
-        (counted as ``env_failed/<reason>``; the next goes on with a fresh instance)."""
+    def explore(self, seed_task: Task, index: int, probe: str | None = None) -> Exploration | None:
+        """One exploration of ``seed_task``'s world, a random walk or (``probe``, one of
+        ``PROBE_KINDS``) a goal-directed one; None when a served env failed it (counted as
+        ``env_failed/<reason>``; the next goes on with a fresh instance)."""
         exp = self.envs.run(f"exploration {seed_task.seed}/{index}",
-                            lambda env: self._explore(env, seed_task, index))
+                            lambda env: self._explore(env, seed_task, index, probe))
         if exp is None:
             self.counts[f"env_failed/{self.envs.last_failure.reason}"] += 1
         return exp
 
-    def _explore(self, env: Environment, seed_task: Task, index: int) -> Exploration:
+    def _explore(self, env: Environment, seed_task: Task, index: int,
+                 probe: str | None = None) -> Exploration:
         t0, s = time.monotonic(), self.settings
         first = env.reset(seed_task)
         self.sampler.start(first)
         exp = Exploration(f"{seed_task.seed}/{index}", env.name, seed_task.seed, first,
                           env.state())
         recent: deque[str] = deque([first], maxlen=s.context_observations)
-        phases = [("breadth", s.breadth_temperature)] * s.breadth_steps
-        phases += [("depth", s.depth_temperature)] * s.depth_steps
-        before = exp.initial_state
+        if probe is None:
+            planner = None
+            phases = [("breadth", s.breadth_temperature)] * s.breadth_steps
+            phases += [("depth", s.depth_temperature)] * s.depth_steps
+        else:
+            planner = ProbePlanner(probe, self.sampler.tools, self.sampler.effects,
+                                   self.inverses, self.sampler.draft, self.rng)
+            phases = [(f"probe:{probe}", s.depth_temperature)] * s.probe_steps
+            self.counts[f"probes/{probe}"] += 1
+        before, undoable = exp.initial_state, None
         for phase, temperature in phases:
-            action, proposer = self._propose(phase, temperature, list(recent))
+            if planner is None:
+                action, proposer = self._propose(phase, temperature, list(recent))
+            else:
+                action = planner.next_call(lambda t=temperature: self.sampler.propose(
+                    "depth", t, list(recent)))
+                proposer = "probe"
             obs, _, info = env.step(action)
             ok = info["valid"] and info["error"] is None
             after = env.state()
             self.sampler.observe(obs, refused=not ok)
             self.sampler.record(action, ok, after != before)
+            undoable = self._learn_inverse(undoable, action, ok, before, after)
             self.counts["steps"] += 1
             self.counts["errors" if not ok else "ok"] += 1
             exp.steps.append(ExploreStep(env.canonical_action(action), obs, bool(info["valid"]),
                                          info.get("tool"), info.get("error"), phase, proposer,
                                          after))
             recent.append(obs)
+            if planner is not None:
+                planner.observe(action, ok, before, after)
+                if planner.done:
+                    self.counts[f"probes_done/{probe}"] += 1
+                    break
             before = after
         exp.seconds = time.monotonic() - t0
         self.counts["explorations"] += 1
         return exp
+
+    def _learn_inverse(self, undoable, action: str, ok: bool, before: dict, after: dict):
+        """Two state-changing calls in a row, the second putting back the state the first
+        found: the second's tool undoes the first's (``Inverses``). Returns what the next
+        call may undo: (this tool, the state before it), or None."""
+        if not ok or after == before:
+            return None
+        tool = action.split()[0]
+        if undoable is not None and after == undoable[1]:
+            self.inverses.observe(undoable[0], tool)
+        return tool, before
 
     def _propose(self, phase: str, temperature: float, recent: list[str]) -> tuple[str, str]:
         if self.llm is not None and self.llm.enabled:

@@ -20,10 +20,11 @@ from environments.base import env_class, env_maker, verify_task
 from protocol.config import RunConfig
 from protocol.messages import Task
 from protocol.run_dir import RunDir
-from questioning.coverage import coverage, read_refused, tools_used
+from questioning.coverage import coverage, read_refused, task_kinds, tools_used
 from questioning.coverage import render as render_coverage
 from questioning.decontamination import CONTAMINATED, HeldOutIndex
 from questioning.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
+from questioning.probes import PROBE_MAKES
 from questioning.profile import ProfileBuilder, build_profile, render_toc, save_json
 from questioning.synthesis import (
     HindsightSynthesizer,
@@ -34,6 +35,9 @@ from questioning.synthesis import (
 )
 
 log = logging.getLogger(__name__)
+
+GIVE_UP_AFTER = 20  # probes of one kind that made no task of it: that kind is not run again
+
 
 def explorations_path(run_dir: Path) -> Path:
     return RunDir(run_dir).explorations
@@ -76,7 +80,7 @@ def preferences(cfg: RunConfig) -> Preferences:
 def explore_settings(cfg: RunConfig) -> ExploreSettings:
     e = cfg.explore
     return ExploreSettings(e.breadth_steps, e.depth_steps, e.breadth_temperature,
-                           e.depth_temperature, e.context_observations)
+                           e.depth_temperature, e.context_observations, e.probe_steps)
 
 
 def make_chat(cfg: RunConfig, policy_path: str | None, run_dir: Path | None = None):
@@ -152,6 +156,9 @@ class TaskFactory:
         self.dedup = TaskDeduper(cfg.explore.dedup_jaccard)
         self.by_seed: dict[int, list[Task]] = {}
         self.tool_uses: Counter = Counter()  # stored tasks using each tool (coverage)
+        self.kinds: Counter = Counter()  # stored tasks by kind of goal (coverage)
+        self.probes_run: Counter = Counter()  # goal-directed explorations by probe
+        self.probes_made: Counter = Counter()  # tasks of its kind each probe made
         for task in store.all():
             self.dedup.add(task)
             self._index(task)
@@ -183,6 +190,7 @@ class TaskFactory:
         """Count a stored task in (the deduper already holds it)."""
         self.by_seed.setdefault(task.seed, []).append(task)
         self.tool_uses.update(tools_used(task))
+        self.kinds.update(task_kinds(task))
 
     def run(self, rounds: int, stop: Callable[[], bool] = lambda: False) -> dict:
         """Explore ``rounds`` times over the seeds (0 = until ``stop`` or ``max_tasks``)."""
@@ -197,7 +205,7 @@ class TaskFactory:
                 if self._finished(rounds, done_rounds, stop):
                     break
                 for _ in range(self.cfg.explore.explorations_per_seed):
-                    self.explore_once(seed)
+                    self.explore_once(seed, self._probe_kind())
                 if (i + 1) % 10 == 0 or i + 1 == len(self.seeds):
                     self._progress(t0, done_rounds, i + 1)
             done_rounds += 1
@@ -210,7 +218,7 @@ class TaskFactory:
         sampler = self.explorer.sampler
         stored = sum(map(len, self.by_seed.values()))
         return coverage(self.profile.env.tools(), sampler.tool_ok, sampler.drafter.tried,
-                        self.tool_uses, stored)
+                        self.tool_uses, stored, self.kinds)
 
     def refused(self) -> dict[str, int]:
         """Candidates refused by reason, over every explore of this run directory (the
@@ -244,10 +252,29 @@ class TaskFactory:
         full = self.cfg.explore.max_tasks and self.store.count() >= self.cfg.explore.max_tasks
         return bool(stop() or full or (rounds and done_rounds >= rounds))
 
-    def explore_once(self, seed: Task) -> list[Task]:
+    def _probe_kind(self) -> str | None:
+        """The probe that makes the kind of task the store holds the smallest share of, when
+        that share is below ``explore.kind_target``; None (a random walk) when no kind is.
+        A probe that made no task of its kind in ``GIVE_UP_AFTER`` tries is not run again:
+        the env cannot make that kind (no ``describe_event``, say)."""
+        target = self.cfg.explore.kind_target
+        stored = sum(len(tasks) for tasks in self.by_seed.values())
+        if target <= 0:
+            return None
+        shares = {probe: self.kinds[kind] / max(stored, 1) for probe, kind in PROBE_MAKES.items()
+                  if self.probes_made[probe] or self.probes_run[probe] < GIVE_UP_AFTER}
+        lacking = {probe: share for probe, share in shares.items() if share < target}
+        if not lacking:
+            return None
+        low = min(lacking.values())
+        return self.explorer.rng.choice(sorted(p for p, v in lacking.items() if v == low))
+
+    def explore_once(self, seed: Task, probe: str | None = None) -> list[Task]:
         index = self.next_index[seed.seed]
         self.next_index[seed.seed] += 1
-        exp = self.explorer.explore(seed, index)
+        exp = self.explorer.explore(seed, index, probe)
+        if probe is not None:
+            self.probes_run[probe] += 1
         if exp is None:  # a served env failed it (counted): the next goes on afresh
             return []
         append_exploration(self.run_dir, exp)
@@ -256,6 +283,8 @@ class TaskFactory:
         if self.llm_synth is not None and self._llm_useful():
             candidates += self.llm_synth.propose(exp, self.by_seed.get(exp.seed, []))
         kept = self.keep(candidates)
+        if probe is not None:
+            self.probes_made[probe] += sum(PROBE_MAKES[probe] in task_kinds(t) for t in kept)
         if kept:
             self.store.put_many(kept)
             if self.control is not None:

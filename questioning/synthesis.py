@@ -167,16 +167,17 @@ class HindsightSynthesizer:
 
     def propose(self, exp: Exploration) -> list[Task]:
         tasks = []
-        for cut, parts in self._goals(exp):
-            task = self._task(exp, cut, parts)
+        for cut, parts, kind in self._goals(exp):
+            task = self._task(exp, cut, parts, kind)
             if task is not None:
                 tasks.append(task)
         self.stats["proposed"] += len(tasks)
         return tasks
 
-    def _goals(self, exp: Exploration) -> list[tuple[int, tuple[GoalPart, ...]]]:
-        """Distinct goals the exploration reached: (step index, the parts asked for)."""
-        found: dict[str, tuple[int, tuple[GoalPart, ...]]] = {}
+    def _goals(self, exp: Exploration) -> list[tuple[int, tuple[GoalPart, ...], str]]:
+        """Distinct goals the exploration reached: (step index, the parts asked for, the
+        goal's kind: ``state``, ``read`` or ``event``)."""
+        found: dict[str, tuple[int, tuple[GoalPart, ...], str]] = {}
         states = [exp.initial_state] + [s.state for s in exp.steps]
         for t, step in enumerate(exp.steps):
             if not step.valid or step.error is not None:
@@ -185,14 +186,15 @@ class HindsightSynthesizer:
                 parts = self._worded(self.env.describe_changes(exp.initial_state, step.state))
                 combos = [c for r in range(1, self.prefs.max_parts + 1)
                           for c in itertools.combinations(parts, r)]
+                kind = "state"
             else:
-                combos = self._answer_goal(exp.initial_state, states[t], step)
+                combos, kind = self._answer_goal(exp.initial_state, states[t], step), "read"
             for combo in combos:
                 key = goal_key(self.env.goal_of([c for p in combo for c in p.conditions]))
-                found.setdefault(key, (t, combo))
+                found.setdefault(key, (t, combo, kind))
         for t, combo in self._event_goals(exp):
             key = goal_key(self.env.goal_of([c for p in combo for c in p.conditions]))
-            found.setdefault(key, (t, combo))
+            found.setdefault(key, (t, combo, "event"))
         goals = list(found.values())
         self.rng.shuffle(goals)
         return goals[:self.max_candidates]
@@ -240,7 +242,8 @@ class HindsightSynthesizer:
             return []
         return [(*changes, answer)]
 
-    def _task(self, exp: Exploration, cut: int, parts: tuple[GoalPart, ...]) -> Task | None:
+    def _task(self, exp: Exploration, cut: int, parts: tuple[GoalPart, ...],
+              kind: str = "state") -> Task | None:
         goal = self.env.goal_of([c for p in parts for c in p.conditions])
         states = [exp.initial_state] + [s.state for s in exp.steps]
         # Calls with no effect are dropped before pruning: only state changes and the answer
@@ -261,7 +264,15 @@ class HindsightSynthesizer:
         return make_task(self.env, exp.seed, query, goal, reference, {
             "method": self.method, "exploration": exp.exploration_id,
             "confidence": 0.9 if worded else 0.5, "entities": len(entities),
-            "dependent_ops": dependent, "parts": len(parts)})
+            "dependent_ops": dependent, "parts": len(parts), "goal_kind": kind,
+            "entity_calls": most_calls_on_one(reference, entities)})
+
+
+def most_calls_on_one(reference: Sequence[str], entities) -> int:
+    """The most reference calls that name one of ``entities`` as an argument word: 3 or more
+    is a longer plan on one thing (create it, then change it twice)."""
+    counts = Counter(e for action in reference for e in set(action.split()[1:]) & set(entities))
+    return max(counts.values(), default=0)
 
 
 # --- LLM proposer -------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""Goal-directed explorations: short walks from a world's reset state that set out to make the
+kinds of task random walks rarely leave behind.
+
+A random walk changes many things, so hindsight finds end states, but seldom a change undone
+(an event task), a read after few enough changes to ask for (a read task) or one entity
+changed three times over (a longer plan). A probe fixes an entity first, the one the first
+call that changes the state acts on, and then keeps to it:
+
+``repeat``  three more state-changing calls on that entity;
+``undo``    calls on it until the state is back where the first left it, tools already seen
+            undoing that tool first (:class:`Inverses`);
+``read``    a call that leaves the state as it is on it (a read), after the one change.
+
+Arguments other than the entity are drafted as the schema sampler drafts them; what tools
+change the state, and which undo which, is what the explorer learnt so far. Hindsight
+synthesis then makes tasks of a probe like any other exploration.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from collections.abc import Callable
+
+from environments.base import ToolSpec
+
+PROBE_KINDS = ("repeat", "undo", "read")
+# The kind of stored task (questioning.coverage.task_kinds) each probe sets out to make.
+PROBE_MAKES = {"repeat": "long", "undo": "event", "read": "read"}
+_NAME_TYPES = ("str",)
+
+
+class Inverses:
+    """Which tool was seen undoing which: ``tool -> Counter(undoing tool)``, from any two
+    successful calls in a row where the second put the state back as it was before the
+    first."""
+
+    def __init__(self):
+        self.seen: dict[str, Counter] = defaultdict(Counter)
+
+    def observe(self, first_tool: str, second_tool: str) -> None:
+        self.seen[first_tool][second_tool] += 1
+
+    def of(self, tool: str) -> list[str]:
+        return [name for name, _ in self.seen[tool].most_common()]
+
+
+class ProbePlanner:
+    """The calls of one probe, one at a time: :meth:`next_call` before each step and
+    :meth:`observe` after it.
+
+    ``effects`` (tool -> [calls that changed the state, calls]) and ``draft`` (a value for a
+    tool's argument slot, or None) come from the schema sampler."""
+
+    def __init__(self, kind: str, tools: list[ToolSpec], effects: dict[str, list[int]],
+                 inverses: Inverses, draft: Callable, rng: random.Random,
+                 changes_wanted: int = 3):
+        if kind not in PROBE_KINDS:
+            raise ValueError(f"probe kind must be one of {PROBE_KINDS}, not {kind!r}")
+        self.kind, self.tools, self.effects = kind, tools, effects
+        self.inverses, self.draft, self.rng = inverses, draft, rng
+        self.changes_wanted = changes_wanted
+        self.entity: str | None = None  # the entity the probe keeps to, once fixed
+        self.first_tool: str | None = None
+        self.start_state: dict | None = None  # before the first change
+        self.changes = 0
+        self.done = False
+        self._tried_undo: Counter = Counter()
+
+    def next_call(self, fallback: Callable[[], str]) -> str:
+        """The next call: ``fallback()`` (a depth-phase proposal) until the entity is fixed,
+        then one on the entity (or the fallback where no tool can take it)."""
+        if self.entity is None:
+            return fallback()
+        pick = {"repeat": self._changing, "undo": self._undoing, "read": self._reading}
+        call = pick[self.kind]()
+        return call if call is not None else fallback()
+
+    def observe(self, call: str, ok: bool, before: dict, after: dict) -> None:
+        """What the last call did; fixes the entity at the first successful change."""
+        words = call.split()
+        if not ok or not words:
+            return
+        changed = after != before
+        if self.entity is None:
+            names = [w for w in words[1:] if not _is_number(w)]
+            if changed and names:
+                self.entity, self.first_tool = names[0], words[0]
+                self.start_state, self.changes = before, 1
+            return
+        if self.entity not in words[1:]:
+            return
+        if self.kind == "repeat" and changed:
+            self.changes += 1
+            self.done = self.changes > self.changes_wanted
+        elif self.kind == "undo" and after == self.start_state:
+            self.inverses.observe(self.first_tool, words[0])
+            self.done = True
+        elif self.kind == "read" and not changed:
+            self.done = True
+
+    # --- calls on the entity ---
+
+    def _changing(self) -> str | None:
+        return self._on_entity(lambda t: self._change_rate(t.name) > 0.0)
+
+    def _undoing(self) -> str | None:
+        known = [t for t in self.tools if t.name in self.inverses.of(self.first_tool)]
+        for tool in known:  # a seen inverse first, each tried a few times
+            if self._tried_undo[tool.name] < 3:
+                self._tried_undo[tool.name] += 1
+                call = self._call(tool)
+                if call is not None:
+                    return call
+        return self._on_entity(lambda t: self._change_rate(t.name) > 0.0
+                               and t.name != self.first_tool)
+
+    def _reading(self) -> str | None:
+        return self._on_entity(lambda t: self._change_rate(t.name) < 0.5)
+
+    def _on_entity(self, fits: Callable[[ToolSpec], bool]) -> str | None:
+        tools = [t for t in self.tools if fits(t) and _name_slots(t)]
+        self.rng.shuffle(tools)
+        for tool in tools:
+            call = self._call(tool)
+            if call is not None:
+                return call
+        return None
+
+    def _call(self, tool: ToolSpec) -> str | None:
+        slots = _name_slots(tool)
+        if not slots:
+            return None
+        at = self.rng.choice(slots)
+        words = [tool.name]
+        for slot, arg in enumerate(tool.args):
+            if slot == at:
+                words.append(self.entity)
+                continue
+            if not arg.required and slot > at:
+                break
+            value = self.draft(tool.name, slot, arg)
+            if value is None:
+                return None
+            words.append(str(value))
+        return " ".join(words)
+
+    def _change_rate(self, tool: str) -> float:
+        """How often ``tool`` changed the state, with one pseudo-call each way: 0.5 unseen."""
+        changed, calls = self.effects.get(tool, [0, 0])
+        return (changed + 1) / (calls + 2)
+
+
+def _name_slots(tool: ToolSpec) -> list[int]:
+    """Argument slots that may hold an entity's name: strings without a fixed domain."""
+    return [i for i, a in enumerate(tool.args) if a.type in _NAME_TYPES and not a.choices]
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
