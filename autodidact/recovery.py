@@ -46,6 +46,7 @@ from replay.store import (
     LEARNER_VERSION,
     MAX_STALENESS,
     NEXT_SEQ,
+    SET_ASIDE,
     Store,
     store_path,
 )
@@ -199,7 +200,7 @@ def _outbox(box: Outbox) -> tuple[list[str], int]:
 
 def replay_admission(run_dir: Path) -> tuple[int, int, set[str]]:
     """From ``replay.lmdb``, read-only: (groups ever stored, groups whose slots are free as
-    stale, ids stored now); zeros before replay has stored anything."""
+    stale or set aside, ids stored now); zeros before replay has stored anything."""
     if not (store_path(run_dir) / "data.mdb").exists():
         return 0, 0, set()
     try:
@@ -210,7 +211,10 @@ def replay_admission(run_dir: Path) -> tuple[int, int, set[str]]:
         with store.env.begin() as txn:
             index = store.load_index(txn)
             next_seq = store.get_meta(txn, NEXT_SEQ, 0)
-            stale = store.get_meta(txn, EVICTED_STALE, 0) + _reported_stale(store, txn, index)
+            # Slots free again: groups evicted or skipped as stale, and those set aside as
+            # carrying no signal (BatchRequest.skip_uninformative).
+            stale = (store.get_meta(txn, EVICTED_STALE, 0) + _reported_stale(store, txn, index)
+                     + store.get_meta(txn, SET_ASIDE, 0))
     finally:
         store.close()
     return next_seq, stale, set(index)

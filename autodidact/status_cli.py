@@ -215,6 +215,8 @@ def collect(run_dir: Path, replay_timeout_s: float = 2.0) -> dict:
         "learner_updates": state.get("learner_updates", learner.get("learner/updates")),
         "lag_mean": learner.get("learner/lag_mean"), "lag_max": learner.get("learner/lag_max"),
         "loss": learner.get("learner/loss"),
+        # of the groups the last update drew, the share replay set aside as carrying no signal
+        "uninformative_share": learner.get("learner/uninformative_share"),
         "learner_record_age_s": _age(now, learner),
         "task_queue": live.get("task_queue"),
         "counters": live.get("counters", {}),
@@ -483,6 +485,8 @@ def render(snap: dict, console) -> None:
                     f"   (last learner record {_fmt_age(snap['learner_record_age_s'])} ago)"),
         ("lag", f"mean {_fmt(snap['lag_mean'], '.2f')}, max {_fmt(snap['lag_max'])}"),
         ("loss", _fmt(snap["loss"], ".4f")),
+        ("uninformative", f"{_fmt(snap['uninformative_share'], '.1%')} of the groups the last "
+                          "update drew set aside (no signal)"),
         ("actor success", f"{_fmt(snap['actor_success_rate'], '.1%')} (last "
                           f"{snap['actor_records']} actor records)"),
         ("groups/s", f"{_fmt(snap['groups_per_s'], '.2f')} recent, "

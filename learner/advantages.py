@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# Rewards closer than this count as equal: env rewards are often computed in floating point, so
-# "all trajectories scored the same" should not hinge on the last bit.
-_EQUAL_ATOL = 1e-9
+from protocol.messages import REWARD_ATOL
+
+_EQUAL_ATOL = REWARD_ATOL  # protocol/messages.py: why rewards this close count as equal
 
 
 def is_degenerate(rewards: Sequence[float] | np.ndarray, atol: float = _EQUAL_ATOL) -> bool:

@@ -82,6 +82,8 @@ class Learner:
         self._uncommitted: list[str] = []
         self._stop = StopEvent()
         self.judge_timeouts = 0  # groups of the current batch trained outcome-only: no labels
+        self.uninformative = 0  # groups replay set aside while this batch was drawn: no signal
+        self.uninformative_total = 0
 
     @property
     def share(self) -> int:
@@ -191,7 +193,7 @@ class Learner:
         """Block until this process's share of ``batch_groups`` arrived: (groups, labels by
         group id, seconds waited); (None, None, _) when stopping."""
         groups, labels, drawn, t0 = [], {}, set(), time.monotonic()
-        self.judge_timeouts = 0
+        self.judge_timeouts = self.uninformative = 0
         want_labels = self.alpha() > 0
         while len(groups) < self.share:
             if self.stopping(deadline):
@@ -203,12 +205,15 @@ class Learner:
                 batch = self.replay.request_batch(
                     self.learner_id, self.share - len(groups), self.version,
                     self.cfg.max_staleness, require_labels=want_labels,
-                    label_deadline_s=self.settings.judge_deadline_s, timeout_s=wait)
+                    label_deadline_s=self.settings.judge_deadline_s, timeout_s=wait,
+                    skip_uninformative=self.cfg.skip_uninformative)
             except TransportTimeout as exc:  # no answer, or a full disk (ReplayDiskFull)
                 log.warning("batch request: %s; retrying", exc)
                 continue
-            if batch.stale_skipped:  # frees their admission slots (protocol/control.py)
-                self.control.free_stale_slots(batch.stale_skipped)
+            skipped = batch.stale_skipped + batch.uninformative_skipped
+            if skipped:  # frees their admission slots (protocol/control.py)
+                self.control.free_stale_slots(skipped)
+            self.uninformative += batch.uninformative_skipped
             self.judge_timeouts += batch.judge_timeouts
             labels.update((lab.group_id, lab) for lab in batch.labels)
             for g in batch.groups:
@@ -237,10 +242,15 @@ class Learner:
             self.checkpoint()
         counts = self.ranks.sum({  # the whole batch's, not this rank's share
             "groups": len(groups), "judge_timeouts": self.judge_timeouts,
+            "uninformative_groups": self.uninformative,
             "labelled_groups": len(groups) - stats.get("unlabelled_groups", len(groups)),
             "degenerate_groups": stats["degenerate_groups"], "tokens": stats["tokens"]})
+        skipped = counts["uninformative_groups"]
+        self.uninformative_total += skipped
         m.update(alpha=alpha, judge_timeouts=float(counts["judge_timeouts"]),
-                 labelled_groups=float(counts["labelled_groups"]))
+                 labelled_groups=float(counts["labelled_groups"]),
+                 uninformative_groups=float(skipped),
+                 uninformative_share=skipped / max(skipped + counts["groups"], 1))
         self._log(groups, lags, counts, m, waited_s, time.monotonic() - t0)
 
     def _record(self, groups) -> None:
@@ -274,4 +284,5 @@ class Learner:
             "lr": self.step.lr, "publish_s": self.publisher.last_publish_s,
             "publish_bytes": self.publisher.last_publish_bytes,
         }, step=self.updates)
-        self.control.set_state(learner_updates=self.updates, version=self.version)
+        self.control.set_state(learner_updates=self.updates, version=self.version,
+                               learner_uninformative=self.uninformative_total)

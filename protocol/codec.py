@@ -32,7 +32,7 @@ import numpy as np
 from protocol.errors import SchemaError
 
 MAGIC = "autodidact"
-SCHEMA_VERSION = 6  # bump on any incompatible change to a message in protocol/messages.py
+SCHEMA_VERSION = 7  # bump on any incompatible change to a message in protocol/messages.py
 # v2: label deadline (BatchRequest.label_deadline_s, Batch.judge_timeouts). v3: GroupsSince /
 # StoredGroups, and BatchRequest.timeout_s is a long-poll (at most MAX_BATCH_WAIT_S): a v2
 # server would answer at once and let a v3 learner spin, so it refuses v3 frames instead.
@@ -40,7 +40,9 @@ SCHEMA_VERSION = 6  # bump on any incompatible change to a message in protocol/m
 # older learner's have none and are refused where the run has one. v5: the token moved out of
 # those bodies into the envelope's ``credential``, and every role (actor, judge) sends its own.
 # v6: Trajectory.contexts (an episode's rebuilt contexts): a v5 learner would train their
-# tokens as one sequence, so it must refuse them rather than ignore the field.
+# tokens as one sequence, so it must refuse them rather than ignore the field. v7:
+# BatchRequest.skip_uninformative and Batch.uninformative_skipped: a v6 server would serve the
+# groups a learner asked it to set aside, and never free their admission slots.
 MIN_SCHEMA_VERSION = 1  # oldest version this build still decodes
 CREDENTIAL_SINCE = 5  # frames of this version or later carry a credential
 MAX_CREDENTIAL_CHARS = 128  # a role token is 48 hex characters as made

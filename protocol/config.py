@@ -363,6 +363,12 @@ class LearnerConfig:
     """``η_stale``: train only on groups at most this many versions old; actors admit new work
     only while accepted + running <= (max_staleness + version + 1) * batch_groups."""
 
+    skip_uninformative: bool = True
+    """Groups that carry no signal (every rollout's reward equal and, with the judge weighed in,
+    every step label equal: all their advantages are zero) are set aside by replay instead of
+    trained on, and the batch filled with others (DAPO's dynamic sampling); counted in
+    ``learner/uninformative_groups`` and ``learner/uninformative_share``."""
+
     clip_low: float = 0.2
     """PPO ratio clip below 1."""
 

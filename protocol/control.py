@@ -18,14 +18,17 @@ Layout (``P`` is the prefix, ``autodidact:<run name>`` by default)::
     P:exp:ids               set    exp_ids in ``P:exp:log``
     P:exp:uses              hash   exp_id -> rollouts it was injected into
     P:exp:successes         hash   exp_id -> of those, how many succeeded
+    P:task:trials           hash   task_id -> rollouts the actors finished of it
+    P:task:successes        hash   task_id -> of those, how many scored 1 or more
     P:warmstart:exp:*       ...    the warm-start's scratch pool (:func:`warmstart_prefix`)
 
 Admission (the staleness bound) is one atomic script over ``P:admission``: an actor may start
 ``n`` more groups while ``admitted - stale + n <= (max_staleness + version + 1) * batch``, where
 ``admitted`` counts every group ever admitted (finished or running, less slots given back) and
-``stale`` every group the learner had to skip as too old, so skipped groups free their slots
-instead of wedging the run. These counters are written only by :class:`ControlPlane`'s
-admission methods, never through :meth:`ControlPlane.incr`: a metric can be renamed freely.
+``stale`` every group the learner had to skip as too old or that replay set aside as carrying
+no signal, so skipped groups free their slots instead of wedging the run. These counters are
+written only by :class:`ControlPlane`'s admission methods, never through
+:meth:`ControlPlane.incr`: a metric can be renamed freely.
 
 A Redis that lost its data must not start over at ``admitted = 0`` while the version (restored
 from the weights files) says 50: that would grant the whole window at once. So the script
@@ -289,7 +292,8 @@ class ControlPlane:
                                 args=[member, n, 1]))
 
     def free_stale_slots(self, n: int) -> None:
-        """The learner skipped ``n`` groups as too stale: their slots are free again."""
+        """The learner skipped ``n`` groups, as too stale or (set aside by replay) as carrying
+        no signal: they will never be trained, so their slots are free again."""
         if n > 0:
             self.r.hincrby(self.keys.admission, STALE, n)
 

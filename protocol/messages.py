@@ -55,6 +55,10 @@ def _check_sha256(value: str, name: str) -> None:
 
 SPLITS = ("train", "validation", "test")  # a task's split; the last two are held out
 HELD_OUT_SPLITS = ("validation", "test")
+# Rewards closer than this count as equal (Group.outcomes_equal; the learner's advantages): env
+# rewards are often computed in floating point, and "all scored the same" must not hinge on
+# the last bit.
+REWARD_ATOL = 1e-9
 
 
 @message("task")
@@ -187,6 +191,12 @@ class Group:
         if not self.trajectories:
             raise SchemaError("invalid", "a group has at least one trajectory", "trajectories")
 
+    def outcomes_equal(self) -> bool:
+        """Every rollout scored the same (within ``REWARD_ATOL``): the group carries no outcome
+        signal, its outcome advantage is zero for every rollout."""
+        rewards = [t.reward for t in self.trajectories]
+        return len(rewards) < 2 or max(rewards) - min(rewards) <= REWARD_ATOL
+
     def policy_versions(self) -> tuple[int, int]:
         spans = [t.policy_versions() for t in self.trajectories]
         spans = [s for s in spans if s[0] >= 0]
@@ -251,6 +261,11 @@ class StepLabels:
         if any(v not in (0, 1) for row in self.labels for v in row):
             raise SchemaError("invalid", "labels are 0 (BAD) or 1 (GOOD)", "labels")
 
+    def all_equal(self) -> bool:
+        """Every step of every trajectory got the same label (or there are none): the step
+        judge's signal is zero across the group, as the composite advantage z-scores it."""
+        return len({v for row in self.labels for v in row}) <= 1
+
 
 # --- learning ----------------------------------------------------------------------------------
 
@@ -280,6 +295,10 @@ class BatchRequest:
     # and answers as soon as a group (or a stale skip) is there; 0 = answer at once, maybe empty.
     # The client's own deadline for the answer must be longer.
     timeout_s: float = 0.0
+    # Set aside, never to serve, groups that carry no signal: every rollout's reward equal
+    # and, with require_labels, every step label equal (a group served unjudged past the
+    # deadline: its rewards alone). Reported in Batch.uninformative_skipped (v7).
+    skip_uninformative: bool = False
 
     def validate(self):
         # A bad bound here is not harmless: version and max_staleness move the server's stale
@@ -297,6 +316,9 @@ class Batch:
     groups: list[Group]  # oldest first; each group is delivered to the learner once
     labels: list[StepLabels] = field(default_factory=list)  # labels of judged groups in `groups`
     stale_skipped: int = 0  # groups passed over as too stale since the last batch
+    # groups set aside as carrying no signal (BatchRequest.skip_uninformative) in this answer;
+    # their admission slots are free, as a stale group's (v7)
+    uninformative_skipped: int = 0
     judge_timeouts: int = 0  # groups in `groups` served unjudged past label_deadline_s
 
 

@@ -103,14 +103,17 @@ class ReplayClient:
 
     def request_batch(self, learner_id: str, num_groups: int, version: int,
                       max_staleness: int = 4, require_labels: bool = False,
-                      label_deadline_s: float = 0.0, timeout_s: float = 0.0) -> Batch:
+                      label_deadline_s: float = 0.0, timeout_s: float = 0.0,
+                      skip_uninformative: bool = False) -> Batch:
         """Up to ``num_groups`` groups; with ``require_labels`` only judged ones, plus unjudged
         ones stored more than ``label_deadline_s`` ago (when > 0). With ``timeout_s`` > 0 (at
         most ``MAX_BATCH_WAIT_S``) the server holds the request while it has nothing to serve
         and answers as soon as it has, or empty once ``timeout_s`` has passed; this call waits
-        that much longer than its usual deadline."""
+        that much longer than its usual deadline. With ``skip_uninformative`` groups that carry
+        no signal are set aside instead (``Batch.uninformative_skipped``)."""
         return self._request(BatchRequest(learner_id, num_groups, version, max_staleness,
-                                          require_labels, label_deadline_s, timeout_s), Batch,
+                                          require_labels, label_deadline_s, timeout_s,
+                                          skip_uninformative), Batch,
                              timeout_s=self.timeout_s + timeout_s)
 
     # --- readers (the experience role) -----------------------------------------------------

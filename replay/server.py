@@ -80,6 +80,7 @@ from replay.store import (
     MAX_STALENESS,
     NEXT_SEQ,
     ROLES_BY_TOKEN,
+    SET_ASIDE,
     GroupRecord,
     Store,
     store_path,
@@ -126,6 +127,14 @@ class _HandlerCrash(Exception):
     def __init__(self, incoming: Incoming, exc: Exception):
         super().__init__(repr(exc))
         self.incoming, self.exc = incoming, exc
+
+
+def _uninformative(rec: GroupRecord, req: BatchRequest, kind: str) -> bool:
+    """A group that would carry no signal to ``req``'s learner: equal rewards and, where it
+    trains on labels (``require_labels``, a group not served unjudged), equal labels."""
+    if not rec.outcome_equal:
+        return False
+    return kind == "overdue" or not req.require_labels or rec.labels_equal
 
 
 class ReplayServer:
@@ -435,7 +444,8 @@ class ReplayServer:
             raise SchemaError("invalid", f"group_id longer than {MAX_KEY_BYTES} bytes", "group_id")
         vmin, vmax = group.policy_versions()
         rec = GroupRecord(seq=self.next_seq, task_id=group.task.task_id, min_version=vmin,
-                          max_version=vmax, nbytes=len(inc.body), created=time.time())
+                          max_version=vmax, nbytes=len(inc.body), created=time.time(),
+                          outcome_equal=group.outcomes_equal())
         # The body exactly as sent: what the learner reads back is byte-identical.
         self.store.put_group(txn, gid, inc.body, rec)
         self.next_seq += 1
@@ -463,7 +473,7 @@ class ReplayServer:
             raise SchemaError("invalid", f"labels per step {got} for a group with steps {want}",
                               "labels")
         self.store.put_labels(txn, labels.group_id, inc.body, rec)
-        rec.judged = True
+        rec.judged, rec.labels_equal = True, labels.all_equal()
         self.store.put_record(txn, labels.group_id, rec)
         self.unjudged.pop(labels.group_id, None)
         self.leases.pop(labels.group_id, None)
@@ -491,6 +501,7 @@ class ReplayServer:
             # The learner retried because our reply was lost: the same groups again, so none
             # is marked delivered without having reached it.
             ids, skipped, timeouts = [g for g in last[1] if g in self.index], 0, 0
+            set_aside = last[2] if len(last) > 2 else 0  # the learner frees their slots once
             self.counters["batch_retries"] += 1
         else:
             held = self.held.get(req.learner_id)
@@ -499,8 +510,8 @@ class ReplayServer:
                 held = None
             now = time.monotonic()
             deadline = held.deadline if held is not None else now + req.timeout_s
-            ids, skipped, timeouts = self._pick_batch(req)
-            if (not ids and not skipped and now < deadline and inc.msg_id
+            ids, skipped, timeouts, uninformative = self._pick_batch(req)
+            if (not ids and not skipped and not uninformative and now < deadline and inc.msg_id
                     and (held is not None or len(self.held) < MAX_HELD)):
                 if held is None:
                     self.counters["batch_held"] += 1
@@ -512,12 +523,29 @@ class ReplayServer:
                 self.store.put_record(txn, gid, self.index[gid])
                 self.deliverable.pop(gid)
             self.counters["groups_delivered"] += len(ids)
-            self.store.put_meta(txn, LAST_BATCH + req.learner_id, [inc.msg_id, ids])
+            self._set_aside(txn, uninformative)
+            set_aside = len(uninformative)
+            self.store.put_meta(txn, LAST_BATCH + req.learner_id, [inc.msg_id, ids, set_aside])
         groups = [codec.decode_body(Group.TYPE, self.store.body(txn, g)) for g in ids]
         raw_labels = [self.store.labels(txn, g) for g in ids]
         labels = [codec.decode_body(StepLabels.TYPE, raw) for raw in raw_labels if raw]
         return Batch(groups=groups, labels=labels, stale_skipped=skipped,
-                     judge_timeouts=timeouts)
+                     judge_timeouts=timeouts, uninformative_skipped=set_aside)
+
+    def _set_aside(self, txn, group_ids: list[str]) -> None:
+        """Groups that carry no signal leave every queue for good: consumed without training
+        (a LearnerHello leaves them so), their count kept for admission's rebuild."""
+        if not group_ids:
+            return
+        for gid in group_ids:
+            rec = self.index[gid]
+            rec.set_aside = rec.consumed = rec.delivered = True
+            self.store.put_record(txn, gid, rec)
+            self.deliverable.pop(gid, None)
+            self.unjudged.pop(gid, None)
+        self.store.put_meta(txn, SET_ASIDE, self.store.get_meta(txn, SET_ASIDE, 0)
+                            + len(group_ids))
+        self.counters["uninformative_set_aside"] += len(group_ids)
 
     def _release(self, learner_id: str, why: str) -> None:
         """Let a held request go unserved: answered with an empty batch, nothing recorded (its
@@ -537,21 +565,28 @@ class ReplayServer:
             if self._is_stale(rec, floor):
                 if gid not in self.stale_seen:
                     yield gid, "stale"
-            elif rec.judged or not req.require_labels:
-                yield gid, "serve"
+                continue
+            if rec.judged or not req.require_labels:
+                kind = "serve"
             elif overdue_before is not None and rec.created <= overdue_before:
                 # The judges are behind or gone: the learner trains it on the outcome alone
                 # rather than stall; a late label is still stored but no longer used.
-                yield gid, "overdue"
+                kind = "overdue"
+            else:
+                continue
+            if req.skip_uninformative and _uninformative(rec, req, kind):
+                kind = "uninformative"
+            yield gid, kind
 
     def _servable(self, req: BatchRequest) -> bool:
         """Whether answering ``req`` now would serve a group or report a stale skip."""
         return req.num_groups > 0 and next(self._candidates(req), None) is not None
 
-    def _pick_batch(self, req: BatchRequest) -> tuple[list[str], int, int]:
+    def _pick_batch(self, req: BatchRequest) -> tuple[list[str], int, int, list[str]]:
         """Oldest deliverable groups within the staleness bound: (ids, stale skipped, served
-        unjudged past the label deadline). Counts each stale one once."""
-        ids, skipped, timeouts = [], 0, 0
+        unjudged past the label deadline, uninformative ones to set aside). Counts each stale
+        one once."""
+        ids, skipped, timeouts, uninformative = [], 0, 0, []
         for gid, kind in self._candidates(req):
             if len(ids) >= req.num_groups:
                 break
@@ -559,12 +594,14 @@ class ReplayServer:
                 self.stale_seen.add(gid)
                 self._stale_added.append(gid)
                 skipped += 1
+            elif kind == "uninformative":
+                uninformative.append(gid)
             else:
                 ids.append(gid)
                 timeouts += kind == "overdue"
         self.counters["stale_skipped"] += skipped
         self.counters["judge_timeouts"] += timeouts
-        return ids, skipped, timeouts
+        return ids, skipped, timeouts, uninformative
 
     def _on_ledger(self, txn, inc: Incoming):
         commit: LedgerCommit = inc.msg
@@ -582,7 +619,7 @@ class ReplayServer:
         covered = set(hello.consumed)
         reset = unconsumed = 0
         for gid, rec in self.index.items():
-            if rec.consumed and gid not in covered:
+            if rec.consumed and gid not in covered and not rec.set_aside:
                 rec.consumed = False
                 unconsumed += 1
             if rec.delivered and not rec.consumed:

@@ -40,7 +40,8 @@ EVICTED = "evicted"
 EVICTED_STALE = "evicted_stale"
 LEARNER_VERSION = "learner_version"  # newest policy version a learner told us about
 MAX_STALENESS = "max_staleness"  # the bound the learner last asked for
-LAST_BATCH = "last_batch/"  # + learner_id: [msg_id, [group ids]] of the last Batch sent
+LAST_BATCH = "last_batch/"  # + learner_id: [msg_id, [group ids], set aside] of the last Batch
+SET_ASIDE = "set_aside"  # groups ever set aside as uninformative: their admission slots are free
 # True once the store was served with role tokens, False for one made on a directory without
 # any (served open); see ReplayServer._token_authority. Absent: made before the record existed.
 ROLES_BY_TOKEN = "roles_by_token"
@@ -63,6 +64,12 @@ class GroupRecord:
     # checksums, or no labels yet). ``autodidact replay check`` verifies them.
     crc32: int = -1
     labels_crc32: int = -1
+    # Whether every rollout scored the same, and every step label is the same (known once
+    # judged): what BatchRequest.skip_uninformative reads. Set aside: never served, never
+    # counted against admission again; a LearnerHello leaves it consumed.
+    outcome_equal: bool = False
+    labels_equal: bool = False
+    set_aside: bool = False
 
     def pack(self) -> bytes:
         return msgpack.packb([getattr(self, name) for name in _RECORD_FIELDS])

@@ -430,7 +430,9 @@ def test_learner_under_torchrun_draws_shares_and_rank_0_alone_commits(tmp_path, 
     server = ServerProc(run_dir).start()
     client = ReplayClient(server.address, retry_after_s=0.5, timeout_s=10)
     prefix = f"ddp:{uuid.uuid4().hex[:8]}"
+    # skip_uninformative off: the one-trajectory (degenerate) groups are part of what is tested.
     cfg = load_config(None, ["learner.batch_groups=4", "learner.nproc=2",
+                             "learner.skip_uninformative=false",
                              "learner.checkpoint_every=2", "learner.max_staleness=100",
                              "judge.workers=0", "experience.enabled=false"])
     cfg.redis.url, cfg.redis.prefix = redis_url, prefix

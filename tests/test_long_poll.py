@@ -80,7 +80,7 @@ def test_a_held_request_is_answered_by_the_burst_that_brings_a_group(server):
     assert replies["push-0"] == Ack("stored")
     assert ids(replies["m1"]) == ["g-0"]  # one group is enough: not held until the batch fills
     assert codec.encode_body(replies["m1"].groups[0]) == codec.encode_body(g0)
-    assert server.held == {} and last_batch(server) == ["m1", ["g-0"]]
+    assert server.held == {} and last_batch(server) == ["m1", ["g-0"], 0]  # none set aside
     assert server.index["g-0"].delivered
     # A request and a group in one burst: the request is held first, then served after it.
     replies = send(server, (ask(), "m2"), (make_group(1), "push-1"))
@@ -121,7 +121,7 @@ def test_an_unservable_request_is_answered_empty_when_its_time_is_up(server, mon
     assert send(server) == {}  # a tick before the deadline: still held
     move_clocks(monkeypatch, mono=6.0)
     assert send(server) == {"m1": Batch(groups=[])}
-    assert server.held == {} and last_batch(server) == ["m1", []]
+    assert server.held == {} and last_batch(server) == ["m1", [], 0]
     assert send(server, (make_group(0), "p0")) == {"p0": Ack("stored")}  # to nobody
     assert send(server, (ask(timeout_s=0.0), "m1")) == {"m1": Batch(groups=[])}  # retry: same
     assert ids(send(server, (ask(timeout_s=0.0), "m2"))["m2"]) == ["g-0"]

@@ -122,6 +122,8 @@ def test_status_of_a_live_run(run):
     assert snap["judge_backlog"]["source"] == "replay server"
     assert snap["groups_total"] > 0 and snap["actor_success_rate"] is not None
     assert snap["lag_mean"] is not None
+    assert 0 <= snap["uninformative_share"] <= 1  # learner.skip_uninformative, on by default
+    assert "set aside (no signal)" in run["live_text"]
     password = (run["dir"] / "redis" / "password").read_text().strip()
     assert password not in json.dumps(snap) and password not in run["live_text"]
     assert "phase rl" in run["live_text"] and "alive" in run["live_text"], run["live_text"]
