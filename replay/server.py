@@ -398,6 +398,7 @@ class ReplayServer:
             self.next_seq = get(txn, NEXT_SEQ, 0)
             self.evicted = get(txn, EVICTED, 0)
             self.evicted_stale = get(txn, EVICTED_STALE, 0)
+            self.set_aside = get(txn, SET_ASIDE, 0)
             self.learner_version = get(txn, LEARNER_VERSION)
             self.max_staleness = get(txn, MAX_STALENESS)
         self._saved = (self.next_seq, self.evicted, self.evicted_stale,
@@ -543,9 +544,8 @@ class ReplayServer:
             self.store.put_record(txn, gid, rec)
             self.deliverable.pop(gid, None)
             self.unjudged.pop(gid, None)
-        self.store.put_meta(txn, SET_ASIDE, self.store.get_meta(txn, SET_ASIDE, 0)
-                            + len(group_ids))
-        self.counters["uninformative_set_aside"] += len(group_ids)
+        self.set_aside += len(group_ids)
+        self.store.put_meta(txn, SET_ASIDE, self.set_aside)
 
     def _release(self, learner_id: str, why: str) -> None:
         """Let a held request go unserved: answered with an empty batch, nothing recorded (its
@@ -789,10 +789,12 @@ class ReplayServer:
         values = {
             "groups": len(self.index), "bytes": self.nbytes,
             "judged": sum(r.judged for r in recs), "delivered": sum(r.delivered for r in recs),
-            "consumed": sum(r.consumed for r in recs), "deliverable": len(self.deliverable),
+            "consumed": sum(r.consumed and not r.set_aside for r in recs),
+            "deliverable": len(self.deliverable),
             "unjudged": len(self.unjudged), "leased": len(self.leases),
             "batches_held": len(self.held),
             "evicted": self.evicted, "evicted_stale": self.evicted_stale,
+            "set_aside": self.set_aside,
             "oldest_version": min(versions, default=None),
             "newest_version": max(versions, default=None),
             "learner_version": self.learner_version, "disk_full_now": int(self.disk_full),

@@ -220,12 +220,15 @@ class Store:
 def read_stats(run_dir) -> dict:
     """Counts over the store at ``run_dir``, read-only: safe while the server runs.
 
-    ``evicted`` counts every group evicted so far, ``evicted_stale`` the unconsumed ones among
-    them that were evicted for being past the staleness bound. Versions are over generated
-    tokens of the groups still stored (null when none has any).
+    ``consumed`` counts the stored groups a learner trained on (its committed ledger),
+    ``set_aside`` every group replay ever set aside as carrying no signal. ``evicted`` counts
+    every group evicted so far, ``evicted_stale`` the unconsumed ones among them that were
+    evicted for being past the staleness bound. Versions are over generated tokens of the
+    groups still stored (null when none has any).
     """
-    out = {"groups": 0, "judged": 0, "consumed": 0, "delivered": 0, "evicted": 0,
-           "evicted_stale": 0, "bytes": 0, "oldest_version": None, "newest_version": None}
+    out = {"groups": 0, "judged": 0, "consumed": 0, "delivered": 0, "set_aside": 0,
+           "evicted": 0, "evicted_stale": 0, "bytes": 0, "oldest_version": None,
+           "newest_version": None}
     if not (store_path(run_dir) / "data.mdb").exists():
         return out
     try:
@@ -239,13 +242,14 @@ def read_stats(run_dir) -> dict:
                 rec = GroupRecord.unpack(raw)
                 out["groups"] += 1
                 out["judged"] += rec.judged
-                out["consumed"] += rec.consumed
+                out["consumed"] += rec.consumed and not rec.set_aside
                 out["delivered"] += rec.delivered
                 out["bytes"] += rec.nbytes
                 if rec.min_version >= 0:
                     versions += (rec.min_version, rec.max_version)
             out["evicted"] = store.get_meta(txn, EVICTED, 0)
             out["evicted_stale"] = store.get_meta(txn, EVICTED_STALE, 0)
+            out["set_aside"] = store.get_meta(txn, SET_ASIDE, 0)
             if versions:
                 out["oldest_version"], out["newest_version"] = min(versions), max(versions)
     finally:

@@ -412,7 +412,7 @@ def test_read_stats_matches_the_store(server, client):
     server.stop()
     stats = read_stats(server.run_dir)
     assert stats == {
-        "groups": 8, "judged": 3, "consumed": 2, "delivered": 4, "evicted": 0,
+        "groups": 8, "judged": 3, "consumed": 2, "delivered": 4, "set_aside": 0, "evicted": 0,
         "evicted_stale": 0, "bytes": sum(len(codec.encode_body(g)) for g in groups),
         "oldest_version": min(g.policy_versions()[0] for g in groups),
         "newest_version": max(g.policy_versions()[1] for g in groups)}
