@@ -685,8 +685,9 @@ class ExploreConfig:
     probe fixes one entity and changes it three more times, undoes a change to it, or reads
     it. 0: random walks only (what the recorded results used)."""
 
-    probe_steps: int = 8
-    """The most steps of a goal-directed exploration (it ends when its goal is reached)."""
+    probe_steps: int = 16
+    """The most steps of a goal-directed exploration (a ``read`` probe ends at its read; the
+    others go on with another entity)."""
 
     rounds: int = 1
     """Rounds over the seeds for ``autodidact explore`` (0 = until stopped; the ``alongside``

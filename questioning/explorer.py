@@ -74,7 +74,7 @@ class ExploreSettings:
     breadth_temperature: float = 1.2
     depth_temperature: float = 0.8
     context_observations: int = 3  # ``k``: observations the depth phase builds on
-    probe_steps: int = 8  # the most steps of a goal-directed exploration (questioning/probes.py)
+    probe_steps: int = 16  # the most steps of a goal-directed exploration (questioning/probes.py)
 
 
 def seed_tasks(env: Environment, limit: int = 0) -> list[Task]:
@@ -518,7 +518,8 @@ class Explorer:
                 planner.observe(action, ok, before, after)
                 if planner.done:
                     self.counts[f"probes_done/{probe}"] += 1
-                    break
+                    if not planner.next_target():
+                        break
             before = after
         exp.seconds = time.monotonic() - t0
         self.counts["explorations"] += 1

@@ -37,6 +37,7 @@ from questioning.synthesis import (
 log = logging.getLogger(__name__)
 
 GIVE_UP_AFTER = 20  # probes of one kind that made no task of it: that kind is not run again
+PROBE_SHARE_MAX = 0.5  # of the explorations of one explore run
 
 
 def explorations_path(run_dir: Path) -> Path:
@@ -254,13 +255,15 @@ class TaskFactory:
 
     def _probe_kind(self) -> str | None:
         """The probe that makes the kind of task the store holds the smallest share of, when
-        that share is below ``explore.kind_target``; None (a random walk) when no kind is.
+        that share is below ``explore.kind_target`` and probes are not half the explorations
+        already; None (a random walk) otherwise.
         A probe that made no task of its kind in ``GIVE_UP_AFTER`` tries is not run again:
         the env cannot make that kind (no ``describe_event``, say)."""
         target = self.cfg.explore.kind_target
         stored = sum(len(tasks) for tasks in self.by_seed.values())
-        if target <= 0:
-            return None
+        probes = sum(self.probes_run.values())
+        if target <= 0 or probes >= PROBE_SHARE_MAX * (self.counts["explorations"] + 1):
+            return None  # random walks make most tasks (and the gaps' tools): half at least
         shares = {probe: self.kinds[kind] / max(stored, 1) for probe, kind in PROBE_MAKES.items()
                   if self.probes_made[probe] or self.probes_run[probe] < GIVE_UP_AFTER}
         lacking = {probe: share for probe, share in shares.items() if share < target}

@@ -62,10 +62,22 @@ class ProbePlanner:
         self.changes_wanted = changes_wanted
         self.entity: str | None = None  # the entity the probe keeps to, once fixed
         self.first_tool: str | None = None
+        self.first_args: list[str] = []  # the first change's arguments: an undo often repeats them
         self.start_state: dict | None = None  # before the first change
         self.changes = 0
         self.done = False
         self._tried_undo: Counter = Counter()
+
+    def next_target(self) -> bool:
+        """After a ``repeat`` or ``undo`` probe reached its goal: go on with another entity
+        (each such run makes tasks of its own; an event pair is replayed alone). A ``read``
+        cannot: a second change would make the next read's query ask for both."""
+        if self.kind == "read":
+            return False
+        self.entity = self.first_tool = self.start_state = None
+        self.first_args, self.changes, self.done = [], 0, False
+        self._tried_undo.clear()
+        return True
 
     def next_call(self, fallback: Callable[[], str]) -> str:
         """The next call: ``fallback()`` (a depth-phase proposal) until the entity is fixed,
@@ -86,6 +98,7 @@ class ProbePlanner:
             names = [w for w in words[1:] if not _is_number(w)]
             if changed and names:
                 self.entity, self.first_tool = names[0], words[0]
+                self.first_args = words[1:]
                 self.start_state, self.changes = before, 1
             return
         if self.entity not in words[1:]:
@@ -105,15 +118,23 @@ class ProbePlanner:
         return self._on_entity(lambda t: self._change_rate(t.name) > 0.0)
 
     def _undoing(self) -> str | None:
-        known = [t for t in self.tools if t.name in self.inverses.of(self.first_tool)]
-        for tool in known:  # a seen inverse first, each tried a few times
-            if self._tried_undo[tool.name] < 3:
-                self._tried_undo[tool.name] += 1
-                call = self._call(tool)
-                if call is not None:
-                    return call
-        return self._on_entity(lambda t: self._change_rate(t.name) > 0.0
-                               and t.name != self.first_tool)
+        """A seen inverse of the first change's tool first, then any other tool that changes
+        the state; each first with the first change's own arguments (``sub x 2`` undoes
+        ``add x 2``), then with drafted ones."""
+        seen = self.inverses.of(self.first_tool)
+        others = [t for t in self.tools if t.name != self.first_tool and t.name not in seen
+                  and self._change_rate(t.name) > 0.0 and _name_slots(t)]
+        self.rng.shuffle(others)
+        for tool in [t for name in seen for t in self.tools if t.name == name] + others:
+            tries = self._tried_undo[tool.name]
+            if tries >= 3:
+                continue
+            self._tried_undo[tool.name] += 1
+            same = len(tool.args) == len(self.first_args) and tries == 0
+            call = " ".join([tool.name, *self.first_args]) if same else self._call(tool)
+            if call is not None:
+                return call
+        return None
 
     def _reading(self) -> str | None:
         return self._on_entity(lambda t: self._change_rate(t.name) < 0.5)

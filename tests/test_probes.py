@@ -152,9 +152,11 @@ def test_probes_make_event_read_and_longer_tasks(explored):
 
 def test_random_walks_alone_make_fewer_of_them(explored):
     walks, probes = _shares(explored[0.0]), _shares(explored[0.1])
-    # Measured: walks event 1.7%, read 3.8%, long 8.1%; with probes 9.0%, 12.9%, 20.6%.
+    # Measured: walks event 1.7%, read 3.8%, long 8.1% of 866 tasks; with probes (half the
+    # explorations at most) 5.1%, 6.0%, 13.1% of 739.
     assert walks["event"] < 0.05 and walks["read"] < 0.05, walks
-    assert all(probes[k] > 2 * walks[k] for k in walks), (walks, probes)
+    assert all(probes[k] > walks[k] for k in walks) and probes["event"] > 2 * walks["event"]
+    assert len(explored[0.1]) > len(explored[0.0]) / 2  # random walks still make most tasks
 
 
 def test_an_undo_probe_learns_the_inverse_it_found():
