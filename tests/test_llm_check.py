@@ -105,7 +105,7 @@ def test_vllm_serve_on_smollm2_as_judge_extractor_and_proposer(tmp_path):
             cfg = load_config(None, ["llm.max_retries=0", "llm.timeout_s=240",
                                      f"llm.structured_outputs={mode}"])
             summaries[mode] = check_endpoint(cfg, tmp_path / mode, server.url, server.name,
-                                             n=2, concurrency=2, max_tokens=96)
+                                             n=2, concurrency=2, max_tokens=64)
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the server's whole process group is gone
     for mode, summary in summaries.items():
