@@ -210,8 +210,12 @@ class Learner:
             except TransportTimeout as exc:  # no answer, or a full disk (ReplayDiskFull)
                 log.warning("batch request: %s; retrying", exc)
                 continue
+            # Their admission slots are free (protocol/control.py). Replay counted the set-aside
+            # ones durably first: a Redis that lost its data just then is rebuilt with them
+            # counted and freed once more here (the bound loosens by those few), and a learner
+            # killed before this line frees nothing (tightens by as many), as for stale skips.
             skipped = batch.stale_skipped + batch.uninformative_skipped
-            if skipped:  # frees their admission slots (protocol/control.py)
+            if skipped:
                 self.control.free_stale_slots(skipped)
             self.uninformative += batch.uninformative_skipped
             self.judge_timeouts += batch.judge_timeouts
