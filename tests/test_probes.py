@@ -28,7 +28,6 @@ TOOLS = (ToolSpec("new", "create a tally", (ArgSpec("name", kind="id"),)),
          ToolSpec("drop", "delete a tally", (ArgSpec("name"),)))
 
 
-@register_env("tally")
 class Tally(Environment):
     """Named tallies; every change is an event it words, and ``show`` a read it words."""
 
@@ -119,9 +118,21 @@ class Tally(Environment):
                 for s in seeds]
 
 
-def _explore(tmp_path, probe_share: float) -> list[Task]:
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    """``tally`` registered for this module's tests only: registered at import, it would join
+    the envs other modules parametrize over (test_splits: the package's own)."""
+    from environments.base import _ENVS
+
+    register_env("tally")(Tally)
+    yield
+    for name in ("tally", "tally_unworded"):
+        _ENVS.pop(name, None)
+
+
+def _explore(tmp_path, kind_target: float) -> list[Task]:
     cfg = load_config(None, ["env.name=tally", "explore.proposer=schema",
-                             f"explore.kind_target={probe_share}",
+                             f"explore.kind_target={kind_target}",
                              "explore.explorations_per_seed=12", "explore.max_parts=2"])
     with TaskStore(tmp_path) as store:
         TaskFactory(cfg, tmp_path, store, say=lambda _: None).run(rounds=1)
@@ -129,7 +140,7 @@ def _explore(tmp_path, probe_share: float) -> list[Task]:
 
 
 @pytest.fixture(scope="module")
-def explored(tmp_path_factory):
+def explored(registered, tmp_path_factory):
     return {target: _explore(tmp_path_factory.mktemp(f"probe{target}"), target)
             for target in (0.0, 0.1)}
 

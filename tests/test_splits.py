@@ -1,6 +1,7 @@
 """Held-out splits are whole worlds: no built-in env's validation or test world is a training
-world, and exploration (which visits the training tasks' worlds) never enters one. The
-explorations of a real default `autodidact explore` are checked in test_explore_integration.
+world, and exploration (which visits the training worlds: its training tasks' and those it
+declares, ``train_worlds``) never enters one. The explorations of a real default
+`autodidact explore` are checked in test_explore_integration.
 """
 
 from __future__ import annotations
@@ -9,16 +10,20 @@ import importlib.util
 
 import pytest
 
-from environments import env_names, make_env, world_split
+from environments import env_class, env_names, make_env, world_split
 from environments.base import check_split
 from protocol.messages import HELD_OUT_SPLITS, SPLITS
 from questioning.explorer import seed_tasks
 
-BUILT_IN = [n for n in env_names() if n != "bfcl" or importlib.util.find_spec("bfcl_eval")]
+# The package's own envs (not those a test module registers), bfcl where its package is here.
+BUILT_IN = [n for n in env_names() if env_class(n).__module__.startswith("environments.")
+            and (n != "bfcl" or importlib.util.find_spec("bfcl_eval"))]
 
 
 def worlds(env, split: str) -> set[int]:
-    return {t.seed for t in env.tasks(split)}
+    """The worlds of ``split``'s tasks, and for ``train`` those the env declares as well."""
+    declared = set(env.train_worlds) if split == "train" else set()
+    return {t.seed for t in env.tasks(split)} | declared
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
