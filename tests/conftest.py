@@ -117,6 +117,16 @@ def pytest_collection_modifyitems(session, config, items):
                else 2 if item.path in slow else 3)
 
 
+def pytest_ignore_collect(collection_path, config):
+    """The vLLM tier (``-m vllm``, scripts/test.sh) imports only the modules that hold such
+    tests: importing the other hundred-odd cost it 10 s of a core it shares with the main tier."""
+    if config.getoption("markexpr") != "vllm" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.vllm" not in collection_path.read_text() or None
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` (scripts/test.sh): each module on one worker, so its module-scoped
@@ -133,6 +143,33 @@ def pytest_xdist_make_scheduler(config, log):
             return module if chain is None else f"whole runs {chain}"
 
     return WholeRunsInTurn(config, log)
+
+
+CPU_LOG = os.environ.get("AUTODIDACT_TEST_CPU_LOG")
+
+
+def _cpu_s() -> float:
+    """User + system seconds of this process and every descendant it has reaped."""
+    import resource
+
+    own, reaped = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                        resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With AUTODIDACT_TEST_CPU_LOG=FILE, one line a test: its CPU seconds (set-up, call and
+    tear-down, with the processes it started and reaped) and wall seconds. The suite is
+    CPU-bound on 2 cores, so CPU, not wall under contention, says what a test costs."""
+    if not CPU_LOG:
+        yield
+        return
+    cpu, wall = _cpu_s(), time.monotonic()
+    yield
+    line = f"{_cpu_s() - cpu:.1f}\t{time.monotonic() - wall:.1f}\t{item.nodeid}\n"
+    with open(CPU_LOG, "a") as f:
+        f.write(line)
 
 
 def pytest_sessionfinish(session, exitstatus):
