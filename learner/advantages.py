@@ -10,27 +10,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protocol.messages import REWARD_ATOL
-
-_EQUAL_ATOL = REWARD_ATOL  # protocol/messages.py: why rewards this close count as equal
-
-
-def is_degenerate(rewards: Sequence[float] | np.ndarray, atol: float = _EQUAL_ATOL) -> bool:
-    """True when a group carries no outcome signal: fewer than two rewards, or all equal."""
-    r = np.asarray(rewards, dtype=np.float64)
-    return r.size < 2 or float(np.ptp(r)) <= atol
+from protocol.messages import REWARD_ATOL, rewards_equal
 
 
 def grpo_advantages(rewards: Sequence[float] | np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """Outcome rewards normalised within their group.
 
     ``A_i = (R_i - mean(R)) / (std(R) + eps)`` with the population std (``ddof=0``).
-    A degenerate group (see :func:`is_degenerate`) gets all zeros: every rollout did equally
+    A group whose rewards are all equal (:func:`protocol.messages.rewards_equal`) gets all
+    zeros: every rollout did equally
     well, so there is nothing to prefer, and dividing by a ~0 std would only amplify noise.
     Returns float64 of the same length as ``rewards``.
     """
     r = np.asarray(rewards, dtype=np.float64)
-    if is_degenerate(r):
+    if rewards_equal(r):
         return np.zeros_like(r)
     return (r - r.mean()) / (r.std() + eps)
 
@@ -84,6 +77,6 @@ def _zscore_equal_weight(rows: list[np.ndarray], eps: float) -> list[np.ndarray]
     mu = float(np.mean([r.mean() for r in present]))
     var = float(np.mean([((r - mu) ** 2).mean() for r in present]))
     sigma = var**0.5
-    if sigma <= _EQUAL_ATOL:
+    if sigma <= REWARD_ATOL:
         return [np.zeros_like(r) for r in rows]
     return [(r - mu) / (sigma + eps) for r in rows]

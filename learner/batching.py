@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from learner.advantages import composite_step_advantages, grpo_advantages, is_degenerate
+from learner.advantages import composite_step_advantages, grpo_advantages
 from protocol.messages import Group, StepLabels, Trajectory
 
 EXPERIENCE_MODES = ("discard", "keep")
@@ -138,8 +138,7 @@ def build_batch(
     if label_map is not None:
         stats["unlabelled_groups"] = 0
     for gi, group in enumerate(groups):
-        rewards = [t.reward for t in group.trajectories]
-        stats["degenerate_groups"] += int(is_degenerate(rewards))
+        stats["degenerate_groups"] += int(group.outcomes_equal())
         if advantages is not None:
             per_traj = _given_advantages(group, advantages[gi])
         elif label_map is not None and group.group_id in label_map:

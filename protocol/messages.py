@@ -61,6 +61,13 @@ HELD_OUT_SPLITS = ("validation", "test")
 REWARD_ATOL = 1e-9
 
 
+def rewards_equal(rewards) -> bool:
+    """Fewer than two rewards, or all within ``REWARD_ATOL``: a group that carries no outcome
+    signal (its outcome advantage is zero for every rollout)."""
+    rewards = [float(r) for r in rewards]
+    return len(rewards) < 2 or max(rewards) - min(rewards) <= REWARD_ATOL
+
+
 @message("task")
 class Task:
     task_id: str  # stable id; many groups may roll out the same task
@@ -192,10 +199,8 @@ class Group:
             raise SchemaError("invalid", "a group has at least one trajectory", "trajectories")
 
     def outcomes_equal(self) -> bool:
-        """Every rollout scored the same (within ``REWARD_ATOL``): the group carries no outcome
-        signal, its outcome advantage is zero for every rollout."""
-        rewards = [t.reward for t in self.trajectories]
-        return len(rewards) < 2 or max(rewards) - min(rewards) <= REWARD_ATOL
+        """Every rollout scored the same (:func:`rewards_equal`)."""
+        return rewards_equal(t.reward for t in self.trajectories)
 
     def policy_versions(self) -> tuple[int, int]:
         spans = [t.policy_versions() for t in self.trajectories]

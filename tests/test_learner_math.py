@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from learner.advantages import composite_step_advantages, grpo_advantages, is_degenerate
+from learner.advantages import composite_step_advantages, grpo_advantages
 from learner.batching import build_batch
 from learner.logprobs import token_logprobs
 from learner.losses import policy_loss
-from protocol.messages import Group, Step, StepLabels, Task, Trajectory
+from protocol.messages import Group, Step, StepLabels, Task, Trajectory, rewards_equal
 
 # --- advantages ---------------------------------------------------------------------------------
 
@@ -28,9 +28,9 @@ def test_grpo_advantages_normalise_within_group():
 
 
 def test_grpo_degenerate_group_is_all_zeros():
-    assert is_degenerate([0.7, 0.7, 0.7])
-    assert is_degenerate([1.0])
-    assert not is_degenerate([0.0, 1.0])
+    assert rewards_equal([0.7, 0.7, 0.7]) and rewards_equal([0.7, 0.7 + 1e-12])
+    assert rewards_equal([1.0])
+    assert not rewards_equal([0.0, 1.0])
     np.testing.assert_array_equal(grpo_advantages([0.7, 0.7, 0.7]), [0, 0, 0])
 
 
