@@ -230,6 +230,8 @@ class SchemaSampler:
         # dotted names, without knowing what a file is.
         self.slot_fit: dict[tuple, list[int]] = {}
         self.effects: dict[str, list[int]] = {}  # tool -> [calls that changed state, calls]
+        # ... over the calls that worked: what a tool does (a refused `sub` is not a read)
+        self.effects_ok: dict[str, list[int]] = {}
         self.drafter = ArgumentDrafter(rng, vocabulary)
         self.by_name = {t.name: t for t in self.tools}
         # Share of stored tasks using each tool (set by the task factory from the coverage
@@ -269,6 +271,10 @@ class SchemaSampler:
         effect = self.effects.setdefault(words[0], [0, 0])
         effect[0] += changed
         effect[1] += 1
+        if ok:
+            effect = self.effects_ok.setdefault(words[0], [0, 0])
+            effect[0] += changed
+            effect[1] += 1
         self.last_calls.append(action)
 
     def propose(self, phase: str, temperature: float, recent: Sequence[str]) -> str:
@@ -490,7 +496,7 @@ class Explorer:
             phases = [("breadth", s.breadth_temperature)] * s.breadth_steps
             phases += [("depth", s.depth_temperature)] * s.depth_steps
         else:
-            planner = ProbePlanner(probe, self.sampler.tools, self.sampler.effects,
+            planner = ProbePlanner(probe, self.sampler.tools, self.sampler.effects_ok,
                                    self.inverses, self.sampler.draft, self.rng)
             phases = [(f"probe:{probe}", s.depth_temperature)] * s.probe_steps
             self.counts[f"probes/{probe}"] += 1

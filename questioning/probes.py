@@ -8,8 +8,11 @@ call that changes the state acts on, and then keeps to it:
 
 ``repeat``  three more state-changing calls on that entity;
 ``undo``    calls on it until the state is back where the first left it, tools already seen
-            undoing that tool first (:class:`Inverses`);
-``read``    a call that leaves the state as it is on it (a read), after the one change.
+            undoing that tool first (:class:`Inverses`); once some tool is known to be
+            undone, most undo probes start with it, and one whose undo candidates are all
+            spent starts over with the next change (``restock`` may have no inverse at all);
+``read``    a call that leaves the state as it is on it (a read), after the one change, then
+            reads of anything (each answer after that one change is a read task of its own).
 
 Arguments other than the entity are drafted as the schema sampler drafts them; what tools
 change the state, and which undo which, is what the explorer learnt so far. Hindsight
@@ -28,6 +31,9 @@ PROBE_KINDS = ("repeat", "undo", "read")
 # The kind of stored task (questioning.coverage.task_kinds) each probe sets out to make.
 PROBE_MAKES = {"repeat": "long", "undo": "event", "read": "read"}
 _NAME_TYPES = ("str",)
+# Undo probes that start from the explorer's own proposal even once an inverse is known: a
+# tool's inverse is only found by trying it.
+UNKNOWN_FIRST_SHARE = 0.25
 
 
 class Inverses:
@@ -49,8 +55,8 @@ class ProbePlanner:
     """The calls of one probe, one at a time: :meth:`next_call` before each step and
     :meth:`observe` after it.
 
-    ``effects`` (tool -> [calls that changed the state, calls]) and ``draft`` (a value for a
-    tool's argument slot, or None) come from the schema sampler."""
+    ``effects`` (tool -> [calls that changed the state, calls that worked]) and ``draft`` (a
+    value for a tool's argument slot, or None) come from the schema sampler."""
 
     def __init__(self, kind: str, tools: list[ToolSpec], effects: dict[str, list[int]],
                  inverses: Inverses, draft: Callable, rng: random.Random,
@@ -65,6 +71,8 @@ class ProbePlanner:
         self.first_args: list[str] = []  # the first change's arguments: an undo often repeats them
         self.start_state: dict | None = None  # before the first change
         self.changes = 0
+        self.reads = 0
+        self._read_tries, self._read_calls = 0, set()
         self.done = False
         self._tried_undo: Counter = Counter()
 
@@ -83,9 +91,12 @@ class ProbePlanner:
         """The next call: ``fallback()`` (a depth-phase proposal) until the entity is fixed,
         then one on the entity (or the fallback where no tool can take it)."""
         if self.entity is None:
-            return fallback()
+            first = self._undoable() if self.kind == "undo" else None
+            return first if first is not None else fallback()
         pick = {"repeat": self._changing, "undo": self._undoing, "read": self._reading}
         call = pick[self.kind]()
+        if call is None and self.kind == "undo":
+            self.next_target()  # nothing left to try on this change: start from the next one
         return call if call is not None else fallback()
 
     def observe(self, call: str, ok: bool, before: dict, after: dict) -> None:
@@ -101,6 +112,11 @@ class ProbePlanner:
                 self.first_args = words[1:]
                 self.start_state, self.changes = before, 1
             return
+        if self.kind == "read":  # a read of anything after the one change: a read task each
+            self.reads += not changed
+            self._read_calls.add(call)
+            self.done = changed or self.reads >= self.changes_wanted
+            return
         if self.entity not in words[1:]:
             return
         if self.kind == "repeat" and changed:
@@ -108,8 +124,6 @@ class ProbePlanner:
             self.done = self.changes > self.changes_wanted
         elif self.kind == "undo" and after == self.start_state:
             self.inverses.observe(self.first_tool, words[0])
-            self.done = True
-        elif self.kind == "read" and not changed:
             self.done = True
 
     # --- calls on the entity ---
@@ -136,8 +150,42 @@ class ProbePlanner:
                 return call
         return None
 
+    def _undoable(self) -> str | None:
+        """Most of the time, a call of a tool already seen undone (with drafted arguments):
+        the first change of an undo probe decides whether it can succeed at all. The rest of
+        the time (and before any inverse is known) None: the explorer's own proposal."""
+        known = [t for t in self.tools if self.inverses.of(t.name)]
+        if not known or self.rng.random() < UNKNOWN_FIRST_SHARE:
+            return None
+        return self._drafted(self.rng.choice(known))
+
+    def _drafted(self, tool: ToolSpec) -> str | None:
+        words = [tool.name]
+        for slot, arg in enumerate(tool.args):
+            value = self.draft(tool.name, slot, arg)
+            if value is None:
+                if arg.required:
+                    return None
+                break
+            words.append(str(value))
+        return " ".join(words)
+
     def _reading(self) -> str | None:
-        return self._on_entity(lambda t: self._change_rate(t.name) < 0.5)
+        """A read on the entity first (three tries: the change may have deleted it), then
+        reads of whatever the drafts name, each call once."""
+        self._read_tries += 1
+        if not self.reads and self._read_tries <= 3:
+            return self._on_entity(self._reads)
+        tools = [t for t in self.tools if self._reads(t)]
+        for _ in range(4 * bool(tools)):
+            call = self._drafted(self.rng.choice(tools))
+            if call is not None and call not in self._read_calls:
+                self._read_calls.add(call)
+                return call
+        return None
+
+    def _reads(self, tool: ToolSpec) -> bool:
+        return self._change_rate(tool.name) < 0.5
 
     def _on_entity(self, fits: Callable[[ToolSpec], bool]) -> str | None:
         tools = [t for t in self.tools if fits(t) and _name_slots(t)]

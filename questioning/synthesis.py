@@ -30,6 +30,7 @@ from environments.base import ActionError, Environment, GoalPart, parse_action
 from inference.llm import ReplyFormat
 from protocol.messages import Task
 from questioning.explorer import Exploration
+from questioning.probes import PROBE_MAKES
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,10 @@ class HindsightSynthesizer:
             found.setdefault(key, (t, combo, "event"))
         goals = list(found.values())
         self.rng.shuffle(goals)
+        # A probe's own kind first: an undo probe also reaches dozens of state goals, and cut
+        # at random to max_candidates the one event pair it set out to make was mostly lost.
+        aimed = aimed_kind(exp)
+        goals.sort(key=lambda goal: goal[2] != aimed)
         return goals[:self.max_candidates]
 
     def _event_goals(self, exp: Exploration) -> list[tuple[int, tuple[GoalPart, ...]]]:
@@ -266,6 +271,13 @@ class HindsightSynthesizer:
             "confidence": 0.9 if worded else 0.5, "entities": len(entities),
             "dependent_ops": dependent, "parts": len(parts), "goal_kind": kind,
             "entity_calls": most_calls_on_one(reference, entities)})
+
+
+def aimed_kind(exp: Exploration) -> str | None:
+    """The kind of task a goal-directed exploration set out to make (its steps' phase is
+    ``probe:<probe>``, questioning/probes.py); None for a random walk."""
+    probes = {s.phase.removeprefix("probe:") for s in exp.steps if s.phase.startswith("probe:")}
+    return PROBE_MAKES.get(probes.pop()) if len(probes) == 1 else None
 
 
 def most_calls_on_one(reference: Sequence[str], entities) -> int:

@@ -13,8 +13,10 @@ from environments.base import verify_task
 from protocol.config import load_config
 from protocol.messages import Task
 from questioning.coverage import task_kinds
+from questioning.explorer import Exploration, ExploreStep
 from questioning.factory import TaskFactory
 from questioning.probes import Inverses, ProbePlanner
+from questioning.synthesis import HindsightSynthesizer, Preferences, aimed_kind
 from questioning.task_store import TaskStore
 
 # Many names and a few tallies in every world: a random walk spreads its calls over them.
@@ -164,7 +166,7 @@ def test_probes_make_event_read_and_longer_tasks(explored):
 def test_random_walks_alone_make_fewer_of_them(explored):
     walks, probes = _shares(explored[0.0]), _shares(explored[0.1])
     # Measured: walks event 1.7%, read 3.8%, long 8.1% of 866 tasks; with probes (half the
-    # explorations at most) 5.1%, 6.0%, 13.1% of 739.
+    # explorations at most) 6.0%, 6.2%, 13.8% of 773.
     assert walks["event"] < 0.05 and walks["read"] < 0.05, walks
     assert all(probes[k] > walks[k] for k in walks) and probes["event"] > 2 * walks["event"]
     assert len(explored[0.1]) > len(explored[0.0]) / 2  # random walks still make most tasks
@@ -174,10 +176,9 @@ def test_an_undo_probe_learns_the_inverse_it_found():
     env = Tally()
     env.reset(Task("p", "tally", "", 0))
     before_all = env.state()
-    effects = {"new": [5, 5], "add": [5, 5], "sub": [5, 5], "drop": [5, 5], "show": [0, 5]}
     inverses = Inverses()
     rng = random.Random(0)
-    planner = ProbePlanner("undo", list(TOOLS), effects, inverses,
+    planner = ProbePlanner("undo", list(TOOLS), EFFECTS, inverses,
                            lambda tool, slot, arg: 2, rng)
     before = env.state()
     for _ in range(30):
@@ -190,6 +191,61 @@ def test_an_undo_probe_learns_the_inverse_it_found():
             break
     assert planner.done and planner.entity == "x1" and env.state() == before_all
     assert inverses.of("add")  # sub (or drop, then new) put it back
+
+
+EFFECTS = {"new": [5, 5], "add": [5, 5], "sub": [5, 5], "drop": [5, 5], "show": [0, 5]}
+
+
+def _draft(tool, slot, arg):
+    return "y2" if arg.type == "str" else 2
+
+
+def _play(planner: ProbePlanner, fallback: str, steps: int = 30) -> list[str]:
+    """The calls a planner makes on a fresh tally world until it is done."""
+    env = Tally()
+    env.reset(Task("p", "tally", "", 0))
+    calls, before = [], env.state()
+    for _ in range(steps):
+        call = planner.next_call(lambda: fallback)
+        _, _, info = env.step(call)
+        after = env.state()
+        planner.observe(call, info["error"] is None, before, after)
+        calls.append(call)
+        before = after
+        if planner.done:
+            break
+    return calls
+
+
+def test_once_an_inverse_is_known_most_undo_probes_start_with_its_tool():
+    inverses = Inverses()
+    inverses.observe("add", "sub")
+    firsts = [ProbePlanner("undo", list(TOOLS), EFFECTS, inverses, _draft,
+                           random.Random(seed)).next_call(lambda: "drop x1")
+              for seed in range(200)]
+    started = firsts.count("add y2 2") / len(firsts)
+    assert abs(started - 0.75) < 0.1, started  # the rest try what the explorer proposes
+    assert set(firsts) == {"add y2 2", "drop x1"}
+
+
+def test_an_undo_probe_with_no_candidate_left_starts_over_from_the_next_change():
+    only_add = [t for t in TOOLS if t.name in ("add", "show")]  # nothing undoes add here
+    planner = ProbePlanner("undo", only_add, EFFECTS, Inverses(), _draft, random.Random(0))
+    calls = _play(planner, "add x1 1", steps=12)
+    assert not planner.done
+    # add x1 1 fixed x1; the one other tool tried three times on x1 (none undid it); then
+    # it started over: the fallback's add fixed x1 again, and so on
+    assert calls[:6] == ["add x1 1", "show x1", "show x1", "show x1", "add x1 1", "show x1"]
+
+
+def test_a_read_probe_reads_up_to_three_things_after_its_one_change():
+    planner = ProbePlanner("read", list(TOOLS), EFFECTS, Inverses(),
+                           lambda tool, slot, arg: random.choice(START), random.Random(1))
+    calls = _play(planner, "add x1 1")
+    assert planner.done and planner.reads == 3
+    assert calls[0] == "add x1 1" and calls[1] == "show x1"  # the entity's read first
+    reads = calls[1:]
+    assert all(c.startswith("show ") for c in reads) and len(set(reads)) == len(reads)
 
 
 def test_a_kind_the_env_cannot_make_is_given_up(tmp_path):
@@ -207,3 +263,27 @@ def test_a_kind_the_env_cannot_make_is_given_up(tmp_path):
         factory.run(rounds=1)
     assert factory.probes_run["undo"] == GIVE_UP_AFTER and factory.probes_made["undo"] == 0
     assert factory.counts["explorations"] == 60  # the rest went on: other probes, walks
+
+
+def _exploration(actions: list[str], phase: str) -> Exploration:
+    env, task = Tally(), Task("p", "tally", "", 0)
+    first = env.reset(task)
+    exp = Exploration("0/0", "tally", 0, first, env.state())
+    for action in actions:
+        obs, _, info = env.step(action)
+        exp.steps.append(ExploreStep(action, obs, True, action.split()[0], info["error"],
+                                     phase, "schema", env.state()))
+    return exp
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_probe_keeps_the_kind_it_set_out_to_make(seed):
+    """An undo probe whose walk also reached many state goals keeps its event goal when the
+    candidates are cut to ``max_candidates`` (here 1), whatever the shuffle drew."""
+    actions = ["add x1 2", "new v1", "add v1 3", "new v2", "add y2 1", "sub x1 2"]
+    probe = _exploration(actions, "probe:undo")
+    assert aimed_kind(probe) == "event" and aimed_kind(_exploration(actions, "depth")) is None
+    synth = HindsightSynthesizer(Tally, Preferences(), max_candidates=1, seed=seed)
+    [task] = synth.propose(probe)
+    assert task.meta["goal_kind"] == "event"
+    assert task.reference == ["add x1 2", "sub x1 2"]
