@@ -5,7 +5,8 @@
 ``--a`` and ``--b`` are finished run directories, the i-th of each made at the same seed (so
 each pair evaluated the same draw of tasks). For every pair: both runs' success at ``--stage``
 (the per-task records in ``eval/heldout-<split>-<stage>.jsonl``) and B - A with its paired 95%
-interval over tasks (``bench.eval_noise``). Over the pairs, as the rest of the project reads a
+interval over tasks (``bench.eval_noise``), and each learner's updates and the share of groups
+it set aside as uninformative. Over the pairs, as the rest of the project reads a
 change over seeds (autodidact/experiments/page.py): B - A on every seed's tasks pooled, with its
 paired bootstrap interval and label; beside it, the stricter t-interval of the per-seed
 differences, which with three seeds is wide. A choice made on
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from bench.eval_noise import noise, paired, successes
 from metrics.intervals import effect_label, format_diff, seed_paired_interval
+from metrics.jsonl import read_metrics
 from protocol.messages import HELD_OUT_SPLITS
 from protocol.run_dir import HELD_OUT_STAGES, RunDir
 
@@ -34,9 +36,20 @@ def records(run_dir: Path, split: str, stage: str) -> dict[str, list[bool]]:
 
 
 def compare_pair(a: dict, b: dict, a_dir: Path, b_dir: Path) -> dict:
-    """One seed: both runs' rates and B - A paired by task."""
+    """One seed: both runs' rates and B - A paired by task, and what each learner did."""
     return {"a": str(a_dir), "b": str(b_dir), "a_rate": noise(a), "b_rate": noise(b),
-            "b_minus_a": paired(a, b)}
+            "b_minus_a": paired(a, b), "a_learner": learner_totals(a_dir),
+            "b_learner": learner_totals(b_dir)}
+
+
+def learner_totals(run_dir: Path) -> dict:
+    """The run's updates and the share of the groups replay offered that it set aside as
+    uninformative (learner.skip_uninformative), over the whole run."""
+    steps = [r for r in read_metrics(run_dir, "learner") if "learner/groups" in r]
+    trained = sum(r["learner/groups"] for r in steps)
+    skipped = sum(r.get("learner/uninformative_groups", 0) for r in steps)
+    return {"updates": len(steps), "groups_trained": trained, "uninformative_groups": skipped,
+            "uninformative_share": skipped / (skipped + trained) if steps else None}
 
 
 def pooled(per_seed: list[dict]) -> dict:
@@ -80,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
               "over_seeds": over_seeds(a_runs, b_runs, pairs)}
     for p in pairs:
         d = p["b_minus_a"]
-        print(f"{p['a']} -> {p['b']}: B - A {format_diff(d['diff'], d['ci'])}: {d['label']}")
+        print(f"{p['a']} -> {p['b']}: B - A {format_diff(d['diff'], d['ci'])}: {d['label']}; "
+              f"updates {p['a_learner']['updates']} -> {p['b_learner']['updates']}")
     o = result["over_seeds"]
     p = o["pooled"]
     print(f"{o['seeds']} seeds' tasks pooled: B - A {format_diff(p['diff'], p['ci'])}: "

@@ -102,6 +102,28 @@ def test_two_arms_compared_per_seed_and_over_seeds(tmp_path):
     assert one["pooled"]["diff"] == pytest.approx(0.5) and one["pooled"]["tasks"] == 40
 
 
+def test_compare_arms_reads_each_learners_updates_and_uninformative_share(tmp_path):
+    from bench.compare_arms import learner_totals, main
+    from protocol.run_dir import RunDir
+
+    a = run_with_records(tmp_path, "a", {"t1": [1, 0]})
+    b = run_with_records(tmp_path, "b", {"t1": [1, 1]})
+    steps = [{"role": "learner", "step": i, "learner/groups": 8,
+              "learner/uninformative_groups": skipped} for i, skipped in enumerate([0, 4, 12])]
+    steps.append({"role": "actor", "actor/groups": 3})  # another role's line: not counted
+    write_lines(RunDir(b).metrics, steps)
+    assert learner_totals(b) == {"updates": 3, "groups_trained": 24, "uninformative_groups": 16,
+                                 "uninformative_share": 0.4}
+    assert learner_totals(a)["uninformative_share"] is None  # no learner ran: no share
+    [pair] = main(["--a", str(a), "--b", str(b)])["pairs"]
+    assert pair["b_learner"]["updates"] == 3 and pair["a_learner"]["updates"] == 0
+
+
+def write_lines(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 def test_compare_arms_refuses_unmatched_or_unfinished_runs(tmp_path):
     from bench.compare_arms import main
 
