@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from bench.output import command_line, write_result
 from metrics.intervals import effect_label, paired_interval, rate_interval
 
 
@@ -93,14 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args(argv)
     a, b = records(args.a, args.env), records(args.b, args.env)
-    result = {"command": "python -m bench.call_formats " + " ".join(sys.argv[1:] if argv is None
-                                                                      else argv),
-              "env": args.env, "a": {"results": str(args.a), **arm(a)},
+    result = {"command": command_line("bench.call_formats", argv), "env": args.env,
+              "a": {"results": str(args.a), **arm(a)},
               "b": {"results": str(args.b), **arm(b)}, "b_minus_a": compare(a, b)}
-    text = json.dumps(result, indent=1)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    write_result(result, args.json, echo=True)
     return 0
 
 

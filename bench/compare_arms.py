@@ -16,11 +16,10 @@ validation reads ``--split validation`` (the default); the test split is for rep
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 from bench.eval_noise import noise, paired, successes
+from bench.output import command_line, write_result
 from metrics.intervals import effect_label, format_diff, seed_paired_interval
 from metrics.jsonl import read_metrics
 from protocol.messages import HELD_OUT_SPLITS
@@ -87,8 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     a_runs = [records(d, args.split, args.stage) for d in args.a]
     b_runs = [records(d, args.split, args.stage) for d in args.b]
     pairs = [compare_pair(*four) for four in zip(a_runs, b_runs, args.a, args.b)]
-    result = {"what": args.what, "command": " ".join(["python -m bench.compare_arms",
-                                                      *(argv or sys.argv[1:])]),
+    result = {"what": args.what, "command": command_line("bench.compare_arms", argv),
               "split": args.split, "stage": args.stage, "pairs": pairs,
               "over_seeds": over_seeds(a_runs, b_runs, pairs)}
     for p in pairs:
@@ -101,8 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{p['label']}")
     t = o["t_ci"] or (float("nan"), float("nan"))
     print(f"t over {o['seeds']} seeds: B - A {format_diff(o['mean'], t)}: {o['t_label']}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(result, args.json)
     return result
 
 

@@ -28,7 +28,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ import psutil
 
 from autodidact.env_serve import EnvServerProcess
 from bench.env_sessions import percentiles
+from bench.output import command_line, write_result
 from metrics.intervals import seed_interval
 from protocol.config import load_config
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    result = {"command": " ".join(["python -m bench.env_rollouts", *(argv or sys.argv[1:])]),
+    result = {"command": command_line("bench.env_rollouts", argv),
               "machine": f"{os.cpu_count()} cores", **measure(args)}
     r, lat = result["ratio_served_to_in_process"], result["env_socket_latency"]["all"]
     ci = r["mean_ci95"] and f"95% {r['mean_ci95'][0]:.2f} to {r['mean_ci95'][1]:.2f}; "
@@ -221,8 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{', '.join(f'{x:.2f}' for x in r['per_pair'])}); same rollouts: "
           f"{result['same_rollouts']}; env socket p50 {lat['p50_ms']:.2f} ms, p99 "
           f"{lat['p99_ms']:.2f} ms over {lat['calls']} calls")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(result, args.json)
     return result
 
 

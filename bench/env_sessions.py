@@ -16,9 +16,7 @@ dominates those; that comparison needs two runs).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +25,7 @@ import numpy as np
 import psutil
 
 from autodidact.env_serve import EnvServerProcess
+from bench.output import command_line, write_result
 from environments import FilesEnv, env_class
 from protocol.config import EnvConfig
 
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    result = {"command": " ".join(["python -m bench.env_sessions", *(argv or sys.argv[1:])]),
+    result = {"command": command_line("bench.env_sessions", argv),
               "machine": f"{os.cpu_count()} cores", **measure(args.sessions, args.workers,
                                                              args.steps, args.threads)}
     s, local = result["served"], result["in_process"]
@@ -119,8 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {call}: served p50 {s[call]['p50_ms']:.2f} ms, p99 {s[call]['p99_ms']:.2f} ms;"
               f" in process p50 {local[call]['p50_ms']:.3f} ms, p99 "
               f"{local[call]['p99_ms']:.3f} ms")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(result, args.json)
     return result
 
 

@@ -13,12 +13,12 @@ unit), the tasks stored and the seconds; B - A per kind from the per-seed differ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.output import command_line, write_result
 from metrics.intervals import effect_label, seed_interval, seed_paired_interval
 from protocol.config import load_config
 from questioning.coverage import TASK_KINDS, task_kinds
@@ -68,14 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         low, high = seed_paired_interval(deltas)
         diff[kind] = {"diff": sum(deltas) / len(deltas), "ci": [low, high],
                       "label": effect_label(low, high)}
-    result = {"command": "python -m bench.explore_kinds " + " ".join(
-                  sys.argv[1:] if argv is None else argv),
-              "env": args.env, "a": {"kind_target": 0.0, **arm(a)},
+    result = {"command": command_line("bench.explore_kinds", argv), "env": args.env,
+              "a": {"kind_target": 0.0, **arm(a)},
               "b": {"kind_target": args.kind_target, **arm(b)}, "b_minus_a": diff}
-    text = json.dumps(result, indent=1)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    write_result(result, args.json, echo=True)
     return 0
 
 
