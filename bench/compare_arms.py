@@ -67,6 +67,25 @@ def over_seeds(a_runs: list[dict], b_runs: list[dict], pairs: list[dict]) -> dic
     if len(diffs) > 1:
         low, high = seed_paired_interval(diffs)
         out.update(t_ci=[low, high], t_label=effect_label(low, high))
+    out["uninformative_share"] = share_change(pairs)
+    return out
+
+
+def share_change(pairs: list[dict]) -> dict | None:
+    """B - A in the share of groups set aside as uninformative, per seed and with the
+    t-interval over seeds; None where a run of a pair had no learner metrics."""
+    shares = [(p["a_learner"]["uninformative_share"], p["b_learner"]["uninformative_share"])
+              for p in pairs]
+    if any(a is None or b is None for a, b in shares):
+        return None
+    diffs = [b - a for a, b in shares]
+    out = {"a": [a for a, _ in shares], "b": [b for _, b in shares],
+           "a_mean": sum(a for a, _ in shares) / len(shares),
+           "b_mean": sum(b for _, b in shares) / len(shares), "per_seed": diffs,
+           "mean": sum(diffs) / len(diffs), "t_ci": None, "t_label": "one seed: no interval"}
+    if len(diffs) > 1:
+        low, high = seed_paired_interval(diffs)
+        out.update(t_ci=[low, high], t_label=effect_label(low, high))
     return out
 
 
@@ -99,6 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"{p['label']}")
     t = o["t_ci"] or (float("nan"), float("nan"))
     print(f"t over {o['seeds']} seeds: B - A {format_diff(o['mean'], t)}: {o['t_label']}")
+    if (u := o["uninformative_share"]) is not None:
+        t = u["t_ci"] or (float("nan"), float("nan"))
+        print(f"groups set aside as uninformative: B - A {format_diff(u['mean'], t)}: "
+              f"{u['t_label']}")
     write_result(result, args.json)
     return result
 

@@ -115,8 +115,13 @@ def test_compare_arms_reads_each_learners_updates_and_uninformative_share(tmp_pa
     assert learner_totals(b) == {"updates": 3, "groups_trained": 24, "uninformative_groups": 16,
                                  "uninformative_share": 0.4}
     assert learner_totals(a)["uninformative_share"] is None  # no learner ran: no share
-    [pair] = main(["--a", str(a), "--b", str(b)])["pairs"]
+    result = main(["--a", str(a), "--b", str(b)])
+    [pair] = result["pairs"]
     assert pair["b_learner"]["updates"] == 3 and pair["a_learner"]["updates"] == 0
+    assert result["over_seeds"]["uninformative_share"] is None  # A has no share to compare
+    write_lines(RunDir(a).metrics, steps[:2])  # 4 of 20 groups set aside: 0.2
+    shares = main(["--a", str(a), "--b", str(b)])["over_seeds"]["uninformative_share"]
+    assert shares["per_seed"] == pytest.approx([0.2]) and shares["t_ci"] is None
 
 
 def write_lines(path, records):
