@@ -61,13 +61,18 @@ def over_seeds(a_runs: list[dict], b_runs: list[dict], pairs: list[dict]) -> dic
     """B - A over every seed's tasks pooled (paired by task), and the mean of the per-seed
     differences with their t-interval (none with one seed: its spread is unknown)."""
     diffs = [p["b_minus_a"]["diff"] for p in pairs]
-    out = {"seeds": len(diffs), "pooled": paired(pooled(a_runs), pooled(b_runs)),
-           "per_seed": diffs, "mean": sum(diffs) / len(diffs), "t_ci": None,
+    return {"seeds": len(diffs), "pooled": paired(pooled(a_runs), pooled(b_runs)),
+            **seed_change(diffs), "uninformative_share": share_change(pairs)}
+
+
+def seed_change(diffs: list[float]) -> dict:
+    """Per-seed differences, their mean and its t-interval (none with one seed: its spread is
+    unknown)."""
+    out = {"per_seed": diffs, "mean": sum(diffs) / len(diffs), "t_ci": None,
            "t_label": "one seed: no interval"}
     if len(diffs) > 1:
         low, high = seed_paired_interval(diffs)
         out.update(t_ci=[low, high], t_label=effect_label(low, high))
-    out["uninformative_share"] = share_change(pairs)
     return out
 
 
@@ -78,15 +83,10 @@ def share_change(pairs: list[dict]) -> dict | None:
               for p in pairs]
     if any(a is None or b is None for a, b in shares):
         return None
-    diffs = [b - a for a, b in shares]
-    out = {"a": [a for a, _ in shares], "b": [b for _, b in shares],
-           "a_mean": sum(a for a, _ in shares) / len(shares),
-           "b_mean": sum(b for _, b in shares) / len(shares), "per_seed": diffs,
-           "mean": sum(diffs) / len(diffs), "t_ci": None, "t_label": "one seed: no interval"}
-    if len(diffs) > 1:
-        low, high = seed_paired_interval(diffs)
-        out.update(t_ci=[low, high], t_label=effect_label(low, high))
-    return out
+    return {"a": [a for a, _ in shares], "b": [b for _, b in shares],
+            "a_mean": sum(a for a, _ in shares) / len(shares),
+            "b_mean": sum(b for _, b in shares) / len(shares),
+            **seed_change([b - a for a, b in shares])}
 
 
 def main(argv: list[str] | None = None) -> dict:
