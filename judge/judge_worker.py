@@ -120,7 +120,8 @@ class JudgeWorker:
             agree = [agreement(a.labels, b.labels) for a, b in zip(judgements, ref)
                      if a.labels]
         self.window.add(group, judgements, agree, time.monotonic() - t0)
-        info = {"how": [j.how for j in judgements], "attempts": [j.attempts for j in judgements]}
+        info = {"how": [j.how for j in judgements], "attempts": [j.attempts for j in judgements],
+                "reasons": [j.reasons for j in judgements]}
         return StepLabels(group.group_id, [j.labels for j in judgements], self.judge.name, info)
 
     def submit(self, labels: StepLabels) -> None:

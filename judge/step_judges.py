@@ -25,7 +25,7 @@ import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from environments.base import Environment, described_only
 from environments.call_formats import rewrite
@@ -66,6 +66,8 @@ class Judgement:
     labels: list[int]  # one per step: 1 GOOD, 0 BAD
     how: str  # "strict" | "tokens" | "outcome" | "reference"
     attempts: int = 1  # LLM calls made (0 for the reference judge)
+    # one per step: why it got its label, in a line a person reads (the run viewer shows it)
+    reasons: list[str] = field(default_factory=list, compare=False)
 
 
 class StepJudge(ABC):
@@ -100,12 +102,13 @@ class ReferenceJudge(StepJudge):
         self.env_factory = env_factory
 
     def judge(self, task: Task, traj: Trajectory) -> Judgement:
-        labels = self._replay(task, traj.steps,
+        judged = self._replay(task, traj.steps,
                               traj.info.get("call_format", "text")) if traj.steps else []
+        labels = [label for label, _ in judged]
         self._count(trajectories=1, steps=len(labels), good=sum(labels))
-        return Judgement(labels, "reference", attempts=0)
+        return Judgement(labels, "reference", attempts=0, reasons=[why for _, why in judged])
 
-    def _replay(self, task: Task, steps: list[Step], call_format: str) -> list[int]:
+    def _replay(self, task: Task, steps: list[Step], call_format: str) -> list[tuple[int, str]]:
         env = self.env_factory()
         env.reset(task)
         # A goal in words only cannot be measured on the state: the reference alone decides.
@@ -115,7 +118,8 @@ class ReferenceJudge(StepJudge):
         labels = []
         for step in steps:
             if step.info.get("context"):  # the agent's own context tool: not the env's to replay
-                labels.append(int(_clean(step.info)))
+                labels.append((int(_clean(step.info)), "a context tool: GOOD when it ran "
+                                                       "cleanly"))
                 continue
             action = step.action
             # references are text-format calls: a call in another format is matched as one
@@ -123,8 +127,8 @@ class ReferenceJudge(StepJudge):
                                                                  call_format)
             _, _, info = env.step(action, call_format)
             after = env.goal_progress(task) if measured else 0.0
-            good = _clean(info) and (self._match(said, unmatched) or after > progress)
-            labels.append(int(good))
+            labels.append(_reference_label(info, self._match(said, unmatched) if _clean(info)
+                                           else False, progress, after))
             progress = after
         return labels
 
@@ -142,6 +146,19 @@ class ReferenceJudge(StepJudge):
             return False
         unmatched.remove(text)
         return True
+
+
+def _reference_label(info: dict, matched: bool, before: float, after: float) -> tuple[int, str]:
+    """A replayed step's label and the reason for it."""
+    if not info.get("valid"):
+        return 0, "not a well-formed call of a declared tool"
+    if info.get("error") is not None:
+        return 0, f"the environment refused it: {str(info['error'])[:120]}"
+    if matched:
+        return 1, "matches a step of the task's verified reference"
+    if after > before:
+        return 1, f"moved the state toward the goal (progress {before:.2f} -> {after:.2f})"
+    return 0, "ran, but matched no reference step and did not move toward the goal"
 
 
 def _clean(info: dict) -> bool:
@@ -190,7 +207,9 @@ class LLMJudge(StepJudge):
         result = self._ask(build_judge_messages(task, traj, self.max_chars), k)
         if result is None:
             self._count(outcome_fallbacks=1)
-            result = Judgement([int(traj.reward > 0)] * k, "outcome", self.max_attempts)
+            why = f"no usable reply in {self.max_attempts} attempts: the outcome's label"
+            result = Judgement([int(traj.reward > 0)] * k, "outcome", self.max_attempts,
+                               [why] * k)
         self._count(trajectories=1, steps=k, good=sum(result.labels))
         return result
 
@@ -209,7 +228,7 @@ class LLMJudge(StepJudge):
             labels, how = parse_judgement(reply, k)
             if labels is not None:
                 self._count(**{how: 1})
-                return Judgement(labels, how, attempt)
+                return Judgement(labels, how, attempt, [analysis_of(reply)] * k)
             self._count(parse_failures=1)
             log.warning("step judge reply unparsable (attempt %d): %.200r", attempt, reply)
         return None
@@ -277,6 +296,22 @@ def parse_judgement(reply: str, num_steps: int) -> tuple[list[int] | None, str]:
     if len(tokens) >= num_steps:
         return [int(t == "GOOD") for t in tokens[:num_steps]], "tokens"
     return None, "failed"
+
+
+ANALYSIS_CHARS = 400
+
+
+def analysis_of(reply: str) -> str:
+    """The judge's reasoning: the reply up to its first step line, without the 'Analysis:'
+    prefix, cut to ANALYSIS_CHARS (the reason shown beside each of its labels)."""
+    lines = []
+    for line in reply.splitlines():
+        if _STEP_LINE.fullmatch(line):
+            break
+        lines.append(line)
+    text = " ".join(" ".join(lines).split())
+    text = re.sub(r"^\W*analysis\W*:\s*", "", text, flags=re.IGNORECASE)
+    return text[:ANALYSIS_CHARS]
 
 
 def agreement(a: list[int], b: list[int]) -> float:

@@ -170,6 +170,17 @@ def test_reference_solution_is_all_good(files_codec):
     assert judge.stats == {"trajectories": 1, "steps": 4, "good": 4}
 
 
+def test_reference_labels_say_why():
+    task = _task("move_out")
+    wrong = ["cd nowhere_at_all", "ls", "frobnicate x"]
+    result = ReferenceJudge(FilesEnv).judge(task, _traj(task.reference[:1] + wrong))
+    assert result.labels == [1, 0, 0, 0]
+    assert result.reasons[0] == "matches a step of the task's verified reference"
+    assert result.reasons[1].startswith("the environment refused it: ")
+    assert result.reasons[2].startswith("ran, but matched no reference step")
+    assert result.reasons[3] == "not a well-formed call of a declared tool"
+
+
 def test_every_builtin_reference_is_all_good():
     judge = ReferenceJudge(FilesEnv)
     for task in TRAIN:
@@ -279,6 +290,8 @@ def test_llm_judge_well_formed_reply():
         judge = LLMJudge(_chat(srv.url))
         result = judge.judge(_task("move_out"), THREE)
     assert result == Judgement([1, 0, 1], "strict", 1)
+    # every label carries the reply's analysis as its reason (the run viewer shows it)
+    assert result.reasons == ["the listing was not needed."] * 3
     assert judge.name == "llm:judge-model"
     assert len(srv.requests) == 1
     assert srv.requests[0]["temperature"] == 0.0 and srv.requests[0]["max_tokens"] == 512
@@ -302,6 +315,8 @@ def test_llm_judge_falls_back_to_the_outcome(reward, label):
         judge = LLMJudge(_chat(srv.url), max_attempts=3)
         result = judge.judge(_task("move_out"), traj)
     assert result == Judgement([label, label], "outcome", 3)
+    assert all("no usable reply in 3 attempts" in why for why in result.reasons)
+    assert len(result.reasons) == 2
     assert len(srv.requests) == 3
     assert judge.stats["parse_failures"] == 3 and judge.stats["outcome_fallbacks"] == 1
 
