@@ -48,6 +48,7 @@ LAZY_COMMANDS = {
     "report": "autodidact.report:report",
     "status": "autodidact.status_cli:status",
     "tasks": "autodidact.tasks_cli:tasks",
+    "view": "autodidact.view_cli:view",
 }
 
 
