@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +48,14 @@ class TrainBatch:
     * ``row_weight`` float ``[B]`` — the row's share of its trajectory's generated tokens: 1,
       except for the rows of a trajectory whose context was rebuilt (one row per context),
       which add up to 1 (``seq-mean-token-mean`` weighs each trajectory once).
+    * ``traj_index`` long ``[B]`` — which trajectory of its group (``group.trajectories``
+      order) the row came from.
+    * ``source_positions`` long ``[B, L]`` — the position in that trajectory's own tokens (as
+      the actor sent them) of each of the row's tokens; -1 on padding. A row of a later
+      context starts past 0, a stripped row skips its experience span, a cut row stops at
+      ``max_len``: :func:`to_trajectories` puts per-row values back where they belong.
+
+    (The last two are None in a batch made by hand; only :func:`to_trajectories` reads them.)
     """
 
     input_ids: torch.Tensor
@@ -60,6 +69,8 @@ class TrainBatch:
     guided: torch.Tensor
     stripped: torch.Tensor
     row_weight: torch.Tensor
+    traj_index: torch.Tensor | None = None
+    source_positions: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor, width: int | None = None) -> TrainBatch:
         """The sub-batch of rows ``index`` (a minibatch); ``num_tokens`` is recounted. With
@@ -133,7 +144,7 @@ def build_batch(
         raise ValueError(f"{len(advantages)} advantage lists for {len(groups)} groups")
     label_map = _label_map(labels) if labels is not None else None
 
-    rows: list[tuple[int, Trajectory, np.ndarray, bool, float]] = []
+    rows: list[_Row] = []
     stats = {"groups": len(groups), "degenerate_groups": 0}
     if label_map is not None:
         stats["unlabelled_groups"] = 0
@@ -147,17 +158,39 @@ def build_batch(
             if label_map is not None:
                 stats["unlabelled_groups"] += 1
             per_traj = _grpo_token_advantages(group)
-        for traj, adv in zip(group.trajectories, per_traj):
+        for ti, (traj, adv) in enumerate(zip(group.trajectories, per_traj)):
             generated = max(int(traj.action_mask.sum()), 1)
             for (lo, hi), part in split_contexts(traj):
                 share = 1.0 if not traj.contexts else float(part.action_mask.sum()) / generated
-                rows.append((gi, *_row(part, adv[lo:hi], experience), share))
+                row, row_adv, stripped, positions = _row(part, adv[lo:hi], experience,
+                                                         np.arange(lo, hi))
+                rows.append(_Row(gi, ti, row, row_adv, stripped, share, positions))
     if not rows:
         raise ValueError("no trajectories to batch")
     batch, pad_stats = _pad(rows, pad_id, max_len)
     stats.update(trajectories=sum(len(g.trajectories) for g in groups), rows=len(rows),
                  **pad_stats)
     return batch, stats
+
+
+def to_trajectories(batch: TrainBatch, values: np.ndarray,
+                    groups: list[Group]) -> list[list[np.ndarray]]:
+    """Per-row values of ``batch`` (``[B, L']``, NaN where a row has none) back on the tokens
+    of the trajectories the rows came from: per group, per trajectory (in ``groups`` order),
+    a float32 array as long as its tokens, holding the value of the row position that
+    ``source_positions`` maps there and NaN at every position no row gave a value (a stripped
+    experience span, tokens past ``max_len``, and wherever ``values`` is NaN)."""
+    if batch.traj_index is None or batch.source_positions is None:
+        raise ValueError("the batch does not say where its rows came from (made by hand?)")
+    out = [[np.full(len(t.tokens), np.nan, dtype=np.float32) for t in g.trajectories]
+           for g in groups]
+    width = min(values.shape[1], batch.source_positions.shape[1])
+    source = batch.source_positions[:, :width].cpu().numpy()
+    values = np.asarray(values[:, :width], dtype=np.float32)
+    for r, (gi, ti) in enumerate(zip(batch.group_index.tolist(), batch.traj_index.tolist())):
+        where = (source[r] >= 0) & ~np.isnan(values[r])
+        out[gi][ti][source[r][where]] = values[r][where]
+    return out
 
 
 def split_contexts(traj: Trajectory) -> list[tuple[tuple[int, int], Trajectory]]:
@@ -241,15 +274,27 @@ def _copy(traj: Trajectory, start: int, end: int) -> Trajectory:
         info=dict(traj.info))
 
 
-def _row(traj: Trajectory, adv: np.ndarray, experience: str
-         ) -> tuple[Trajectory, np.ndarray, bool]:
-    """The trajectory, its per-token advantages and whether its experience was stripped."""
+class _Row(NamedTuple):
+    group: int  # index of its group in the batch
+    traj: int  # index of its trajectory in the group
+    trajectory: Trajectory  # the row's own tokens (one context, experience stripped or not)
+    advantages: np.ndarray
+    stripped: bool
+    weight: float  # row_weight
+    positions: np.ndarray  # each token's position in the trajectory as sent
+
+
+def _row(traj: Trajectory, adv: np.ndarray, experience: str, positions: np.ndarray
+         ) -> tuple[Trajectory, np.ndarray, bool, np.ndarray]:
+    """The trajectory, its per-token advantages, whether its experience was stripped, and
+    where each of its tokens was in the trajectory as sent (``positions``, cut alike)."""
     span = traj.experience_span
     if experience == "keep" or not span:
-        return traj, adv, False
+        return traj, adv, False, positions
     start, end = _checked_span(traj)
     # Advantages were computed on the unstripped layout: cut the same tokens out of them.
-    return strip_experience(traj), _cut(adv, start, end), end > start
+    return (strip_experience(traj), _cut(adv, start, end), end > start,
+            _cut(positions, start, end))
 
 
 def _is_guided(traj: Trajectory) -> bool:
@@ -310,8 +355,8 @@ def _given_advantages(group: Group, given: list[np.ndarray]) -> list[np.ndarray]
     return out
 
 
-def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
-    lengths = [len(t.tokens) for _, t, *_ in rows]
+def _pad(rows: list[_Row], pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
+    lengths = [len(r.trajectory.tokens) for r in rows]
     truncated = sum(n > max_len for n in lengths) if max_len is not None else 0
     if max_len is not None:
         lengths = [min(n, max_len) for n in lengths]
@@ -322,7 +367,9 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
     blp = np.zeros((b, seq), dtype=np.float32)
     adv = np.zeros((b, seq), dtype=np.float32)
     ver = np.full((b, seq), -1, dtype=np.int64)
-    for i, ((_, t, a, *_), n) in enumerate(zip(rows, lengths)):
+    src = np.full((b, seq), -1, dtype=np.int64)
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        t, a = row.trajectory, row.advantages
         gen = t.action_mask[:n].astype(bool)
         ids[i, :n] = t.tokens[:n]
         attn[i, :n] = 1
@@ -330,6 +377,7 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
         blp[i, :n] = np.where(gen, t.logprobs[:n], 0.0)
         adv[i, :n] = a[:n]
         ver[i, :n] = np.where(gen, t.versions[:n], -1)
+        src[i, :n] = row.positions[:n]
     batch = TrainBatch(
         input_ids=torch.from_numpy(ids),
         attention_mask=torch.from_numpy(attn),
@@ -338,12 +386,14 @@ def _pad(rows, pad_id: int, max_len: int | None) -> tuple[TrainBatch, dict]:
         advantages=torch.from_numpy(adv),
         versions=torch.from_numpy(ver),
         num_tokens=int(act.sum()),
-        group_index=torch.tensor([row[0] for row in rows], dtype=torch.long),
+        group_index=torch.tensor([r.group for r in rows], dtype=torch.long),
         # A stripped row has lost its span but keeps its experience_ids; count it as guided
         # either way.
-        guided=torch.tensor([float(_is_guided(t) or s) for _, t, _, s, _ in rows]),
-        stripped=torch.tensor([float(s) for _, _, _, s, _ in rows]),
-        row_weight=torch.tensor([w for *_, w in rows], dtype=torch.float32),
+        guided=torch.tensor([float(_is_guided(r.trajectory) or r.stripped) for r in rows]),
+        stripped=torch.tensor([float(r.stripped) for r in rows]),
+        row_weight=torch.tensor([r.weight for r in rows], dtype=torch.float32),
+        traj_index=torch.tensor([r.traj for r in rows], dtype=torch.long),
+        source_positions=torch.from_numpy(src),
     )
     stats = {"tokens": int(attn.sum()), "action_tokens": batch.num_tokens, "truncated": truncated,
              "guided_trajectories": int(batch.guided.sum()),

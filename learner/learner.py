@@ -6,6 +6,7 @@
                                                     # judged ones, or past judge.deadline_s;
                                                     # replay holds the request until it has some
         step.update(groups, labels, α(u))           # the policy step (learner/step.py)
+        token log: what it scored, per token         # learner_tokens/ (learner/token_log.py)
         every k updates: publish weights, version += 1
         every m updates: checkpoint (+ ledger), then commit the ledger to replay
 
@@ -38,6 +39,7 @@ from learner.checkpoint import (  # noqa: F401  (CheckpointError, load_checkpoin
 )
 from learner.distributed import SINGLE, Ranks
 from learner.step import Step
+from learner.token_log import TokenLog
 from metrics.jsonl import MetricsWriter
 from protocol.control import ControlPlane
 from protocol.errors import TransportTimeout
@@ -56,8 +58,8 @@ BATCH_WAIT_S = 1.0
 class Learner:
     """The learner loop around ``step``. It owns what it is handed: ``close()`` releases the
     publisher (None on ranks > 0), the replay client (None in tests that hand groups to
-    :meth:`update` directly) and the metrics it writes (rank 0); the control plane stays its
-    opener's."""
+    :meth:`update` directly), the metrics and the token log it writes (rank 0); the control
+    plane stays its opener's."""
 
     def __init__(self, settings: LearnerSettings, run_dir: Path, control: ControlPlane,
                  replay: ReplayClient | None, step: Step, publisher: WeightPublisher | None,
@@ -75,6 +77,9 @@ class Learner:
         # Rank 0 alone writes metrics (and publishes: the others are handed no publisher).
         self.metrics = MetricsWriter(self.run_dir, "learner", learner_id) \
             if ranks.is_main else None
+        # Rank 0's too: the log-probs its step scored on its share of each batch.
+        self.token_log = TokenLog(self.run_dir,
+                                  self.cfg.token_log_groups if ranks.is_main else 0)
         self.updates = 0
         self.version = 0
         self.consumed: list[str] = []  # the ledger: every group id trained on, in order
@@ -175,6 +180,7 @@ class Learner:
             publisher.close()  # stops the weight server, frees weights.address
         if self.metrics is not None:
             self.metrics.close()
+        self.token_log.close()
         replay, self.replay = self.replay, None
         if replay is not None:
             replay.close()
@@ -237,6 +243,9 @@ class Learner:
         alpha = self.alpha()
         probe = bool(self.cfg.probe_every) and (self.updates + 1) % self.cfg.probe_every == 0
         m, stats = self.step.update(groups, labels, alpha, probe)
+        scored = stats.pop("token_logprobs", None)
+        if scored is not None:  # under the weights this update started from
+            self.token_log.write(groups, scored, self.version)
         self.updates += 1
         self._record(groups)
         if self.updates % self.cfg.publish_every == 0:
@@ -255,6 +264,8 @@ class Learner:
                  labelled_groups=float(counts["labelled_groups"]),
                  uninformative_groups=float(skipped),
                  uninformative_share=skipped / max(skipped + counts["groups"], 1))
+        if self.token_log.enabled:
+            m["token_log_errors"] = float(self.token_log.errors)
         self._log(groups, lags, counts, m, waited_s, time.monotonic() - t0)
 
     def _record(self, groups) -> None:

@@ -5,6 +5,7 @@ scheduler, autocast and the loss; :class:`learner.learner.Learner` is given one 
 rest (drawing, the ledger, publishing, checkpoints, metrics)::
 
     metrics, stats = step.update(groups, labels, alpha, probe)   # one optimizer update
+                                  # stats["token_logprobs"]: what it scored (token log)
     step.trained_state()          # what is published: the whole model, or the adapter alone
     step.state() / step.load_state(state, path)   # its part of a checkpoint
     step.lr, step.adapter
@@ -34,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference import lora
-from learner.batching import build_batch, token_budget_parts
+from learner.batching import build_batch, to_trajectories, token_budget_parts
 from learner.checkpoint import CheckpointError
 from learner.distributed import SINGLE, Ranks
 from learner.logprobs import prepare_for_training, token_logprobs
@@ -56,7 +57,10 @@ class Step(Protocol):
     def update(self, groups, labels, alpha: float, probe: bool) -> tuple[dict, dict]:
         """One update on this process's ``groups``: (metrics, batch stats). The metrics are
         the whole batch's (summed over ranks) and include ``grad_norm``; the stats are this
-        process's (``degenerate_groups``, ``tokens``, ``unlabelled_groups`` with labels)."""
+        process's (``degenerate_groups``, ``tokens``, ``unlabelled_groups`` with labels), and
+        may hold ``token_logprobs``: per group, per trajectory, the log-prob the step scored
+        each token at under the policy it started from, NaN where it scored none
+        (``learner.token_log_groups``; :class:`learner.token_log.TokenLog` writes them)."""
 
     def trained_state(self) -> dict | None:
         """What is published, on rank 0 (None elsewhere); every rank calls it."""
@@ -105,6 +109,8 @@ class PolicyStep:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
         self.reference = None if reference is None else ranks.wrap_frozen(reference,
                                                                           cfg.parallel)
+        # The token log (learner/token_log.py) is rank 0's: it keeps what this rank scored.
+        self.keeps_token_logprobs = cfg.token_log_groups > 0 and ranks.is_main
 
     @property
     def lr(self) -> float:
@@ -117,13 +123,21 @@ class PolicyStep:
         micro-batch is scored again after it (``step_gain``, ``step_kl``)."""
         batch, stats = build_batch(groups, self.pad_id, labels=labels, alpha=alpha,
                                    experience=self.settings.experience_context)
+        rows_from = batch  # on the CPU: where each row came from, for the token log
         batch = batch.to(self.device)
         proximal, reference = self._fixed_logprobs(batch)
+        scored = None
+        if self.keeps_token_logprobs:  # the proximal log-probs, as the steps come to them
+            scored = proximal if proximal is not None else \
+                torch.full_like(batch.behaviour_logprobs, float("nan"))
         for rows in self._split(torch.arange(len(batch.input_ids)), self.cfg.minibatches):
-            m, last = self._step(batch, rows, proximal, reference)
+            m, last = self._step(batch, rows, proximal, reference, scored)
         self.scheduler.step()
         if probe:
             m.update(self._probe(*last))
+        if scored is not None:
+            scored = torch.where(batch.action_mask.bool(), scored, float("nan"))
+            stats["token_logprobs"] = to_trajectories(rows_from, scored.cpu().numpy(), groups)
         return m, stats
 
     def trained_state(self) -> dict | None:
@@ -158,9 +172,10 @@ class PolicyStep:
             out += [rows[:0]] * (parts - len(out))
         return out
 
-    def _step(self, batch, rows, proximal, reference):
+    def _step(self, batch, rows, proximal, reference, scored=None):
         """One optimizer step on the minibatch ``rows``: (metrics with the grad norm, what the
-        probe needs).
+        probe needs). With ``scored`` (``[B, L]``), each micro-batch's proximal log-probs
+        are copied into its rows there.
 
         Each micro-batch backpropagates its loss *summed* over tokens (token-mean) or rows
         (seq-mean-token-mean), and the gradient is divided once by the number of those in all
@@ -183,6 +198,8 @@ class PolicyStep:
                                               self.cfg.logit_chunk_tokens, mb.action_mask)
                 # One step per batch: the proximal policy is this very forward pass, detached.
                 prox = logprobs.detach() if proximal is None else proximal[index][:, :width]
+                if scored is not None and proximal is None and len(part):
+                    scored[index.to(scored.device), :width] = prox
                 ref = None if reference is None else reference[index][:, :width]
                 loss, m = self._loss(mb, logprobs, prox, ref, reduction="sum")
                 loss.backward()

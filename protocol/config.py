@@ -498,6 +498,12 @@ class LearnerConfig:
     lora_dropout: float = 0.0
     """Dropout on the adapter's input while training, in ``[0, 1)``."""
 
+    token_log_groups: int = 256
+    """How many of the newest trained groups keep the learner's log-prob of each of their
+    tokens on disk (``<run dir>/learner_tokens/<group id>.npz``, protocol/run_dir.py: what a
+    run viewer shows beside the sampler's); 0 = off. With several learner processes, the
+    groups of rank 0's share only."""
+
     def check(self):
         for name in ("lr", "batch_groups", "minibatches", "publish_every", "checkpoint_every",
                      "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip",
@@ -527,6 +533,9 @@ class LearnerConfig:
         _at_most(self, "batch_groups", MAX_VERSION)
         if self.probe_every < 0:
             raise ConfigError(f"probe_every must be >= 0 (0 = off), got {self.probe_every}")
+        if self.token_log_groups < 0:
+            raise ConfigError(f"token_log_groups must be >= 0 (0 = off), "
+                              f"got {self.token_log_groups}")
         in_range(self, "clip_low", 0.0, 1.0)
         if self.loss_aggregation not in ("token-mean", "seq-mean-token-mean"):
             raise ConfigError("loss_aggregation must be token-mean or seq-mean-token-mean, "

@@ -28,6 +28,8 @@ never by spelling a name itself, so the layout below is the whole contract::
         checkpoints/latest.pt       the learner's checkpoint (weights, optimizer, ledger);
                                     previous.pt the one before it, digests.json the sha256
                                     of each (learner/checkpoint.py)
+        learner_tokens/<group>.npz  the learner's log-prob of each token of the newest
+                                    trained groups (learner.token_log_groups; format below)
         replay.lmdb/                the replay store (written by the replay server only)
         replay.sock                 the replay server's default ipc address
         replay.addr                 the address the replay server bound (while it runs)
@@ -54,6 +56,18 @@ never by spelling a name itself, so the layout below is the whole contract::
                                     line per task: what paired intervals are read from
         report/                     autodidact report's plots, report.md, series.json
         ablation-argv.json          the command an ablation arm ran (autodidact ablation)
+
+A token log file ``learner_tokens/<group id>.npz`` (numpy's npz, written by the learner alone,
+atomically; ``learner.token_log.read_token_log`` reads it without torch) holds ``version``, an
+int array of one element: the learner's policy version when the update that trained the group
+began (the published weights it started from; exactly those with publish_every 1, up to
+publish_every - 1 updates past them otherwise); and per trajectory ``i`` of the group
+(``Group.trajectories`` order) ``logprobs_<i>``, float32, as long as the trajectory's
+``tokens`` and aligned with them: the log-prob the learner gave that token under the policy it
+started that update from (its proximal log-probs), NaN where it scored none (prompt and
+observation tokens, an experience span stripped before training, tokens cut by the batch's
+length limit). A group id's characters other than letters, digits and ``_.+-`` are written
+``_`` in the file name. With several learner processes, only rank 0's groups are kept.
 
 Each LMDB store has one writer, and a run directory one launcher and one learner:
 :func:`single_writer_lock` takes an ``flock`` on a file and writes the holder's pid into it.
@@ -87,6 +101,7 @@ CHECKPOINTS = "checkpoints"
 CHECKPOINT = "latest.pt"  # under checkpoints/
 PREVIOUS_CHECKPOINT = "previous.pt"
 CHECKPOINT_DIGESTS = "digests.json"
+LEARNER_TOKENS = "learner_tokens"
 REPLAY_STORE = "replay.lmdb"
 REPLAY_ADDR = "replay.addr"
 TASK_STORE = "tasks.lmdb"
@@ -213,6 +228,14 @@ class RunDir:
     @property
     def checkpoint_digests(self) -> Path:
         return self.checkpoints / CHECKPOINT_DIGESTS
+
+    @property
+    def learner_tokens(self) -> Path:
+        return self.path / LEARNER_TOKENS
+
+    def learner_tokens_file(self, group_id: str) -> Path:
+        """The learner's per-token log-probs of one trained group (format above)."""
+        return self.learner_tokens / f"{_file_safe(group_id)}.npz"
 
     # --- stores ---------------------------------------------------------------------------
 

@@ -101,6 +101,7 @@ ZERO_OK = {
     "learner.logit_chunk_tokens", "learner.micro_batch_tokens",  # 0: off
     "actor.vllm_max_model_len",  # 0: the model's own
     "learner.lora_rank", "learner.lora_dropout",  # 0: full fine-tuning; no dropout
+    "learner.token_log_groups",  # 0: no token log
 }
 
 
