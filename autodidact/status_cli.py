@@ -62,19 +62,26 @@ def redis_target(run_dir: Path, cfg: dict) -> tuple[str, str]:
     return url, prefix
 
 
-def query_redis(url: str, prefix: str, ttl_s: float) -> dict:
-    """One snapshot of the control plane; ``{"error": ...}`` when Redis does not answer. No
-    retries: a dead run's Redis must not stall the command for the roles' ~40 s back-off."""
+def quick_redis(url: str):
+    """A client that answers or fails within seconds. No retries: a dead run's Redis must not
+    stall a reader for the roles' ~40 s back-off."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
+
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2,
+                                retry=Retry(NoBackoff(), 0))
+
+
+def query_redis(url: str, prefix: str, ttl_s: float) -> dict:
+    """One snapshot of the control plane; ``{"error": ...}`` when Redis does not answer."""
+    import redis
 
     from protocol.control import ControlPlane
 
     if not url:
         return {"error": "no Redis URL (config.yaml missing)"}
-    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2,
-                                  retry=Retry(NoBackoff(), 0))
+    client = quick_redis(url)
     try:
         control = ControlPlane(client, prefix, ttl_s)
         return {"state": control.state(), "version": control.get_version(),

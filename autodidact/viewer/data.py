@@ -221,6 +221,11 @@ class RunView:
                             f"pruned (learner.token_log_groups keeps the newest "
                             f"{self.config.learner.token_log_groups})"}}
 
+    def warm(self) -> None:
+        from learner import token_log  # noqa: F401 (imported ahead of the first token view)
+
+        _ = self.tokenizer
+
     def token_texts(self, ids) -> list[str]:
         tok = self.tokenizer
         if tok is None:
@@ -293,16 +298,18 @@ class RunView:
         cfg, _ = status_cli.read_config(self.path)
         url, prefix = status_cli.redis_target(self.path, cfg)
         if url:
-            try:
-                from protocol.control import ControlPlane
+            import redis
 
-                control = ControlPlane.connect(url, prefix)
-                try:
-                    return control.task_outcomes(), "the feeder's counts (the run's Redis)"
-                finally:
-                    control.r.close()
-            except Exception:  # Redis gone (the run ended): count the stored groups instead
+            from protocol.control import ControlPlane
+
+            client = status_cli.quick_redis(url)
+            try:
+                return (ControlPlane(client, prefix).task_outcomes(),
+                        "the feeder's counts (the run's Redis)")
+            except (redis.RedisError, OSError):  # the run ended: count the stored groups
                 pass
+            finally:
+                client.close()
         return self.groups.task_outcomes(), "the stored groups (the run's Redis is not up)"
 
     def _coverage(self, pool: list[dict]) -> dict:

@@ -55,6 +55,7 @@ class Viewer:
 
     def _index(self) -> None:
         # Summarize new groups in slices so a request never waits long behind the indexer.
+        self._warm()
         while not self._stop.is_set():
             for view in self.runs:
                 try:
@@ -66,6 +67,16 @@ class Viewer:
                 except Exception:
                     log.exception("indexing %s", view.path)
             self._stop.wait(INDEX_EVERY_S)
+
+
+    def _warm(self) -> None:
+        """Load what the token view needs (a tokenizer, the learner's token log) ahead of the
+        first request for it: importing transformers takes seconds."""
+        for view in self.runs:
+            try:
+                view.warm()
+            except Exception:  # the token view says what is missing when it is asked
+                log.exception("warming %s", view.path)
 
 
 def make_app(viewer: Viewer) -> Starlette:
