@@ -232,6 +232,21 @@ def test_groups_that_arrive_while_the_viewer_reads_are_listed(tmp_path):
         assert _get(c, "/api/groups?judged=yes")["total"] == 2  # flags are read again
 
 
+def test_requests_beside_the_indexer_never_fail(tmp_path):
+    # LMDB refuses a second open of one store in a process: requests and the background
+    # indexer take turns (this failed as HTTP 500s before they did).
+    from concurrent.futures import ThreadPoolExecutor
+
+    run_dir = _small_run(tmp_path)
+    groups = [make_group(i) for i in range(40)]
+    _store(run_dir, groups)
+    with TestClient(make_app(Viewer([RunView(run_dir, "busy")]))) as c:
+        paths = [f"/api/group/{g.group_id}" for g in groups] + ["/api/groups"] * 20
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda p: c.get(p).status_code, paths))
+    assert codes == [200] * len(paths)
+
+
 def test_a_folder_of_runs_serves_each_arm(tmp_path):
     for arm in ("a", "b"):
         (tmp_path / arm).mkdir()

@@ -26,7 +26,7 @@ from protocol.errors import SchemaError
 from protocol.messages import Group, StepLabels
 from protocol.run_dir import RunDir
 from questioning.coverage import task_kinds
-from replay.store import GroupRecord, Store, store_path
+from replay.store import GroupRecord
 
 MAX_PER_PAGE = 200
 
@@ -137,18 +137,11 @@ class RunView:
                 "advantage": how, "rollouts": rollouts}
 
     def _read_group(self, group_id: str) -> tuple[Group, StepLabels | None, GroupRecord]:
-        if not (store_path(self.path) / "data.mdb").exists():
-            raise ViewError(f"{self.path}: no replay store yet; look again once the run has "
-                            "stored a group", 404)
-        store = Store(self.path, readonly=True)
-        try:
-            with store.begin_read() as txn:
-                raw_rec = txn.get(group_id.encode(), db=store.db["index"])
-                body, labels = store.body(txn, group_id), store.labels(txn, group_id)
-                body = None if body is None else bytes(body)
-                labels = None if labels is None else bytes(labels)
-        finally:
-            store.close()
+        with self.groups.reading() as store, store.begin_read() as txn:
+            raw_rec = txn.get(group_id.encode(), db=store.db["index"])
+            body, labels = store.body(txn, group_id), store.labels(txn, group_id)
+            body = None if body is None else bytes(body)
+            labels = None if labels is None else bytes(labels)
         if raw_rec is None or body is None:
             raise ViewError(f"no group {group_id!r} in {self.path.name}: it was never stored "
                             "or has been evicted; the Groups list shows what is stored", 404)

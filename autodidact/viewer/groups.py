@@ -10,6 +10,7 @@ summaries in memory (bench/viewer_pages.py measures both).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -161,12 +162,14 @@ class GroupIndex:
         self.run_dir = Path(run_dir)
         self._by_id: dict[str, Summary] = {}
         self._next_seq = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.refreshed_at = 0.0
 
-    def refresh(self, budget_s: float = float("inf")) -> bool:
-        """Read what changed since the last refresh, for at most ``budget_s`` seconds of
-        unpacking; True when every stored group is summarized."""
+    @contextlib.contextmanager
+    def reading(self):
+        """The store, opened read-only for this block. One block at a time per process: LMDB
+        refuses to open one environment twice in a process, and requests and the indexer
+        read from their own threads."""
         if not (store_path(self.run_dir) / "data.mdb").exists():
             raise ViewError(f"{self.run_dir}: no replay store yet (replay.lmdb); the run has "
                             "not stored a group so far, look again in a moment", 404)
@@ -178,9 +181,15 @@ class GroupIndex:
                                 f"({exc}); `autodidact replay check` says what is wrong", 503) \
                     from None
             try:
-                return self._read(store, time.monotonic() + budget_s)
+                yield store
             finally:
                 store.close()
+
+    def refresh(self, budget_s: float = float("inf")) -> bool:
+        """Read what changed since the last refresh, for at most ``budget_s`` seconds of
+        unpacking; True when every stored group is summarized."""
+        with self.reading() as store:
+            return self._read(store, time.monotonic() + budget_s)
 
     def _read(self, store: Store, deadline: float) -> bool:
         with store.begin_read() as txn:

@@ -8,6 +8,7 @@ is served from the package, never from the internet. A request the viewer cannot
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -139,7 +140,15 @@ def make_app(viewer: Viewer) -> Starlette:
     def unknown(request):
         raise ViewError(f"no endpoint {request.url.path}; docs/viewer.md lists them", 404)
 
-    return Starlette(routes=[
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        viewer.start()
+        try:
+            yield
+        finally:
+            viewer.stop()
+
+    return Starlette(lifespan=lifespan, routes=[
         Route("/", index),
         Route("/api/runs", endpoint(runs)),
         Route("/api/run", endpoint(run)),
@@ -181,9 +190,5 @@ def serve(run_dirs: list[Path], host: str = "127.0.0.1", port: int = DEFAULT_POR
             bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
             print(f"viewer: http://{host}:{bound}", flush=True)
 
-    viewer.start()
     threading.Thread(target=announce, daemon=True).start()
-    try:
-        server.run()
-    finally:
-        viewer.stop()
+    server.run()
