@@ -11,6 +11,7 @@ process runs; tests/test_viewer_browser.py starts the real process.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import msgpack
@@ -228,6 +229,10 @@ def test_groups_that_arrive_while_the_viewer_reads_are_listed(tmp_path):
         assert _get(c, "/api/groups")["total"] == 3
         assert _get(c, "/api/groups?judged=yes")["total"] == 0
         _store(run_dir, groups[3:], labelled=groups[:2])
+        # listed within seconds: the index is brought up to date at most FRESH_S apart
+        deadline = time.monotonic() + 10
+        while _get(c, "/api/groups")["total"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert _get(c, "/api/groups")["total"] == 6
         assert _get(c, "/api/groups?judged=yes")["total"] == 2  # flags are read again
 

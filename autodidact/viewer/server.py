@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -29,6 +30,7 @@ DEFAULT_PORT = 8765
 INDEX_EVERY_S = 2.0  # how often new groups are summarized in the background
 INDEX_SLICE_S = 0.2  # one slice of unpacking: requests wait at most this for the index
 REQUEST_INDEX_S = 0.3  # a groups request summarizes what is new for at most this long
+FRESH_S = 1.0  # ... unless the index was brought up to date this recently
 
 
 class Viewer:
@@ -121,7 +123,8 @@ def make_app(viewer: Viewer) -> Starlette:
         view.check()
         filters = Filters.parse(request.query_params)
         page, per_page = page_params(request.query_params)
-        view.groups.refresh(budget_s=REQUEST_INDEX_S)
+        if time.time() - view.groups.refreshed_at > FRESH_S:
+            view.groups.refresh(budget_s=REQUEST_INDEX_S)
         return view.groups.page(filters, page, per_page)
 
     def group(request):
