@@ -17,6 +17,25 @@ want="$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d
 gpu=0
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 
+# Headless Chromium and its driver for the viewer's browser tests (tests/test_viewer_browser.py):
+# Debian's packages, installed where they are missing and this runs as root (as CI does);
+# otherwise one line says the tests will skip. A failed install never stops the set-up.
+browser() {
+    command -v chromium >/dev/null && command -v chromedriver >/dev/null && return 0
+    local pkgs=(chromium chromium-driver)
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        echo "[setup] installing ${pkgs[*]} (apt) for the viewer's browser tests" >&2
+        local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends)
+        "${apt[@]}" "${pkgs[@]}" >/dev/null ||
+            { apt-get update -q >/dev/null && "${apt[@]}" "${pkgs[@]}" >/dev/null; } ||
+            echo "[setup] could not install ${pkgs[*]}: the viewer's browser tests will skip" >&2
+    else
+        echo "[setup] no chromium/chromedriver: the viewer's browser tests will skip (as root:" \
+             "apt-get install -y --no-install-recommends ${pkgs[*]})" >&2
+    fi
+}
+browser
+
 # install VENV EXTRAS [PIP-SPEC...]: the package with EXTRAS (comma-separated) into VENV, plus what
 # ships outside pip's resolver; PIP-SPECs (an engine and its pins) go into the same resolve.
 install() {

@@ -64,8 +64,11 @@
   }
 
   function select(id, choices, value, onchange) {
+    // a value from a link that is none of the choices (an exploration id as origin) stays shown
+    const all = value && !choices.some(([v]) => v === value) ? [...choices, [value, value]]
+      : choices;
     const node = el("select", { id, onchange },
-      choices.map(([v, label]) => el("option", { value: v }, label)));
+      all.map(([v, label]) => el("option", { value: v }, label)));
     node.value = value || "";
     return node;
   }
@@ -98,7 +101,8 @@
   function when(unixSeconds) {
     if (!isNum(unixSeconds)) return "–";
     const d = new Date(unixSeconds * 1000);
-    return `${d.toISOString().slice(0, 10)} ${clock(d)}`;
+    const pad = (n) => String(n).padStart(2, "0");
+    return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${clock(d)}`;
   }
 
   // --- the API -------------------------------------------------------------------------------
@@ -136,8 +140,16 @@
     const cut = raw.indexOf("?");
     const path = cut < 0 ? raw : raw.slice(0, cut);
     const params = new URLSearchParams(cut < 0 ? "" : raw.slice(cut + 1));
-    const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+    const parts = path.split("/").filter(Boolean).map(decodePart);
     return { view: parts[0] || "run", args: parts.slice(1), params };
+  }
+
+  function decodePart(part) {
+    try {
+      return decodeURIComponent(part);
+    } catch (err) {
+      return part; // a stray "%": taken as written
+    }
   }
 
   function link(view, args, params) {
@@ -207,23 +219,22 @@
     for (const a of document.querySelectorAll("#nav a")) {
       const view = a.dataset.view;
       a.href = view === "compare" ? "#/compare" : link(view, [run]);
-      const active = view === route.view || (view === "groups" && route.view === "group")
-        || (view === "groups" && route.view === "tokens");
+      const active = view === route.view
+        || (view === "groups" && ["group", "tokens"].includes(route.view));
       a.classList.toggle("active", active);
     }
-    const picker = $("#run-picker");
-    picker.value = String(run);
+    $("#run-picker").value = String(run);
+    $("#run-picker-label").hidden = app.runs.length < 2 || route.view === "compare";
   }
 
   function fillRunPicker() {
     const picker = $("#run-picker");
     picker.replaceChildren(...app.runs.map((r) => el("option", { value: r.index }, r.label)));
-    $("#run-picker-label").hidden = app.runs.length < 2;
+    // Another run: the same list view of it (a group or a rollout of one run is not in another).
     picker.addEventListener("change", () => {
-      const route = parseHash();
-      const view = ["run", "groups", "tasks"].includes(route.view) ? route.view
-        : route.view === "compare" ? "compare" : "groups";
-      location.hash = view === "compare" ? "#/compare" : link(view, [picker.value]);
+      const { view } = parseHash();
+      const same = ["run", "groups", "tasks"].includes(view) ? view : "groups";
+      location.hash = link(same, [picker.value]);
     });
   }
 
@@ -574,7 +585,7 @@
   function groupTable(run, groups) {
     const rows = groups.map((g) => el("tr", { class: "group-row", "data-group-id": g.group_id,
       "data-outcome": g.outcome },
-      el("td", {}, when(g.created)),
+      el("td", { class: "nowrap" }, when(g.created)),
       el("td", {}, el("a", { href: link("group", [run, g.group_id]) }, g.group_id.slice(0, 12))),
       el("td", { class: "query" }, el("span", { class: "muted" }, g.task_id), " ", g.query),
       el("td", {}, g.source === "synthetic" ? "synthetic" : "original"),
@@ -601,7 +612,7 @@
     if (g.set_aside) return "set aside";
     if (g.consumed) return "trained on";
     if (g.delivered) return "delivered";
-    return "waiting";
+    return "stored";
   }
 
   function pager(body, hrefFor) {
