@@ -99,6 +99,8 @@ WHOLE_RUNS = {
     "test_ablation.py": 1,  # 285
     "test_report.py": 1,  # 78, with test_status.py's tiny run (made once, for both)
     "test_status.py": 1,
+    "test_viewer.py": 1,  # the same tiny run
+    "test_viewer_browser.py": 1,
     "test_bench_scale.py": 1,  # 63
     "test_env_counter_example.py": 1,  # 28
     # quick.yaml's shared warm-start (conftest.quick_warm_start): made by the first, reused

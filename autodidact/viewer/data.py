@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import zlib
 from dataclasses import asdict
 from functools import cached_property
@@ -29,6 +30,8 @@ from questioning.coverage import task_kinds
 from replay.store import GroupRecord
 
 MAX_PER_PAGE = 200
+# One for every run served: transformers' lazy module is not safe to import from two threads.
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class RunView:
@@ -232,7 +235,12 @@ class RunView:
 
     @property
     def tokenizer(self):
-        """The run's tokenizer: the warm-started policy's, else the base model's."""
+        """The run's tokenizer: the warm-started policy's, else the base model's. Loaded under
+        a lock: a request beside the warm-up thread would see transformers half imported."""
+        with _TOKENIZER_LOCK:
+            return self._load_tokenizer()
+
+    def _load_tokenizer(self):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
