@@ -7,6 +7,7 @@ the index for it), so each bench builds that line the same way.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 
 def command_line(module: str, argv: Sequence[str] | None) -> str:
     """``python -m <module> <arguments>``: ``argv`` as given to ``main``, else this process's."""
-    return " ".join(["python -m " + module, *(sys.argv[1:] if argv is None else argv)])
+    return "python -m " + module + "".join(
+        " " + shlex.quote(arg) for arg in (sys.argv[1:] if argv is None else argv))
 
 
 def write_result(result: dict, path: Path | None, echo: bool = False) -> str:

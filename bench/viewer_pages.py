@@ -13,6 +13,7 @@ same run, is what a page would cost without the index: decoding every stored gro
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -98,6 +99,17 @@ def fetch(url: str) -> float:
     return time.perf_counter() - t0
 
 
+def wait_indexed(base: str, timeout_s: float = 300) -> float:
+    """When the viewer's index holds every stored group (perf_counter time)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        with urllib.request.urlopen(base + "/api/groups?per_page=1", timeout=60) as reply:
+            if not json.loads(reply.read())["indexing"]:
+                return time.perf_counter()
+        time.sleep(0.05)
+    raise RuntimeError(f"the index was not complete after {timeout_s} s")
+
+
 def serve(run_dir: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "autodidact.cli", "view", "--run-dir",
                              str(run_dir), "--port", str(port)], stdout=subprocess.PIPE,
@@ -117,6 +129,7 @@ def measure(run_dir: Path, groups: int, repeats: int) -> dict:
     try:
         started = time.perf_counter() - t0
         cold = fetch(base + PAGES["groups, first page"])
+        indexed = wait_indexed(base)
         pages = {}
         for name, path in PAGES.items():
             path = path.format(gid="g000123", middle=groups // 100)
@@ -125,7 +138,8 @@ def measure(run_dir: Path, groups: int, repeats: int) -> dict:
     finally:
         proc.terminate()
         proc.wait(10)
-    return {"start_s": started, "groups_first_request_s": cold, "pages": pages}
+    return {"start_s": started, "groups_first_request_s": cold,
+            "index_complete_after_start_s": indexed - t0, "pages": pages}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rollout")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--note", default="", help="the conditions it ran in (what else ran)")
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="viewer-bench-"))
     try:
@@ -150,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
         "groups": args.groups, "rollouts_per_group": 8, "tokens_per_rollout": args.tokens,
         "store_build_s": built, "baseline_full_decode_s": baseline, **timed,
         "slowest_page_s": slowest, "slowest_page_over_baseline": slowest / baseline,
-        "machine": f"{os.cpu_count()} cores",
+        "machine": f"{os.cpu_count()} cores", "load_average_1m": os.getloadavg()[0],
+        "note": args.note,
     }
     write_result(result, args.json, echo=True)
     return result

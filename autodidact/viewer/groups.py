@@ -219,12 +219,12 @@ class GroupIndex:
             stored, indexed = getattr(self, "stored", 0), len(self._by_id)
         kept.sort(key=lambda s: s.seq, reverse=True)
         pages = max(1, -(-len(kept) // per_page))
-        if page >= pages and page > 0:
+        if page >= pages and page > 0 and indexed >= stored:  # while indexing, maybe later
             raise ViewError(f"page {page} is past the last page ({pages - 1}) of "
                             f"{len(kept)} groups", 400)
         rows = kept[page * per_page:(page + 1) * per_page]
         return {"total": len(kept), "page": page, "per_page": per_page, "pages": pages,
-                "stored": stored, "indexed": indexed,
+                "stored": stored, "indexed": indexed, "indexing": indexed < stored,
                 "groups": [{**asdict(s), "outcome": outcome_of(s)} for s in rows]}
 
     def task_queries(self) -> dict[str, str]:
