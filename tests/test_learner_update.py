@@ -9,19 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_rollouts import guided_files_groups
 
 from autodidact.wiring import build_learner
-from environments.files import FilesEnv
-from episodes.rollout import (
-    Guidance,
-    PromptCodec,
-    RolloutSettings,
-    rollout,
-    start_episodes,
-    to_groups,
-)
-from inference.backends.base import SamplingParams
-from inference.backends.hf import TransformersBackend
 from learner.learner import Learner
 from metrics.jsonl import read_metrics
 from protocol.config import RunConfig
@@ -39,21 +29,7 @@ def model_path(files_policy_path):
 @pytest.fixture(scope="module")
 def guided_groups(model_path):
     """Two groups of 4, rollouts 1 and 3 guided, rewards alternating so advantages are ±1."""
-    backend = TransformersBackend(model_path, device="cpu")
-    codec = PromptCodec(backend.tokenizer)
-    tasks = FilesEnv().tasks("train")[:2]
-    plan = [[Guidance(f"worked : {' ; '.join(t.reference)}", [f"e{t.task_id}"])
-             if i in (1, 3) else None for i in range(4)] for t in tasks]
-    episodes = start_episodes(tasks, 4, FilesEnv, codec, plan)
-    settings = RolloutSettings(max_turns=2)
-    rollout(backend, episodes, codec,
-            SamplingParams(temperature=1.0, max_new_tokens=settings.max_action_tokens,
-                           stop_token_ids=(codec.eoa_id,), seed=0, logprobs_mode="raw"),
-            settings)
-    for i, ep in enumerate(episodes):
-        ep.reward = float(i % 2)  # the guided ones (odd positions) succeed
-    backend.close()
-    return to_groups(episodes, 4, "a", 0.0)
+    return guided_files_groups(model_path)
 
 
 def _learner(model_path, tmp_path, control, replay=None, **learner_sets) -> Learner:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers_rollouts import guided_files_groups
 from test_context import CORPUS
 from transformers import AutoModelForCausalLM
 
@@ -23,8 +24,6 @@ from autodidact.wiring import build_learner
 from environments.files import FilesEnv
 from episodes.context import ContextManager
 from episodes.rollout import (
-    Guidance,
-    PromptCodec,
     RolloutSettings,
     rollout,
     start_episodes,
@@ -47,21 +46,7 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def guided_groups(files_policy_path):
     """Two groups of 4 from the files policy, rollouts 1 and 3 with injected experience."""
-    backend = TransformersBackend(files_policy_path, device="cpu")
-    codec = PromptCodec(backend.tokenizer)
-    tasks = FilesEnv().tasks("train")[:2]
-    plan = [[Guidance(f"worked : {' ; '.join(t.reference)}", [f"e{t.task_id}"])
-             if i in (1, 3) else None for i in range(4)] for t in tasks]
-    episodes = start_episodes(tasks, 4, FilesEnv, codec, plan)
-    settings = RolloutSettings(max_turns=2)
-    rollout(backend, episodes, codec,
-            SamplingParams(temperature=1.0, max_new_tokens=settings.max_action_tokens,
-                           stop_token_ids=(codec.eoa_id,), seed=0, logprobs_mode="raw"),
-            settings)
-    for i, ep in enumerate(episodes):
-        ep.reward = float(i % 2)
-    backend.close()
-    return to_groups(episodes, 4, "a", 0.0)
+    return guided_files_groups(files_policy_path)
 
 
 @pytest.fixture(scope="module")
