@@ -16,6 +16,7 @@ One update::
     strip injected experience (experience.train_context=discard)
     proximal = logprobs under current params    # decoupled PPO
     per minibatch, per micro-batch:             # learner.accumulation of them
+        logprobs in learner.layout              # padded rows, or packed (shared prefixes once)
         backward(policy_loss summed)            # boosted clip on experience-guided rows
     then gradient /= tokens (or rows) of all ranks, optimizer step
 
@@ -40,6 +41,7 @@ from learner.checkpoint import CheckpointError
 from learner.distributed import SINGLE, Ranks
 from learner.logprobs import prepare_for_training, token_logprobs
 from learner.losses import navigation_terms, policy_loss
+from learner.packing import check_packing, enable_packing, layout_logprobs, packed_budget_parts
 from protocol.role_config import LearnerSettings
 from protocol.weights import AdapterMeta
 
@@ -88,6 +90,9 @@ class PolicyStep:
         # id is in its config.
         model = AutoModelForCausalLM.from_pretrained(settings.model_path).to(self.device)
         self.pad_id = pad_token_id(model)
+        self.layout = cfg.layout
+        if self.layout != "padded":  # before the reference copy: it runs packed rows too
+            enable_packing(model)
         # With LoRA only the adapter trains and travels; the frozen base is also the KL
         # reference (adapters off), so no second copy of the model is kept. Without it, the
         # reference is a frozen copy of the initial policy, taken before anything is attached
@@ -99,6 +104,8 @@ class PolicyStep:
         if self.adapter is not None:
             lora.attach(model, self.adapter, dropout=cfg.lora_dropout, init_seed=settings.seed)
         prepare_for_training(model, cfg.logit_chunk_tokens, cfg.gradient_checkpointing)
+        if self.layout != "padded":
+            check_packing(model)
         self.model = ranks.wrap(model.train(), cfg.parallel)
         # After wrapping: under FSDP the optimizer must hold the sharded parameters.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -186,7 +193,7 @@ class PolicyStep:
         """
         self.optimizer.zero_grad(set_to_none=True)
         lengths = batch.lengths().cpu()  # sizes only: one read-back, not one per row
-        parts = self._micro_batches(rows, lengths)
+        parts = self._micro_batches(rows, lengths, batch)
         totals = dict.fromkeys(("loss", "pg_loss", "denominator", "tokens"), 0.0)
         seen = []
         for i, part in enumerate(parts):
@@ -194,8 +201,7 @@ class PolicyStep:
                 mb, index = self._micro(batch, part, lengths)
                 width = mb.input_ids.shape[1]  # trimmed to its longest row
                 with self._autocast():
-                    logprobs = token_logprobs(self.model, mb.input_ids, mb.attention_mask,
-                                              self.cfg.logit_chunk_tokens, mb.action_mask)
+                    logprobs = self._logprobs(self.model, mb)
                 # One step per batch: the proximal policy is this very forward pass, detached.
                 prox = logprobs.detach() if proximal is None else proximal[index][:, :width]
                 if scored is not None and proximal is None and len(part):
@@ -221,14 +227,20 @@ class PolicyStep:
                  tokens=totals["tokens"], grad_norm=grad_norm)
         return m, probe
 
-    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor,
+                       batch) -> list[torch.Tensor]:
         """The minibatch ``rows`` as micro-batches: ``accumulation`` equal slices, or with
         ``micro_batch_tokens`` as many as that token budget needs (every rank takes as many
-        as the rank that needs most)."""
+        as the rank that needs most): padded tokens, or in a packed layout the tokens the
+        packed sequence holds."""
         budget = self.cfg.micro_batch_tokens
         if not budget:
             return self._split(rows, self.cfg.accumulation)
-        parts = token_budget_parts(rows, lengths, budget)
+        if self.layout == "padded":
+            parts = token_budget_parts(rows, lengths, budget)
+        else:
+            parts = packed_budget_parts(rows, lengths, batch.input_ids, budget,
+                                        share=self.layout == "shared_prefix")
         if self.ranks.active:
             parts += [rows[:0]] * (self.ranks.max_int(len(parts)) - len(parts))
         return parts
@@ -251,24 +263,29 @@ class PolicyStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
+    def _logprobs(self, model, batch):
+        """The log-probs of ``batch``'s rows under ``model``, ``[B, L]``, in the learner's
+        layout (learner/packing.py); only the generated tokens are scored with the chunked
+        head."""
+        if self.layout == "padded":
+            return token_logprobs(model, batch.input_ids, batch.attention_mask,
+                                  self.cfg.logit_chunk_tokens, batch.action_mask)
+        return layout_logprobs(model, batch.input_ids, batch.attention_mask,
+                               self.cfg.logit_chunk_tokens, batch.action_mask, self.layout)
+
     @torch.no_grad()
     def _fixed_logprobs(self, batch):
         """Proximal log-probs (only needed ahead with several minibatches) and the reference's."""
         proximal = None
         with self._autocast():
             if self.cfg.minibatches > 1:
-                proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                          self.cfg.logit_chunk_tokens, batch.action_mask)
+                proximal = self._logprobs(self.model, batch)
             reference = None
             if self.reference is not None:
-                reference = token_logprobs(self.reference, batch.input_ids,
-                                           batch.attention_mask, self.cfg.logit_chunk_tokens,
-                                           batch.action_mask)
+                reference = self._logprobs(self.reference, batch)
             elif self.adapter is not None and self.cfg.kl_coef > 0:
                 with lora.disabled(self.model):  # the base is the reference
-                    reference = token_logprobs(self.model, batch.input_ids,
-                                               batch.attention_mask, self.cfg.logit_chunk_tokens,
-                                               batch.action_mask)
+                    reference = self._logprobs(self.model, batch)
         return proximal, reference
 
     def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
@@ -293,8 +310,7 @@ class PolicyStep:
         mostly sampling noise; the loss on the batch the step was taken on is not.
         """
         with self._autocast():
-            after = token_logprobs(self.model, batch.input_ids, batch.attention_mask,
-                                   self.cfg.logit_chunk_tokens, batch.action_mask)
+            after = self._logprobs(self.model, batch)
         loss_after, _ = self._loss(batch, after, proximal, reference)
         mask = batch.action_mask.float()
         log_ratio = proximal - after  # KL(before || after), k1 estimate on the sampled tokens

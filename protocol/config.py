@@ -440,10 +440,12 @@ class LearnerConfig:
     as with one micro-batch (up to float rounding)."""
 
     micro_batch_tokens: int = 0
-    """Padded tokens per micro-batch (rows × longest row); 0 = ``accumulation`` equal slices
-    by rows. Rows are sorted by length and packed up to this budget, and each micro-batch is
-    trimmed to its longest row, so short episodes stop paying for a long one's padding. The
-    step is the same as with one micro-batch (up to float rounding)."""
+    """Tokens per micro-batch; 0 = ``accumulation`` equal slices by rows. With ``layout``
+    padded, padded tokens (rows × longest row): rows are sorted by length and packed up to
+    this budget, and each micro-batch is trimmed to its longest row, so short episodes stop
+    paying for a long one's padding. With ``packed`` / ``shared_prefix``, the tokens the
+    packed sequence holds (a shared prefix counted once). The step is the same as with one
+    micro-batch (up to float rounding)."""
 
     logit_chunk_tokens: int = 0
     """Positions whose vocabulary logits the learner and the warm-start compute at once
@@ -457,6 +459,17 @@ class LearnerConfig:
     gradient_checkpointing: bool = False
     """Recompute the decoder's activations in the backward pass instead of keeping them
     (learner and warm-start): less memory for more compute."""
+
+    layout: str = "padded"
+    """How the learner runs a micro-batch's rows through the model (learner/packing.py):
+    ``padded``, one row each, right-padded to the longest; ``packed``, end to end in one
+    sequence without padding, each row attending only to itself, positions from 0 per row;
+    ``shared_prefix``, packed, and the tokens rows share from their start (a group's prompt:
+    system prompt, task, first observation) laid out and computed once, each continuation
+    attending to it and to itself. The same log-probs, loss and gradients up to float
+    rounding (tests/test_packed_learner.py); the packed layouts need a model whose attention
+    goes through transformers' attention interface (Llama, Qwen2, Mistral, SmolLM2; checked
+    when the model loads). Speed: docs/smollm2.md."""
 
     autocast: str = "auto"
     """Mixed precision of the learner's forward and backward: ``bf16`` (torch.autocast to
@@ -521,6 +534,9 @@ class LearnerConfig:
         if self.logit_chunk_tokens and self.nproc > 1:
             raise ConfigError("logit_chunk_tokens needs nproc=1: DDP and FSDP run the model "
                               "through its own forward, which the chunked head bypasses")
+        if self.layout not in ("padded", "packed", "shared_prefix"):
+            raise ConfigError(f"layout must be padded, packed or shared_prefix, "
+                              f"got {self.layout!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.autocast not in ("auto", "bf16", "none"):
