@@ -56,6 +56,12 @@ SCENARIOS = {
                     "lora_alpha": 8.0, "kl_coef": 0.1},
     "fsdp-lora-acc2": {"parallel": "fsdp", "loss_aggregation": "token-mean", "accumulation": 2,
                        "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": ["q_proj", "v_proj"]},
+    # Packed rows, shared prefixes once (learner.layout), against one padded rank: packed
+    # token budgets (blank micro-batches pad the rank that needs fewer), and FSDP with LoRA.
+    "ddp-shared-prefix-mbt": {"layout": "shared_prefix", "loss_aggregation": "token-mean",
+                              "micro_batch_tokens": 70},
+    "fsdp-packed-lora-acc2": {"layout": "packed", "parallel": "fsdp", "accumulation": 2,
+                              "lora_rank": 4, "lora_alpha": 8.0},
 }
 
 
@@ -299,7 +305,8 @@ def test_two_ranks_step_as_one_rank_on_the_whole_batch(two_ranks, scenario, mode
     sets = SCENARIOS[scenario]
     alone = one_rank(model, tmp_path, control,
                      **{k: v for k, v in sets.items()
-                        if k not in ("parallel", "accumulation", "micro_batch_tokens")})
+                        if k not in ("parallel", "accumulation", "micro_batch_tokens",
+                                     "layout")})
     got = update_rows(two_ranks / scenario)[:UPDATES]
     want = update_rows(tmp_path)
     assert len(got) == len(want) == UPDATES
