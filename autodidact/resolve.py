@@ -17,6 +17,7 @@ warm-start), never a mutation.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,24 @@ def with_model(cfg: RunConfig, path: str) -> RunConfig:
 
 
 # --- what each role reads (protocol/role_config.py) ----------------------------------------------
+
+
+def learner_threads(cfg: RunConfig, gpu: bool, cores: int | None = None) -> int:
+    """``learner.torch_threads``, with ``auto`` made a number for a machine of ``cores``
+    (default: the cores this process may run on): every core for a synchronous run
+    (``max_staleness`` 0: the roles never overlap), else what the actors started on this
+    machine leave free, at least 1. Actors count ``actor.torch_threads`` each where they
+    compute on the CPU: the transformers engine on ``cpu``, or vLLM on a machine without a
+    GPU (``gpu``)."""
+    wanted = cfg.learner.torch_threads
+    if wanted != "auto":
+        return int(wanted)
+    cores = cores or len(os.sched_getaffinity(0))
+    if cfg.learner.max_staleness == 0:
+        return cores
+    on_cpu = cfg.actor.device == "cpu" if cfg.actor.backend == "transformers" else not gpu
+    actor_threads = cfg.actor.num_actors * cfg.actor.torch_threads if on_cpu else 0
+    return max(1, cores - actor_threads)
 
 
 def actor_settings(cfg: RunConfig) -> ActorSettings:

@@ -48,7 +48,7 @@ import torch
 from autodidact.coordinator import Coordinator
 from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.progress import print_summary
-from autodidact.resolve import with_redis_url
+from autodidact.resolve import learner_threads, with_redis_url
 from autodidact.stages import (  # the stages around RL, shared with `autodidact run`
     NoSyntheticTasks,
     after_training,
@@ -249,7 +249,8 @@ def run_single_process(cfg: RunConfig, run_dir: Path, max_updates: int | None = 
     rd = RunDir(run_dir)
     summary = read_summary(run_dir) if resume else {}
     console.print(f"[bold]autodidact run --single-process[/] {cfg.name} in {run_dir}")
-    torch.set_num_threads(max(cfg.actor.torch_threads, cfg.learner.torch_threads))
+    torch.set_num_threads(max(cfg.actor.torch_threads,
+                              learner_threads(cfg, torch.cuda.is_available())))
     with contextlib.ExitStack() as stack:
         stack.enter_context(stop_signals_interrupt())
         try:

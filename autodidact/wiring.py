@@ -24,6 +24,7 @@ from autodidact.resolve import (
     experience_settings,
     judge_settings,
     learner_settings,
+    learner_threads,
 )
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
@@ -193,7 +194,7 @@ def learner_process(cfg: RunConfig, run_dir: Path, max_updates: int | None = Non
     from learner.checkpoint import CheckpointError
     from learner.distributed import Ranks
 
-    torch.set_num_threads(cfg.learner.torch_threads)
+    torch.set_num_threads(learner_threads(cfg, torch.cuda.is_available()))
     ranks = Ranks.from_env()
     if ranks.is_main:
         try:

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import math
 import re
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -412,12 +413,14 @@ class LearnerConfig:
     max_minutes: float = 10.0
     """Stop RL after this much wall time."""
 
-    torch_threads: int = 1
-    """CPU threads for the learner process. On a CPU machine that also runs the actors, more
-    threads than the cores the actors leave free oversubscribe them: SmolLM2 with transformers
-    actors on 2 cores stepped 2.8x slower at 2 threads beside a generating actor than at 2
-    threads alone, while 1 thread beside it made async 1.62x faster than sync
-    (docs/benchmarks.md). Sync runs never overlap the roles, so they want every core."""
+    torch_threads: int | str = "auto"
+    """CPU threads for the learner process, or ``auto``: the cores the machine's own actors
+    leave free (at least 1), or every core when ``max_staleness`` is 0 (a synchronous run never
+    overlaps the roles); autodidact.resolve.learner_threads. On a CPU machine that also runs
+    the actors, more threads than the cores the actors leave free oversubscribe them: SmolLM2
+    with transformers actors on 2 cores stepped 2.8x slower at 2 threads beside a generating
+    actor than at 2 threads alone, while 1 thread beside it made async 1.62x faster than sync
+    (docs/benchmarks.md)."""
 
     probe_every: int = 0
     """Every n updates, score the batch again after the step and log ``learner/step_gain``
@@ -519,9 +522,13 @@ class LearnerConfig:
 
     def check(self):
         for name in ("lr", "batch_groups", "minibatches", "publish_every", "checkpoint_every",
-                     "max_updates", "max_minutes", "torch_threads", "iw_cap", "dual_clip",
+                     "max_updates", "max_minutes", "iw_cap", "dual_clip",
                      "grad_clip", "nproc", "accumulation"):
             _positive(self, name)
+        if self.torch_threads != "auto" and not (isinstance(self.torch_threads, int)
+                                                 and self.torch_threads > 0):
+            raise ConfigError(f"torch_threads must be a positive number of threads or auto, "
+                              f"got {self.torch_threads!r}")
         if self.batch_groups % self.nproc:
             raise ConfigError(f"batch_groups ({self.batch_groups}) must be a multiple of nproc "
                               f"({self.nproc}): every learner process draws an equal share")
@@ -1279,6 +1286,13 @@ def coerce(hint, value, key: str):
     if dataclasses.is_dataclass(hint):
         return _from_dict(hint, value, key)
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # the first member the value fits
+        for member in typing.get_args(hint):
+            try:
+                return coerce(member, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: cannot use {value!r} as {hint}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

@@ -1,6 +1,7 @@
 """Config files: every one shipped parses; bad keys, types and values are refused by name."""
 
 import dataclasses
+import types
 import typing
 from pathlib import Path
 
@@ -190,6 +191,8 @@ def test_no_action_fits_is_refused(tmp_path):
 def _wrong_type(hint):
     if dataclasses.is_dataclass(hint):
         return 3
+    if typing.get_origin(hint) is types.UnionType:  # fits no member
+        return [1.5]
     return {int: "many", float: "many", bool: "maybe", str: 12, dict: "x"}.get(
         hint, "x" if typing.get_origin(hint) is list else None)
 

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from autodidact.resolve import (
     Flags,
+    learner_threads,
     resolve_config,
     resolve_run,
     with_model,
@@ -259,3 +260,24 @@ def test_max_updates_zero_is_a_run_without_rl_updates_not_the_configs_default(tm
     [default] = [r for r in training_roles(cfg, tmp_path, tmp_path / "c.yaml")
                  if r.name == "learner"]
     assert "--max-updates" not in default.argv
+
+
+@pytest.mark.parametrize("sets, gpu, cores, threads", [
+    ([], False, 2, 1),  # the default run: 2 actors on 1 thread each leave none free: 1
+    (["actor.num_actors=1"], False, 2, 1),  # SmolLM2's layout: one core each
+    (["actor.num_actors=1"], False, 8, 7),
+    (["actor.num_actors=2", "actor.torch_threads=2"], False, 8, 4),
+    (["learner.max_staleness=0"], False, 8, 8),  # synchronous: the roles take turns
+    (["actor.device=cuda"], True, 8, 8),  # actors computing on a GPU take no core here
+    (["actor.backend=vllm", "actor.num_actors=1"], True, 8, 8),
+    (["actor.backend=vllm", "actor.num_actors=1"], False, 8, 7),  # vLLM on the CPU
+    (["learner.torch_threads=3"], False, 8, 3),  # a number is kept
+])
+def test_auto_learner_threads_take_the_cores_the_actors_leave(sets, gpu, cores, threads):
+    assert learner_threads(resolve_config(None, sets), gpu, cores) == threads
+
+
+@pytest.mark.parametrize("value", ["0", "many", "1.5", "true"])
+def test_learner_threads_are_a_positive_number_or_auto(value):
+    with pytest.raises(ConfigError, match="torch_threads"):
+        resolve_config(None, [f"learner.torch_threads={value}"])
