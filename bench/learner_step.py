@@ -3,7 +3,7 @@ packed rows and shared prefixes (``learner.layout``), on the same batches in one
 
     python -m bench.learner_step [--config configs/smollm2.yaml] [--arms lora16,full]
                                  [--layouts padded,packed,shared_prefix] [--repeats 5]
-                                 [--threads 2] [--json FILE] [--note TEXT]
+                                 [--threads 2] [--set k=v] [--json FILE] [--note TEXT]
 
 **Batches.** ``learner.batch_groups`` groups of ``actor.group_size`` rollouts of the config's
 env (SmolLM2 on ``files``: 2 × 8), laid out as the actors lay them out: the model's chat
@@ -179,11 +179,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the config's 2)")
     ap.add_argument("--reference-share", type=float, default=0.3,
                     help="chance that a turn plays the task's next reference action")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="config overrides, e.g. model.path=/tmp/smollm2 (the GPU check)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--note", default="", help="the conditions it ran in (what else ran)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.sets)
     layouts = args.layouts.split(",")
     batches = make_batches(cfg, args.repeats + 1, args.reference_share)
     shape = batch_shape(batches)
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": str(Path(args.config).resolve().relative_to(ROOT))
         if Path(args.config).resolve().is_relative_to(ROOT) else args.config,
         "model": cfg.model.path, "threads": args.threads, "repeats": args.repeats,
+        "device": cfg.learner.device, "sets": args.sets,
         "learner": {"batch_groups": learner.batch_groups, "group_size": cfg.actor.group_size,
                     "micro_batch_tokens": learner.micro_batch_tokens,
                     "logit_chunk_tokens": learner.logit_chunk_tokens,
