@@ -364,16 +364,23 @@ def smollm2_path():
     return model_folder("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def smollm2_padded(smollm2_path):
+    """SmolLM2 with the chunked head and checkpointing, random rows, and the padded path's
+    log-probs and gradients on them: loaded and scored once for both layouts."""
+    model = _model(smollm2_path, checkpointing=True, chunk=64)
+    ids, mask, needed = random_rows(model.config.vocab_size, seed=1)
+    return model, (ids, mask, needed), _scored_with_grads(model, ids, mask, needed, 64, "padded")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PACKED)
-def test_smollm2_logprobs_and_gradients_equal_padded(smollm2_path, layout):
+def test_smollm2_logprobs_and_gradients_equal_padded(smollm2_padded, layout):
     """The whole model, chunked head and activation checkpointing, as configs/smollm2.yaml.
     30 layers and a 49,152-word head in float32 round differently in another layout: log-probs
     within 5e-5 (measured up to 2e-5), every gradient within 1e-4 of its norm (measured up to
     1.3e-5) and elementwise within 1e-5 of its largest entry."""
-    model = _model(smollm2_path, checkpointing=True, chunk=64)
-    ids, mask, needed = random_rows(model.config.vocab_size, seed=1)
-    want, want_grads = _scored_with_grads(model, ids, mask, needed, 64, "padded")
+    model, (ids, mask, needed), (want, want_grads) = smollm2_padded
     got, grads = _scored_with_grads(model, ids, mask, needed, 64, layout)
     torch.testing.assert_close(got, want, rtol=0, atol=SMOLLM2_LOGPROB_ATOL)
     assert_same_grads(grads, want_grads, rtol=1e-4, atol=0.0, of_largest=1e-5)
@@ -384,5 +391,6 @@ def test_smollm2_lora_update_equals_padded(smollm2_path):
     """configs/smollm2.yaml's learner with a LoRA adapter, one update, shared prefixes."""
     groups = make_groups(49152, seed=2, n_groups=2, size=3)
     compare_updates(smollm2_path, "shared_prefix", groups, rtol=1e-4, atol=0.0,
-                    of_largest=1e-5, logprob_atol=SMOLLM2_LOGPROB_ATOL, lora_rank=8, lora_alpha=16.0, logit_chunk_tokens=64,
-                    gradient_checkpointing=True, micro_batch_tokens=160)
+                    of_largest=1e-5, logprob_atol=SMOLLM2_LOGPROB_ATOL, lora_rank=8,
+                    lora_alpha=16.0, logit_chunk_tokens=64, gradient_checkpointing=True,
+                    micro_batch_tokens=160)
