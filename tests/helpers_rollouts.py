@@ -1,4 +1,5 @@
-"""Real rollouts for learner tests: made by the rollout code with a tiny policy on `files`."""
+"""Real rollouts for learner tests, made by the rollout code with a tiny policy on `files`, and
+the learner that trains on them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from episodes.rollout import (
 )
 from inference.backends.base import SamplingParams
 from inference.backends.hf import TransformersBackend
+from protocol.config import RunConfig
 from protocol.messages import Group
 
 
@@ -35,3 +37,18 @@ def guided_files_groups(model_path: str) -> list[Group]:
         ep.reward = float(i % 2)
     backend.close()
     return to_groups(episodes, 4, "a", 0.0)
+
+
+def learner_for(model_path: str, run_dir, control, replay=None, **sets):
+    """A learner on ``model_path`` built as a run builds it (``autodidact.wiring``), warming up
+    over one update; ``sets`` set learner fields (``lr=...``), or another section's as
+    ``section__field``."""
+    from autodidact.wiring import build_learner
+
+    cfg = RunConfig()
+    cfg.model.path = model_path
+    cfg.learner.warmup_updates = 1
+    for key, value in sets.items():
+        section, name = key.split("__") if "__" in key else ("learner", key)
+        setattr(getattr(cfg, section), name, value)
+    return build_learner(cfg, run_dir, control, replay)

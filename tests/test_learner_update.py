@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_rollouts import guided_files_groups
+from helpers_rollouts import guided_files_groups, learner_for
 
-from autodidact.wiring import build_learner
 from learner.learner import Learner
 from metrics.jsonl import read_metrics
-from protocol.config import RunConfig
 
 # Large enough that the first minibatch moves some good tokens past ratio 1.28, small enough
 # that they stay under 1.6 (past both bounds the two clips agree: no gradient either way).
@@ -33,13 +31,7 @@ def guided_groups(model_path):
 
 
 def _learner(model_path, tmp_path, control, replay=None, **learner_sets) -> Learner:
-    cfg = RunConfig()
-    cfg.model.path = model_path
-    cfg.learner.warmup_updates = 1
-    for key, value in learner_sets.items():
-        section, name = key.split("__") if "__" in key else ("learner", key)
-        setattr(getattr(cfg, section), name, value)
-    return build_learner(cfg, tmp_path, control, replay)
+    return learner_for(model_path, tmp_path, control, replay, **learner_sets)
 
 
 def _params(learner: Learner) -> torch.Tensor:

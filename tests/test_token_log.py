@@ -16,11 +16,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers_rollouts import guided_files_groups
+from helpers_rollouts import guided_files_groups, learner_for
 from test_context import CORPUS
 from transformers import AutoModelForCausalLM
 
-from autodidact.wiring import build_learner
 from environments.files import FilesEnv
 from episodes.context import ContextManager
 from episodes.rollout import (
@@ -37,7 +36,6 @@ from learner.batching import build_batch, strip_experience, to_trajectories
 from learner.logprobs import token_logprobs
 from learner.token_log import TokenLog, read_token_log
 from metrics.jsonl import read_metrics
-from protocol.config import RunConfig
 from protocol.run_dir import RunDir
 
 TOLERANCE = 1e-4
@@ -74,13 +72,7 @@ def windowed_group(chat_path):
 
 
 def _learner(model_path, run_dir, control, **sets):
-    cfg = RunConfig()
-    cfg.model.path = model_path
-    cfg.learner.warmup_updates = 1
-    for key, value in sets.items():
-        section, name = key.split("__") if "__" in key else ("learner", key)
-        setattr(getattr(cfg, section), name, value)
-    return build_learner(cfg, run_dir, control, None)
+    return learner_for(model_path, run_dir, control, None, **sets)
 
 
 def _check_sampler(recorded: dict, group, tolerance: float = TOLERANCE) -> None:
