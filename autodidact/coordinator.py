@@ -30,7 +30,7 @@ import redis
 from autodidact.recovery import RedisWatch, init_admission
 from autodidact.task_mix import TaskFeeder
 from protocol.config import RunConfig
-from protocol.control import ControlPlane
+from protocol.control import ControlPlane, connect_redis
 from protocol.messages import Task
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,11 @@ class Coordinator:
         """``cfg`` names the run's Redis (``redis.url`` set); ``embedded`` is the
         EmbeddedRedis serving it, None for an external server."""
         self.cfg, self.run_dir, self.control = cfg, Path(run_dir), control
+        # What the loop only reports goes through a client that fails at once: with the
+        # roles' back-off (~40 s a call) a Redis killed just before a progress line held the
+        # loop that restarts it for minutes (test_run_integration's Redis kill, under load).
+        self.glance = ControlPlane(connect_redis(cfg.redis.url, retries=0), cfg.redis.prefix,
+                                   cfg.redis.heartbeat_ttl_s) if cfg.redis.url else control
         self.redis_watch = RedisWatch(cfg, self.run_dir, control, embedded)
         self.feeder: TaskFeeder | None = None
 
@@ -83,7 +88,7 @@ class Coordinator:
 
     def publish_restarts(self, roles) -> None:
         with contextlib.suppress(redis.RedisError):
-            self.control.set_state(restarts=self.restarts(roles))
+            self.glance.set_state(restarts=self.restarts(roles))
 
     def finishing(self) -> None:
         """Worker nodes (autodidact node) stop their roles on this; "done" comes only after

@@ -122,7 +122,7 @@ class Reporter:
         self.mirror.sync(self.progress.update())
         self.coordinator.publish_restarts(roles)
         with contextlib.suppress(redis.RedisError):  # Redis is being restarted
-            self.progress.show(self.coordinator.control, roles, time.monotonic() - self.t0)
+            self.progress.show(self.coordinator.glance, roles, time.monotonic() - self.t0)
 
     def close(self) -> None:
         """The last records into wandb (the mirror itself is closed after the summary)."""
