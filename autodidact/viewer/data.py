@@ -41,6 +41,7 @@ class RunView:
         self.path, self.label = Path(path), label
         self.groups = GroupIndex(self.path)
         self._tokenizer = None
+        self._secrets: list[str] = []
 
     def check(self) -> None:
         if not self.path.is_dir():
@@ -58,6 +59,13 @@ class RunView:
             return RunConfig()
 
     def secrets(self) -> list[str]:
+        """The run's Redis password, however it is found. Read until found, then kept: every
+        reply is scrubbed with it, and a run's password does not change."""
+        if not self._secrets:
+            self._secrets = self._read_secrets()
+        return self._secrets
+
+    def _read_secrets(self) -> list[str]:
         cfg, _ = status_cli.read_config(self.path)
         url, _ = status_cli.redis_target(self.path, cfg)
         found = [url_password(url)] if url else []
