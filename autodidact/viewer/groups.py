@@ -162,6 +162,7 @@ class GroupIndex:
         self.run_dir = Path(run_dir)
         self._by_id: dict[str, Summary] = {}
         self._next_seq = 0
+        self.stored = 0  # groups in the store at the last refresh
         self._lock = threading.RLock()
         self.refreshed_at = 0.0
 
@@ -216,7 +217,7 @@ class GroupIndex:
         """One page of the kept groups, newest first."""
         with self._lock:
             kept = [s for s in self._by_id.values() if filters.keeps(s)]
-            stored, indexed = getattr(self, "stored", 0), len(self._by_id)
+            stored, indexed = self.stored, len(self._by_id)
         kept.sort(key=lambda s: s.seq, reverse=True)
         pages = max(1, -(-len(kept) // per_page))
         if page >= pages and page > 0 and indexed >= stored:  # while indexing, maybe later
