@@ -116,6 +116,12 @@ def model_tokens(step, groups) -> tuple[int, int]:
     return total, len(parts)
 
 
+def _finish_device_work() -> None:
+    """On CUDA an update returns with kernels still queued; time it once they have run."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_arm(cfg, rank: int, layouts: list[str], batches: list[list], say) -> dict:
     from autodidact.resolve import learner_settings
     from inference.models import model_folder
@@ -135,6 +141,7 @@ def run_arm(cfg, rank: int, layouts: list[str], batches: list[list], say) -> dic
         step.layout = layout
         t0 = time.perf_counter()
         metrics, stats = step.update(batches[0], None, 0.0, False)
+        _finish_device_work()
         out[layout].update(first_update_s=time.perf_counter() - t0, first_loss=metrics["loss"],
                            first_grad_norm=metrics["grad_norm"])
         say(f"  {layout:14s} first update {out[layout]['first_update_s']:.1f} s, "
@@ -145,6 +152,7 @@ def run_arm(cfg, rank: int, layouts: list[str], batches: list[list], say) -> dic
             step.layout = layout
             t0 = time.perf_counter()
             _, stats = step.update(groups, None, 0.0, False)
+            _finish_device_work()
             out[layout]["seconds"].append(time.perf_counter() - t0)
             ran, parts = model_tokens(step, groups)
             out[layout].setdefault("tokens", []).append(stats["tokens"])

@@ -19,6 +19,9 @@ stash=/tmp/gpu-stash
 case "${1:-}" in
     --prepare)
         bash scripts/gpu_check.sh --prepare
+        # transformers reads a GGUF through gguf, which the GPU image lacks
+        .venv/bin/python -m pip download -q --only-binary=:all: --no-deps --dest .gpu/whl \
+            gguf==0.19.0
         gguf="$(.venv/bin/python -c 'from inference.models import named_gguf; print(named_gguf("smollm2-135m"))')"
         mkdir -p .gpu/smollm2-a .gpu/smollm2-b
         half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
@@ -43,15 +46,16 @@ python3 -m autodidact model convert /tmp/smollm2.gguf --out /tmp/smollm2 > "$OUT
     || { tail -5 "$OUT/convert.txt"; exit 1; }
 
 t0=$(date +%s)
-python3 -m bench.learner_step --config configs/smollm2-gpu.yaml --set model.path=/tmp/smollm2 \
+# Each stage has its own time limit, so the json below is written inside one 600 s call.
+timeout 180 python3 -m bench.learner_step --config configs/smollm2-gpu.yaml --set model.path=/tmp/smollm2 \
     --threads 4 --repeats 5 \
     --json "$OUT/learner_step_cuda.json" --note "GPU check (scripts/gpu_check_smollm2.sh)" \
     > "$OUT/learner_step.txt" 2>&1
 echo "learner_step rc $?"; tail -12 "$OUT/learner_step.txt"
 t1=$(date +%s)
-python3 -m autodidact run -c configs/smollm2-gpu.yaml --set model.path=/tmp/smollm2 \
+timeout 330 python3 -m autodidact run -c configs/smollm2-gpu.yaml --set model.path=/tmp/smollm2 \
     --set actor.backend=transformers --set tracking.wandb=disabled \
-    --set experience.enabled=false --set learner.max_minutes=4 --set eval.num_tasks=20 \
+    --set experience.enabled=false --set learner.max_minutes=3 --set eval.num_tasks=20 \
     --run-dir /tmp/gpu-smollm2 > "$OUT/run.txt" 2>&1
 echo "run rc $?"; tail -8 "$OUT/run.txt"
 t2=$(date +%s)
