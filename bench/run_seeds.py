@@ -5,8 +5,9 @@ after RL, per seed and as mean ± std, and whether RL moved it (issue 20's 3-see
         --out docs/results/smollm2_seeds.json
 
 Seed N is ``autodidact run -c CONFIG --run-dir runs/<name>-sN --set seed=N --set name=<name>-sN``
-(``<name>`` is the config's own), run one after another so runs never share the cores. A run
-that finished before with the same command is reused (the stamp ``autodidact ablation`` uses),
+(``<name>`` is the config's own unless ``--name``), run one after another so runs never
+share the cores. A run that finished before with the same command is reused (the stamp
+``autodidact ablation`` uses),
 so a measurement cut off by the end of a session goes on where it stopped. ``--no-run`` only
 reads what has finished; ``--from-json F`` reads the runs a json written by ``--out`` records
 and writes its summary again (the runs may be gone). Runs made with ``--set
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--set", dest="sets", action="append", default=[],
                         help="a config override for every seed (part of the reuse stamp)")
+    parser.add_argument("--name", default=None,
+                        help="runs/<name>-sN and the runs' name (default: the config's name); "
+                             "another name keeps another measurement's runs of that config")
     parser.add_argument("--out", type=Path, help="write the per-seed results and summary here")
     parser.add_argument("--no-run", action="store_true", help="only read finished seeds")
     parser.add_argument("--from-json", type=Path, default=None,
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.config is None:
         parser.error("-c/--config is needed unless --from-json")
     else:
-        name = read_yaml(args.config).get("name") or args.config.stem
+        name = args.name or read_yaml(args.config).get("name") or args.config.stem
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         results = [run_seed(args.config, name, s, args.sets, not args.no_run) for s in seeds]
     k = load_config(args.config, args.sets).eval.k  # the config's own default when unset

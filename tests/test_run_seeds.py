@@ -1,6 +1,7 @@
 """bench/run_seeds.py: reuse of finished seeds and the reading of RL's change."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,13 @@ def test_a_finished_seed_is_reused_only_for_the_same_command(tmp_path):
     assert reused.reused and reused.final == {"avg": .7} and reused.updates == 12
     other = run_seed(config, "cfg", 3, ["a=2"], may_run=False, runs=tmp_path)
     assert not other.reused and other.error == "not run yet"
+
+
+def test_a_name_keeps_another_measurements_runs_apart(capsys):
+    """``--name`` puts seeds in runs/<name>-sN, so a second measurement of one config never
+    finds (and replaces) the first one's runs."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
+    main(["-c", str(config), "--seeds", "7", "--name", "quick-elsewhere", "--no-run"])
+    out = capsys.readouterr().out
+    assert "runs/quick-elsewhere-s7" in out and "name=quick-elsewhere-s7" in out
+    assert "runs/quick-s7" not in out
