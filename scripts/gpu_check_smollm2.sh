@@ -12,6 +12,8 @@
 #                                                 halves and digest into .gpu/smollm2-a|b
 #   call 1, carrying .gpu/smollm2-a:   bash scripts/gpu_check_smollm2.sh --stash
 #   call 2, carrying .gpu/whl and .gpu/smollm2-b:   bash scripts/gpu_check_smollm2.sh
+#   (or, as call 2, `... --layout-cuda`: bench/layout_cuda.py, why shared prefixes are slow on
+#   a GPU, to $OUT/layout_cuda.json)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -44,6 +46,12 @@ if [[ "$(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1)" != "$(cat .gpu/smollm2-b/
 fi
 python3 -m autodidact model convert /tmp/smollm2.gguf --out /tmp/smollm2 > "$OUT/convert.txt" 2>&1 \
     || { tail -5 "$OUT/convert.txt"; exit 1; }
+
+if [[ "${1:-}" == --layout-cuda ]]; then  # a second look: why shared prefixes are slow here
+    timeout 400 python3 -m bench.layout_cuda --set model.path=/tmp/smollm2 \
+        --json "$OUT/layout_cuda.json"
+    exit
+fi
 
 t0=$(date +%s)
 # Each stage has its own time limit, so the json below is written inside one 600 s call.
