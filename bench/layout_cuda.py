@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench.learner_step import ROOT, _finish_device_work, make_batches
+from bench.learner_step import ROOT, build_step, make_batches, timed_update
 from bench.output import command_line, write_result
 
 KERNELS = ("default", "math", "efficient", "cudnn")
@@ -41,19 +39,12 @@ def kernel_context(name: str):
     return sdpa_kernel([backend])
 
 
-def timed_update(step, groups) -> float:
-    t0 = time.perf_counter()
-    step.update(groups, None, 0.0, False)
-    _finish_device_work()
-    return time.perf_counter() - t0
-
-
 def seen_and_unseen(step, batches: list, repeats: int) -> dict:
     """Per batch: the first update's seconds (shapes new to the kernel) and the repeats'."""
     first, again = [], []
     for groups in batches:
-        first.append(timed_update(step, groups))
-        again.extend(timed_update(step, groups) for _ in range(repeats - 1))
+        first.append(timed_update(step, groups)[0])
+        again.extend(timed_update(step, groups)[0] for _ in range(repeats - 1))
     return {"first_s": first, "again_s": again,
             "first_median_s": statistics.median(first),
             "again_median_s": statistics.median(again) if again else None}
@@ -67,7 +58,7 @@ def profiled(step, groups, rows: int = 15) -> dict:
     activities = [ProfilerActivity.CPU] + \
         ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        seconds = timed_update(step, groups)
+        seconds = timed_update(step, groups)[0]
     averages = prof.key_averages()
     device = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
@@ -75,20 +66,6 @@ def profiled(step, groups, rows: int = 15) -> dict:
     return {"seconds": seconds, "device_kernels": len(kernels),
             "by_device_time": averages.table(sort_by=device, row_limit=rows),
             "by_host_time": averages.table(sort_by="self_cpu_time_total", row_limit=rows)}
-
-
-def build_step(cfg, rank: int, layout: str):
-    from autodidact.resolve import learner_settings
-    from inference.models import model_folder
-    from learner.step import PolicyStep
-
-    cfg = copy.deepcopy(cfg)
-    cfg.model.path = model_folder(cfg.model.path)
-    cfg.learner.lora_rank = rank
-    cfg.learner.layout = "shared_prefix"  # built packed; switched below (bench.learner_step)
-    step = PolicyStep(learner_settings(cfg))
-    step.layout = layout
-    return step
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -106,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     need = (len(KERNELS) + 2) * args.batches + 1
     batches = make_batches(cfg, need, 0.3)
     chunks = [batches[i * args.batches:(i + 1) * args.batches] for i in range(need // args.batches)]
-    step = build_step(cfg, args.rank, "shared_prefix")
+    step = build_step(cfg, args.rank)
     step.update(batches[-1], None, 0.0, False)  # load, allocate, first launches: not timed
     result = {"command": command_line("bench.layout_cuda", argv), "config": args.config,
               "sets": args.sets, "rank": args.rank, "batches_per_kernel": args.batches,

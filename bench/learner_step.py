@@ -116,13 +116,19 @@ def model_tokens(step, groups) -> tuple[int, int]:
     return total, len(parts)
 
 
-def _finish_device_work() -> None:
-    """On CUDA an update returns with kernels still queued; time it once they have run."""
+def timed_update(step, groups) -> tuple[float, dict, dict]:
+    """(seconds, metrics, stats) of one ``step.update``; on CUDA an update returns with
+    kernels still queued, so the clock stops once they have run."""
+    t0 = time.perf_counter()
+    metrics, stats = step.update(groups, None, 0.0, False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    return time.perf_counter() - t0, metrics, stats
 
 
-def run_arm(cfg, rank: int, layouts: list[str], batches: list[list], say) -> dict:
+def build_step(cfg, rank: int):
+    """The config's learner step with a rank-``rank`` adapter (0: full fine-tuning), its
+    layout switchable between updates (``step.layout``)."""
     from autodidact.resolve import learner_settings
     from inference.models import model_folder
     from learner.step import PolicyStep
@@ -133,16 +139,18 @@ def run_arm(cfg, rank: int, layouts: list[str], batches: list[list], say) -> dic
     # Built packed, so the model has the attention that reads a layout; a padded update runs
     # the model without one, which is transformers' own sdpa (tests/test_packed_learner.py).
     cfg.learner.layout = "shared_prefix"
-    step = PolicyStep(learner_settings(cfg))
+    return PolicyStep(learner_settings(cfg))
+
+
+def run_arm(cfg, rank: int, layouts: list[str], batches: list[list], say) -> dict:
+    step = build_step(cfg, rank)
     out = {layout: {"seconds": []} for layout in layouts}
     start = copy.deepcopy(step.state())
     for layout in layouts:  # the same update from the same state: the check, and a warm-up
         step.load_state(copy.deepcopy(start), Path("bench-start"))
         step.layout = layout
-        t0 = time.perf_counter()
-        metrics, stats = step.update(batches[0], None, 0.0, False)
-        _finish_device_work()
-        out[layout].update(first_update_s=time.perf_counter() - t0, first_loss=metrics["loss"],
+        seconds, metrics, _ = timed_update(step, batches[0])
+        out[layout].update(first_update_s=seconds, first_loss=metrics["loss"],
                            first_grad_norm=metrics["grad_norm"])
         say(f"  {layout:14s} first update {out[layout]['first_update_s']:.1f} s, "
             f"loss {metrics['loss']:.6f}")
@@ -150,10 +158,8 @@ def run_arm(cfg, rank: int, layouts: list[str], batches: list[list], say) -> dic
     for r, groups in enumerate(batches[1:]):
         for layout in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:
             step.layout = layout
-            t0 = time.perf_counter()
-            _, stats = step.update(groups, None, 0.0, False)
-            _finish_device_work()
-            out[layout]["seconds"].append(time.perf_counter() - t0)
+            seconds, _, stats = timed_update(step, groups)
+            out[layout]["seconds"].append(seconds)
             ran, parts = model_tokens(step, groups)
             out[layout].setdefault("tokens", []).append(stats["tokens"])
             out[layout].setdefault("model_tokens", []).append(ran)

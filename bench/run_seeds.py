@@ -7,8 +7,8 @@ after RL, per seed and as mean ± std, and whether RL moved it (issue 20's 3-see
 Seed N is ``autodidact run -c CONFIG --run-dir runs/<name>-sN --set seed=N --set name=<name>-sN``
 (``<name>`` is the config's own unless ``--name``), run one after another so runs never
 share the cores. A run that finished before with the same command is reused (the stamp
-``autodidact ablation`` uses),
-so a measurement cut off by the end of a session goes on where it stopped. ``--no-run`` only
+``autodidact ablation`` uses), so a measurement cut off by the end of a session goes on where
+it stopped. ``--no-run`` only
 reads what has finished; ``--from-json F`` reads the runs a json written by ``--out`` records
 and writes its summary again (the runs may be gone). Runs made with ``--set
 eval.final_test=true`` looked at the test split once after RL: their test results are
