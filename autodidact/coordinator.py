@@ -27,7 +27,9 @@ from pathlib import Path
 
 import redis
 
+from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.recovery import RedisWatch, init_admission
+from autodidact.resolve import with_redis_url
 from autodidact.task_mix import TaskFeeder
 from protocol.config import RunConfig
 from protocol.control import ControlPlane, connect_redis
@@ -54,6 +56,28 @@ class Coordinator:
         control = ControlPlane.connect(cfg.redis.url, cfg.redis.prefix,
                                        cfg.redis.heartbeat_ttl_s)
         return cls(cfg, run_dir, control, embedded)
+
+    @classmethod
+    def open(cls, stack: contextlib.ExitStack, cfg: RunConfig,
+             run_dir: Path) -> tuple[RunConfig, Coordinator]:
+        """The run's Redis (``redis.url``, or a private server whose URL makes a new config)
+        and the coordinator, connected and started, both released when ``stack`` closes;
+        returns the config that names that Redis. Used by ``autodidact run`` and by
+        ``--single-process``."""
+        embedded = None
+        if not cfg.redis.url:
+            embedded = EmbeddedRedis(run_dir, bind=cfg.redis.bind)
+            cfg = with_redis_url(cfg, stack.enter_context(embedded))
+        coordinator = cls.connect(cfg, run_dir, embedded)
+        stack.callback(coordinator.close)  # before the embedded server stops (LIFO)
+        coordinator.start()
+        return cfg, coordinator
+
+    def close(self) -> None:
+        """Release both Redis clients; the server itself belongs to whoever started it."""
+        if self.glance is not self.control:
+            self.glance.close()
+        self.control.close()
 
     def start(self) -> None:
         """Once per run, fresh or resumed, before any role starts."""

@@ -31,10 +31,8 @@ from pathlib import Path
 from rich.console import Console
 
 from autodidact.coordinator import Coordinator
-from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.node_cli import worker_hint
 from autodidact.progress import Reporter, print_summary
-from autodidact.resolve import with_redis_url
 from autodidact.roles import replay_role, training_roles, wait_for_replay, write_resolved_config
 from autodidact.stages import NoSyntheticTasks, after_training, up_to_training
 from autodidact.supervisor import Supervisor, stop_signals_interrupt
@@ -84,14 +82,9 @@ def claim_run_dir(run_dir: Path) -> int:
 
 def start_control_plane(stack: contextlib.ExitStack, cfg: RunConfig,
                         run_dir: Path) -> tuple[RunConfig, Coordinator]:
-    """The run's Redis (``redis.url``, or a private server whose URL makes a new config) and
-    the coordinator, connected and started; returns the config that names that Redis."""
-    embedded = None
-    if not cfg.redis.url:
-        embedded = EmbeddedRedis(run_dir, bind=cfg.redis.bind)
-        cfg = with_redis_url(cfg, stack.enter_context(embedded))
-    coordinator = Coordinator.connect(cfg, run_dir, embedded)
-    coordinator.start()
+    """The run's Redis and the coordinator, started and released with ``stack``
+    (Coordinator.open); returns the config that names that Redis."""
+    cfg, coordinator = Coordinator.open(stack, cfg, run_dir)
     console.print(f"  redis   {redact_url(cfg.redis.url)}")
     return cfg, coordinator
 

@@ -46,9 +46,8 @@ from pathlib import Path
 import torch
 
 from autodidact.coordinator import Coordinator
-from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.progress import print_summary
-from autodidact.resolve import learner_threads, with_redis_url
+from autodidact.resolve import learner_threads
 from autodidact.stages import (  # the stages around RL, shared with `autodidact run`
     NoSyntheticTasks,
     after_training,
@@ -254,12 +253,8 @@ def run_single_process(cfg: RunConfig, run_dir: Path, max_updates: int | None = 
     with contextlib.ExitStack() as stack:
         stack.enter_context(stop_signals_interrupt())
         try:
-            embedded = None
-            if not cfg.redis.url:
-                embedded = EmbeddedRedis(run_dir, bind=cfg.redis.bind)
-                cfg = with_redis_url(cfg, stack.enter_context(embedded))
-            coordinator = Coordinator.connect(cfg, run_dir, embedded)
-            coordinator.start()  # run state, admission opened (before replay.lmdb is opened)
+            # run state, admission opened (before replay.lmdb is opened)
+            cfg, coordinator = Coordinator.open(stack, cfg, run_dir)
             # Bound (a server needs an address) but never polled: requests come in-process.
             replay = InProcessReplay(ReplayServer(run_dir, cfg.replay,
                                                   address=f"inproc://replay-{uuid.uuid4().hex}"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import time
 from pathlib import Path
 
 import pytest
@@ -153,8 +154,31 @@ def test_the_launcher_connects_redis_through_a_new_config(tmp_path):
         new, coordinator = start_control_plane(stack, cfg, run_dir)
         assert coordinator.control.state()["phase"] == "starting"
         assert new.redis.url.startswith("unix://") and new.redis.url != cfg.redis.url
-        coordinator.control.r.close()
     assert to_dict(cfg) == before and cfg.redis.url == ""
+
+
+def test_the_control_plane_releases_its_redis_clients_on_exit(tmp_path):
+    """On a Redis it did not start, the run leaves no client connected once its stack closes:
+    both the coordinator's plane and its fail-fast reporting client are released."""
+    import redis
+
+    from autodidact.embedded_redis import EmbeddedRedis
+    from autodidact.launcher import start_control_plane
+
+    cfg, run_dir = resolve_run(None, ["name=clients"], tmp_path,
+                               Flags(redis_prefix=True, local_services=True))
+    (tmp_path / "server").mkdir()
+    with EmbeddedRedis(tmp_path / "server") as url, redis.Redis.from_url(url) as probe:
+        cfg = with_redis_url(cfg, url)
+        with contextlib.ExitStack() as stack:
+            _, coordinator = start_control_plane(stack, cfg, run_dir)
+            coordinator.publish_restarts(type("Roles", (), {"restarts": lambda self: {}})())
+            assert len(probe.client_list()) == 3  # control, glance and the probe
+        # The server notices a closed socket on its next event-loop pass
+        deadline = time.monotonic() + 5
+        while len(probe.client_list()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(probe.client_list()) == 1
 
 
 # --- nothing in the application assigns to a config -----------------------------------------
