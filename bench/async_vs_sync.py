@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.output import command_line, write_result
 from metrics.intervals import format_rate
 from metrics.jsonl import read_metrics
 
@@ -224,8 +225,8 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     print(report(results, reached, change))
     if args.json:
-        args.json.write_text(json.dumps({"modes": results, "time_to_level": reached,
-                                         "held_out_change": change}, indent=1))
+        write_result({"command": command_line("bench.async_vs_sync", None), "modes": results,
+                      "time_to_level": reached, "held_out_change": change}, args.json)
     if args.plot:
         print(f"plot: {plot(results, reached, args.plot)}")
 
