@@ -9,6 +9,7 @@ import pytest
 from bench.env_rollouts import main
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_both_arms_roll_out_the_same_episodes_and_the_served_calls_are_timed(tmp_path):
     out = tmp_path / "rollouts.json"

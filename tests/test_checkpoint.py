@@ -183,6 +183,7 @@ def test_a_save_cut_short_at_any_step_leaves_a_loadable_checkpoint(tmp_path, mon
     assert got["updates"] == 2
 
 
+@pytest.mark.slow
 def test_a_learner_with_no_good_checkpoint_exits_unrecoverable_in_one_line(tmp_path,
                                                                           files_policy_path,
                                                                           redis_url):

@@ -120,6 +120,7 @@ def page_commands() -> tuple[dict[str, str], list[str]]:
     return env, commands
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_pages_checks_run_as_written(tmp_path, counter):
     exported, commands = page_commands()

@@ -90,6 +90,7 @@ def explored() -> tuple[Explorer, list[Task]]:
     return explorer, tasks
 
 
+@pytest.mark.slow
 def test_self_made_tasks_invent_order_ids_use_big_quantities_and_cover_every_tool(explored):
     explorer, tasks = explored
     reserves = [a.split() for t in tasks for a in t.reference if a.startswith("reserve ")]

@@ -397,6 +397,7 @@ def hindsight_tasks(hindsight_explorations) -> list[Task]:
     return tasks
 
 
+@pytest.mark.slow
 def test_hindsight_tasks_verify(hindsight_tasks):
     assert len(hindsight_tasks) >= 100
     assert len({t.seed for t in hindsight_tasks}) == 10

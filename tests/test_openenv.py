@@ -134,6 +134,7 @@ def _plain(tools):
 ACTIONS = ["ls", "cd music", "frobnicate", "cd", "cd /", "ls docs", "mv ideas.md music"]
 
 
+@pytest.mark.slow
 def test_adapter_drives_our_served_env_like_in_process(servers):
     ours, _ = servers
     env = adapter(ours.url, seeds=5)

@@ -109,6 +109,7 @@ def smollm2():
         yield backend
 
 
+@pytest.mark.slow
 def test_smollm2_constrained_replies_all_parse_in_every_format(smollm2):
     """The acceptance check on the transformers engine: every constrained reply of a real
     model is a well-formed call, in its episode's format, of a declared tool (vLLM:
