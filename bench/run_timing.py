@@ -7,8 +7,9 @@ Per run: the stages before RL (from the launcher's stage lines), then the RL pha
 per update and where they went (the learner's step, its wait for a batch, weight
 publishing), the learner's tokens/s (all tokens it ran through, and the generated tokens it
 trained on), the actors' tokens/s while generating and their idle share, and the weight
-publish time. Reads only; run it after the run has stopped (the replay store is opened
-read-only).
+publish time; and how RL moved through the run: the learner's batch reward, KL to the
+behaviour policy, gradient norm, clip fraction and lag, each averaged over quarters of its
+updates. Reads only; run it after the run has stopped (the replay store is opened read-only).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import statistics
 from pathlib import Path
 
+from bench.output import command_line, write_result
 from metrics.jsonl import read_metrics
 
 STAGES = {  # the launcher's stage lines -> seconds
@@ -71,6 +73,20 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+# What RL did to the policy over a run: did reward follow as the policy moved?
+DRIFT = ("learner/reward", "learner/kl_behaviour", "learner/grad_norm", "learner/clip_fraction",
+         "learner/lag_mean")
+
+
+def by_quarter(steps: list[dict], key: str) -> list[float] | None:
+    """``key``'s mean over each quarter of the updates (None where no update logged it)."""
+    values = [r[key] for r in steps if key in r]
+    if len(values) < 4:
+        return None
+    n = len(values)
+    return [statistics.fmean(values[i * n // 4:(i + 1) * n // 4]) for i in range(4)]
+
+
 def timing(run_dir: Path, log_text: str = "") -> dict:
     records = read_metrics(run_dir)
     steps = [r for r in records if r.get("role") == "learner" and "learner/step_s" in r]
@@ -97,6 +113,7 @@ def timing(run_dir: Path, log_text: str = "") -> dict:
         "learner_tokens_per_s": None, "actor_tokens_per_s": generated / max(rollout_s, 1e-9),
         "actor_idle_fraction": actor_idle / max(actor_idle + rollout_s, 1e-9),
         "success": {k: summary.get(k) for k in ("success_base", "success_warm", "success_rl")},
+        "by_quarter": {key: by_quarter(steps, key) for key in DRIFT},
     }
     if steps:  # every token of the groups it trained on, estimated by their generated share
         share = trained / max(generated, 1)
@@ -129,8 +146,14 @@ def main(argv=None) -> list[dict]:
               f" | {r['actor_tokens_per_s']:.1f} | {100 * r['actor_idle_fraction']:.0f}% | "
               f"{100 * r['mixed_group_share']:.0f}% | {100 * r['train_success_first_half']:.0f}%"
               f" → {100 * r['train_success_second_half']:.0f}% |")
+    print("\nby quarter of the updates: " + ", ".join(DRIFT))
+    for r in rows:
+        print(f"{r['run']}: " + "; ".join(
+            "/".join(f"{v:.3g}" for v in quarters) if quarters else "-"
+            for quarters in r["by_quarter"].values()))
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        write_result({"command": command_line("bench.run_timing", argv), "runs": rows},
+                     Path(args.out))
     return rows
 
 
