@@ -54,7 +54,6 @@ import numpy as np
 
 from autodidact.base_model import prepare_model
 from autodidact.coordinator import Coordinator
-from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.roles import role_argv, wait_for_replay, write_resolved_config
 from autodidact.supervisor import RoleSpec, Supervisor
 from metrics.jsonl import read_metrics
@@ -395,12 +394,12 @@ def measure(n: int, args, work: Path, model_path: str, say) -> dict:
     run_dir = work / f"actors-{n}"
     (run_dir / "logs").mkdir(parents=True)
     cfg = bench_config(args, run_dir, model_path, n)
-    with EmbeddedRedis(run_dir) as url, Supervisor(pids_path=run_dir / "pids.json") as roles:
-        cfg.redis.url = url
+    with contextlib.ExitStack() as stack:
+        # The run's Redis and coordinator, as the launcher's: admission opened, the task queue
+        # kept full; the roles stop before either is released.
+        cfg, coordinator = Coordinator.open(stack, cfg, run_dir)
+        roles = stack.enter_context(Supervisor(pids_path=run_dir / "pids.json"))
         config_path = write_resolved_config(cfg, run_dir)
-        # The run's coordinator, as the launcher's: admission opened, the task queue kept full.
-        coordinator = Coordinator.connect(cfg, run_dir)
-        coordinator.start()
         control = coordinator.control
 
         def start(name: str, argv: list[str]) -> None:
