@@ -2,6 +2,9 @@
 
 Redis only coordinates, and the coordinator is what keeps it coordinating::
 
+    open(stack, cfg, run_dir)   the run's Redis (embedded unless redis.url) and the coordinator,
+                                connected, then start(); close() of both Redis clients is
+                                registered on ``stack``, to run before the server stops
     start()                     right after the control plane is connected (fresh and
                                 --resume): run state phase=starting, started_at, run_dir;
                                 the admission counters are initialised here

@@ -8,11 +8,10 @@ Seed N is ``autodidact run -c CONFIG --run-dir runs/<name>-sN --set seed=N --set
 (``<name>`` is the config's own unless ``--name``), run one after another so runs never
 share the cores. A run that finished before with the same command is reused (the stamp
 ``autodidact ablation`` uses), so a measurement cut off by the end of a session goes on where
-it stopped. ``--no-run`` only
-reads what has finished; ``--from-json F`` reads the runs a json written by ``--out`` records
-and writes its summary again (the runs may be gone). Runs made with ``--set
-eval.final_test=true`` looked at the test split once after RL: their test results are
-summarized the same way, apart (``test_summary``, ``test_runs``).
+it stopped. ``--no-run`` only reads what has finished; ``--from-json F`` reads the runs a json
+written by ``--out`` records and writes its summary again (the runs may be gone). Runs made
+with ``--set eval.final_test=true`` looked at the test split once after RL: their test
+results are summarized the same way, apart (``test_summary``, ``test_runs``).
 
 Every stage's avg@k over the seeds carries a 95% interval, and so do the changes warm-start −
 base and RL − warm-start, paired within each run (``autodidact/experiments/page.py``,
