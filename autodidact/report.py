@@ -4,10 +4,12 @@
     autodidact report runs/a runs/b --labels a,b   -> runs/a/report/compare/ (or --out DIR)
 
 Reads only files in the run directory: ``metrics.jsonl`` (every role's records),
-``summary.json`` (held-out success before warm-start, after warm-start and after RL; restarts)
-and ``config.yaml`` (shown with the Redis password redacted). Writes one PNG per plot, a
-``report.md`` with the config and headline numbers, and ``series.json`` with every plotted
-series (the raw points: plots of noisy per-record series draw a running mean over them).
+``summary.json`` (held-out success before warm-start, after warm-start and after RL; restarts),
+``config.yaml`` (shown with the Redis password redacted), and for the table of training tasks
+by origin ``replay.lmdb``, ``split.json`` and ``tasks.lmdb`` (:mod:`autodidact.task_origins`).
+Writes one PNG per plot, a ``report.md`` with the config, headline numbers and tasks by
+origin, and ``series.json`` with every plotted series (the raw points: plots of noisy
+per-record series draw a running mean over them).
 
 x-axes: ``update`` is the learner's update count (the ``step`` of its records); ``version`` the
 policy version an actor's groups were generated with; ``wall`` seconds since the run's first
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import click
 
+from autodidact import task_origins
 from metrics.intervals import format_rate
 from metrics.jsonl import read_metrics
 from protocol.config import redacted_config, url_password
@@ -370,7 +373,32 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[str]) -> str:
+def origins_markdown(runs: list[Run], tables: list[dict]) -> list[str]:
+    """The "Tasks by origin" section: one row per run and origin (task_origins.run_origins)."""
+    several = len(runs) > 1
+    out = ["## Tasks by origin", "",
+           "Hand-written tasks are the env's training split, self-made ones the pool of "
+           "verified self-questioned tasks; groups, success and informative groups (rollouts "
+           "that did not all score the same) are counted over the groups replay holds, and "
+           "*drawn* is the share of those groups that were self-made.", ""]
+    for run, table in zip(runs, tables):
+        name = f"**{run.label}**: " if several else ""
+        out.append(f"- {name}{task_origins.counted_words(table)}; `tasks.synthetic_share` "
+                   f"{task_origins.share_words(table)}")
+    out += ["", ("| run " if several else "") + "| origin | tasks | groups drawn | success | "
+            "informative groups |", "|---" * (5 + several) + "|"]
+    for run, table in zip(runs, tables):
+        for row in table["origins"]:
+            out.append((f"| {run.label} " if several else "") + f"| {row['origin']} | "
+                       f"{_num(row['tasks'])} | {row['groups']} | "
+                       f"{_pct(row['success'])} ({row['successes']}/{row['rollouts']}) | "
+                       f"{_pct(row['informative_share'])} "
+                       f"({row['informative']}/{row['groups']}) |")
+    return out + [""]
+
+
+def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[str],
+             origins: list[dict] | None = None) -> str:
     import yaml
 
     labels = [r.label for r in runs]
@@ -415,7 +443,10 @@ def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[
     out.append("| roles restarted | " + " | ".join(
         ", ".join(f"{k} {v}" for k, v in h["restarts"].items()) or "none" for h in heads) + " |")
     row("finished (learner done)", _num, "finished")
-    out += ["", "## Plots", ""]
+    out.append("")
+    if origins:
+        out += origins_markdown(runs, origins)
+    out += ["## Plots", ""]
     for p in plots:
         out += [f"### {p['title']}", ""]
         if p.get("about"):
@@ -474,11 +505,13 @@ def make_report(run_dirs: list[Path], labels: list[str] | None = None,
         plots.append(held)
     plots += [p for p in (draw_plot(plot, runs, out, notes) for plot in PLOTS) if p]
     heads = [headline(r) for r in runs]
+    origins = [task_origins.run_origins(r.path) for r in runs]
     secrets = [s for r in runs for s in r.secrets]
-    md = _scrub(markdown(runs, heads, plots, notes), secrets)
+    md = _scrub(markdown(runs, heads, plots, notes, origins), secrets)
     (out / "report.md").write_text(md)
     data = {"runs": [{"label": r.label, "dir": str(r.path)} for r in runs],
             "headline": {r.label: h for r, h in zip(runs, heads)},
+            "task_origins": {r.label: t for r, t in zip(runs, origins)},
             "plots": {p["file"][:-4]: p for p in plots}, "missing": list(dict.fromkeys(notes))}
     (out / "series.json").write_text(_scrub(json.dumps(data, indent=1, default=str), secrets))
     return out

@@ -11,6 +11,9 @@ lost its Redis (it says which sources answered):
     replay.lmdb (read-only)             the same counts when the server is gone
     metrics.jsonl (its last few MiB)    lag, actor success rate, groups/s, last record per role
     summary.json                        restarts and held-out success once the run has ended
+    replay.lmdb, split.json, tasks.lmdb training tasks by origin (hand-written, self-made):
+                                        groups drawn, success, informative share
+                                        (:mod:`autodidact.task_origins`)
 """
 
 from __future__ import annotations
@@ -23,12 +26,17 @@ from pathlib import Path
 
 import click
 
+from autodidact import task_origins
+from autodidact.viewer.groups import GroupIndex
 from protocol.config import redact_url
 from protocol.run_dir import HELD_OUT_STAGES, REPLAY_STORE, SUMMARY, RunDir
 
 TAIL_BYTES = 4 * 1024 * 1024  # the end of metrics.jsonl that status reads (a long run's is big)
 RECENT_ACTOR_RECORDS = 20  # actor success rate: mean over this many latest actor records
 RATE_WINDOW_S = 60.0  # groups/s from actor records: over this last stretch of time
+# Tasks by origin unpack every stored group once (seconds for 10,000): a first look at a big
+# store stops after this long and says how many it counted; --watch goes on from there.
+ORIGINS_BUDGET_S = 10.0
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -193,8 +201,10 @@ def _parse(line: bytes) -> dict | None:
 # --- the snapshot ----------------------------------------------------------------------------
 
 
-def collect(run_dir: Path, replay_timeout_s: float = 2.0) -> dict:
-    """Everything ``status`` shows, as one JSON-able dict."""
+def collect(run_dir: Path, replay_timeout_s: float = 2.0, groups: GroupIndex | None = None,
+            origins_budget_s: float = ORIGINS_BUDGET_S) -> dict:
+    """Everything ``status`` shows, as one JSON-able dict. ``groups``: an index of the replay
+    store kept between calls, so each reads only the groups stored since the last."""
     now = time.time()
     cfg, cfg_note = read_config(run_dir)
     notes = [cfg_note] if cfg_note else []
@@ -244,6 +254,7 @@ def collect(run_dir: Path, replay_timeout_s: float = 2.0) -> dict:
     replay_alive = _replay_alive(pids)
     snap["replay"], snap["judge_backlog"] = _replay(run_dir, cfg, records, live, replay_alive,
                                                     replay_timeout_s, notes)
+    snap["task_origins"] = task_origins.run_origins(run_dir, groups, origins_budget_s)
     snap["heldout"] = {s: (summary.get(f"success_{s}") or {}).get("avg")
                        for s in HELD_OUT_STAGES if summary.get(f"success_{s}")}
     snap["metrics_span_s"] = (records[-1]["t"] - t_first) if records and "t" in records[-1] \
@@ -506,6 +517,7 @@ def render(snap: dict, console) -> None:
     ]
     if snap["task_queue"] is not None:
         lines.append(("task queue", str(snap["task_queue"])))
+    lines += _origin_lines(snap["task_origins"])
     if snap["heldout"]:
         lines.append(("held-out avg", "  ".join(f"{k} {v:.1%}" for k, v in
                                                  snap["heldout"].items() if v is not None)))
@@ -517,6 +529,17 @@ def render(snap: dict, console) -> None:
     console.print(table)
     for note in snap["notes"]:
         console.print(f"[dim]note: {note}[/]", highlight=False)
+
+
+def _origin_lines(table: dict) -> list[tuple[str, str]]:
+    """Two lines: each origin's tasks, groups, success and informative share; the share."""
+    rows = "; ".join(f"{r['origin']} {_fmt(r['tasks'])} tasks, {r['groups']} groups, "
+                     f"{task_origins.percent(r['success'])} success, "
+                     f"{task_origins.percent(r['informative_share'])} informative"
+                     for r in table["origins"])
+    return [("tasks by origin", rows),
+            ("synthetic share", f"{task_origins.share_words(table)}  "
+                                f"({task_origins.counted_words(table)})")]
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -542,9 +565,10 @@ def status(run_dir, watch, as_json):
     if watch is not None and watch <= 0:
         raise click.UsageError("--watch needs a positive number of seconds")
     console = Console(soft_wrap=True)
+    groups = GroupIndex(path)  # kept across --watch refreshes: each reads only new groups
     try:
         while True:
-            snap = collect(path)
+            snap = collect(path, groups=groups)
             if as_json:
                 click.echo(json.dumps(snap, default=str))
             else:

@@ -94,6 +94,11 @@ def run_dir(browser, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def viewer(run_dir, tmp_path_factory, request) -> str:
     """The real server (`autodidact view`) on a free port: its base URL."""
+    return _serve(run_dir, tmp_path_factory, request)
+
+
+def _serve(run_dir: Path, tmp_path_factory, request) -> str:
+    """`autodidact view` over `run_dir`, stopped when `request`'s scope ends: its base URL."""
     log = tmp_path_factory.mktemp("viewer") / "viewer.log"
     err = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "autodidact.cli", "view", "--run-dir",
@@ -303,3 +308,26 @@ def test_unknown_group_shows_the_error_line(page):
         text = page.error_text()
         assert text and "no-such-group" in text, text
         assert page.js("return document.querySelectorAll('.rollout').length") == 0
+
+
+def test_run_and_tasks_pages_show_tasks_by_origin(browser, tmp_path_factory, request):
+    # Its own small run (tests/test_task_origins.py), whose every count is known: the table
+    # the page draws must hold the numbers the API computed.
+    from test_task_origins import EXPECTED, origins_run
+
+    base = _serve(origins_run(tmp_path_factory.mktemp("origins")), tmp_path_factory, request)
+    page = Page(browser, base, tmp_path_factory.mktemp("origins-screenshots"))
+    for route in ("run/0", "tasks/0"):
+        with page.checked(f"origins-{route.split('/')[0]}"):
+            page.open(route)
+            page.wait(lambda d: d.execute_script(
+                "return document.querySelectorAll('#origin-table tbody tr').length") == 2,
+                "the tasks-by-origin table")
+            rows = page.js("return [...document.querySelectorAll('#origin-table tbody tr')]"
+                           ".map(r => [...r.cells].map(c => c.textContent))")
+            assert rows == [[origin, str(tasks), str(groups),
+                             f"{100 * ok / n:.1f}% ({ok}/{n})",
+                             f"{100 * good / groups:.1f}% ({good}/{groups})"]
+                            for origin, (tasks, groups, ok, n, good) in EXPECTED.items()], rows
+            assert "configured 0.4, effective 0.4, drawn 40.0%" in page.js(
+                "return document.querySelector('#origins').textContent")

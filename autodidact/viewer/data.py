@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autodidact import report, status_cli
+from autodidact import report, status_cli, task_origins
 from autodidact.task_mix import frontier_weight
 from autodidact.viewer.groups import GroupIndex, ViewError, origin_of
 from learner.advantages import composite_step_advantages, grpo_advantages
@@ -30,6 +30,9 @@ from questioning.coverage import task_kinds
 from replay.store import GroupRecord
 
 MAX_PER_PAGE = 200
+# A request brings the group index up to date for at most this long; the background indexer
+# does the rest, so a big store's tasks-by-origin table fills in over a few refreshes.
+REQUEST_INDEX_S = 0.5
 # One for every run served: transformers' lazy module is not safe to import from two threads.
 _TOKENIZER_LOCK = threading.Lock()
 
@@ -78,7 +81,8 @@ class RunView:
 
     def overview(self) -> dict:
         self.check()
-        snap = status_cli.collect(self.path, replay_timeout_s=0.5)
+        snap = status_cli.collect(self.path, replay_timeout_s=0.5, groups=self.groups,
+                                  origins_budget_s=REQUEST_INDEX_S)
         snap["label"] = self.label
         snap["summary"] = {s: _interval(self.summary().get(f"success_{s}"))
                            for s in ("base", "warm", "rl")}
@@ -264,7 +268,7 @@ class RunView:
 
     def tasks(self, params) -> dict:
         self.check()
-        self.groups.refresh(budget_s=0.5)
+        origins = task_origins.run_origins(self.path, self.groups, budget_s=REQUEST_INDEX_S)
         outcomes, source = self._task_outcomes()
         floor = self.config.tasks.frontier_floor
         pool = self._task_pool()
@@ -279,7 +283,7 @@ class RunView:
         return {"total": len(rows), "page": page, "per_page": per_page,
                 "outcomes_from": source, "curriculum": self.config.tasks.curriculum,
                 "tasks": rows[page * per_page:(page + 1) * per_page],
-                "coverage": self._coverage(pool)}
+                "coverage": self._coverage(pool), "origins": origins}
 
     def _task_pool(self) -> list[dict]:
         from questioning.task_store import TaskStore, exists

@@ -20,6 +20,7 @@ import lmdb
 import msgpack
 
 from protocol.errors import SchemaError
+from protocol.messages import rewards_equal
 from replay.store import GroupRecord, Store, store_path
 
 OUTCOMES = ("all_success", "all_fail", "mixed")
@@ -55,6 +56,7 @@ class Summary:
     consumed: bool = False
     set_aside: bool = False  # replay set it aside as carrying no signal
     uninformative: bool = False  # every rollout scored the same and every step label is equal
+    outcome_equal: bool = False  # every rollout scored the same (Group.outcomes_equal)
     damaged: str = ""  # why the body could not be read; "" when it could
 
 
@@ -87,6 +89,8 @@ def summarize(group_id: str, body: bytes, rec: GroupRecord) -> Summary:
         summary.rollouts = len(trajs)
         summary.successes = sum(bool(t.get("success")) for t in trajs)
         summary.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
+        # from the rewards, not the record: a record stored before it had the flag says False
+        summary.outcome_equal = rewards_equal(rewards)
         summary.guided = sum(bool(t.get("experience_ids") or t.get("experience_span"))
                              for t in trajs)
     except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
@@ -227,6 +231,12 @@ class GroupIndex:
         return {"total": len(kept), "page": page, "per_page": per_page, "pages": pages,
                 "stored": stored, "indexed": indexed, "indexing": indexed < stored,
                 "groups": [{**asdict(s), "outcome": outcome_of(s)} for s in rows]}
+
+    def summaries(self) -> tuple[list[Summary], int]:
+        """The summaries indexed so far, and how many groups the store held at the last
+        refresh (more than the summaries while indexing is under way)."""
+        with self._lock:
+            return list(self._by_id.values()), self.stored
 
     def task_queries(self) -> dict[str, str]:
         """task id -> its instruction, for the tasks the stored groups rolled out."""

@@ -484,9 +484,30 @@
           el("dl", { class: "facts" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]))),
         el("div", {}, el("h2", {}, "Roles"), rolesTable(info.roles || [])),
         el("div", {}, el("h2", {}, "Held-out success"), heldoutTable(heldoutRows(info, curves)))),
+      info.task_origins ? originsBlock(info.task_origins) : null,
       info.replay ? el("p", { class: "muted small" }, replayLine(info.replay)) : null,
       (info.notes || []).length
         ? el("ul", { class: "notes" }, info.notes.map((n) => el("li", {}, n))) : null);
+  }
+
+  // Training tasks by origin (autodidact/task_origins.py): the same table as report and status.
+  function originsBlock(t) {
+    const share = t.synthetic_share || {};
+    const configured = !isNum(share.configured) ? "–"
+      : share.configured < 0 ? "auto (-1)" : num(share.configured);
+    const counted = t.error ? t.error : `over ${num(t.groups_counted)} of the `
+      + `${num(t.groups_stored)} groups stored${t.complete ? "" : " (still indexing)"}`
+      + (t.damaged ? `; ${num(t.damaged)} damaged left out` : "");
+    const rows = (t.origins || []).map((r) => el("tr", { "data-origin": r.source },
+      el("td", {}, r.origin), el("td", {}, num(r.tasks)), el("td", {}, num(r.groups)),
+      el("td", {}, `${pct(r.success)} (${num(r.successes)}/${num(r.rollouts)})`),
+      el("td", {}, `${pct(r.informative_share)} (${num(r.informative)}/${num(r.groups)})`)));
+    return el("section", { id: "origins" },
+      el("h2", {}, "Tasks by origin"),
+      table(["origin", "tasks", "groups drawn", "success", "informative groups"], rows,
+        { id: "origin-table" }),
+      el("p", { class: "muted small" }, `tasks.synthetic_share: configured ${configured}, `
+        + `effective ${num(share.effective)}, drawn ${pct(share.drawn)} · ${counted}`));
   }
 
   function replayLine(replay) {
@@ -818,6 +839,7 @@
     };
     main().replaceChildren(
       el("h1", {}, `Tasks · ${runLabel(run)}`),
+      body.origins ? originsBlock(body.origins) : null,
       el("form", { class: "filters", onsubmit: (e) => { e.preventDefault(); go(); } },
         el("label", {}, "source ", select("t-source", [["", "any"], ["original", "original"],
           ["synthetic", "synthetic"]], filters.source, go)),
