@@ -31,7 +31,14 @@ MAX_TEXT_CHARS = 400  # a free-text argument (kind "text"): a note the agent wri
 @dataclass(frozen=True)
 class ArgSpec:
     """One tool argument: a name, a literal type (one of ARG_TYPES), whether it is required,
-    and, where the environment knows it, its domain (what self-questioning draws from)."""
+    and, where the environment knows it, its domain (what self-questioning draws from).
+
+    The parser checks a value's type only (:func:`literal_arg`, in every call format): it
+    enforces neither ``choices`` nor ``bounds``. They steer the explorer's drafting of
+    arguments (``questioning.explorer.ArgumentDrafter``) and reach a model as the schema's
+    enum, minimum and maximum; ``execute`` refuses a value outside them with
+    :class:`ToolError`. docs/environments.md has the positional order and when to declare
+    each."""
 
     name: str
     type: str = "str"

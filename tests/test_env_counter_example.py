@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from environments import Environment
+from environments import Environment, world_split
 from protocol.messages import Task
 from questioning.task_store import TaskStore
 
@@ -152,10 +152,11 @@ def test_the_pages_checks_run_as_written(tmp_path, counter):
     vocab = set(counter.Counter.vocabulary())
     assert all(set(t.query.split()) <= vocab for t in tasks), \
         [t.query for t in tasks if not set(t.query.split()) <= vocab]
-    # No train tasks: the worlds it declares, never a held-out one (validation 15-19, test
-    # 20-24); it used to be seed 0's world alone.
+    # No train tasks: the worlds it declares, never a held-out one (world_split's validation
+    # and test seeds); it used to be seed 0's world alone.
     seeds = {t.seed for t in tasks}
-    assert len(seeds) >= 10 and seeds <= set(range(15)), sorted(seeds)
+    assert len(seeds) >= 10 and seeds <= set(counter.Counter.train_worlds), sorted(seeds)
+    assert all(world_split(s) == "train" for s in seeds), sorted(seeds)
 
 
 def test_tasks_verify_help_names_no_option_of_one_env():

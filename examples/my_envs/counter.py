@@ -9,13 +9,16 @@ from environments import (
     GoalPart,
     ToolError,
     ToolSpec,
+    check_split,
     parser_words,
     register_env,
+    world_split,
 )
 from protocol.messages import Task
 
 NAMES = tuple(f"{c}{i}" for c in "ab" for i in range(1, 10))
 MOST = 99  # a counter's largest value: every number it can show is a word of the vocabulary
+WORLDS = range(25)  # world_split: 15 train, 5 validation (seeds 3, 8 ...), 5 test (4, 9 ...)
 TOOLS = (ToolSpec("new", "create a counter", (ArgSpec("name", kind="id"),)),
          ToolSpec("add", "add to a counter", (ArgSpec("name"),
                                               ArgSpec("n", "int", bounds=(1, 9)))),
@@ -26,11 +29,13 @@ TOOLS = (ToolSpec("new", "create a counter", (ArgSpec("name", kind="id"),)),
 class Counter(Environment):
     """Named counters: create one, add to it, delete it."""
 
-    train_worlds = range(15)  # no training tasks: explore visits these worlds (held out: 15-24)
+    # No training tasks: explore visits these worlds; the held-out ones are world_split's.
+    train_worlds = [s for s in WORLDS if world_split(s) == "train"]
 
     def reset(self, task: Task) -> str:
         self.task, self.responses = task, []
-        self.counters = {"a1": task.seed % 5}
+        # Not seed % 5: world_split goes by seed % 5, so every test world would start alike.
+        self.counters = {"a1": task.seed % 7}
         return f"counters : a1 {self.counters['a1']}"
 
     def tools(self):
@@ -62,7 +67,10 @@ class Counter(Environment):
 
     def evaluate(self, task):
         wanted = task.goal.get("all", [])  # exploration resets with an empty goal
-        return float(bool(wanted) and all(self.counters.get(k) == v for k, v in wanted))
+        try:
+            return float(bool(wanted) and all(self.counters.get(k) == v for k, v in wanted))
+        except (TypeError, ValueError):  # a goal it cannot read (an LLM's) holds nowhere
+            return 0.0
 
     def goal_from_states(self, before, after):
         return {"all": [[k, v] for k, v in after["counters"].items()
@@ -75,11 +83,10 @@ class Counter(Environment):
     def tasks(self, split):
         if split == "train":
             return []  # no training tasks: self-questioning makes them, in train_worlds
-        # held out: worlds (seeds) no training task or exploration uses
-        seeds = {"validation": range(15, 20), "test": range(20, 25)}[split]
+        # held out: whole worlds (seeds) no training task or exploration uses
         return [Task(f"c/{split}/{s}", "counter", "make counter b2 4", s,
                      goal={"all": [["b2", 4]]}, reference=["new b2", "add b2 4"],
-                     split=split) for s in seeds]
+                     split=split) for s in WORLDS if world_split(s) == check_split(split)]
 
     def candidate_actions(self):
         free = [n for n in NAMES if n not in self.counters]
