@@ -717,6 +717,13 @@ class ExploreConfig:
     probe fixes one entity and changes it three more times, undoes a change to it, or reads
     it. 0: random walks only (what the recorded results used)."""
 
+    unlock_probes: bool = True
+    """Goal-directed explorations towards a tool that keeps failing (called 8+ times, worked
+    in at most 10% of them): backward chaining over its refusals to the states in which it
+    works (``questioning/preconditions.py``), up to half the explorations, given up per tool
+    after 20 such probes in which it never worked. They run only while some tool fails that
+    often, so an env whose tools all work never sees one."""
+
     probe_steps: int = 16
     """The most steps of a goal-directed exploration (a ``read`` probe ends at its read; the
     others go on with another entity)."""

@@ -1,13 +1,15 @@
 """Coverage of an environment by self-questioning, as numbers.
 
-Per tool: how many calls succeeded during exploration and what share of the stored tasks use
-it in their reference. Per argument: how many distinct values were tried, and per argument
-type the same summed. A tool no stored task uses, or an argument never given a value, is a
-*gap*; the explorer favours tools by how few stored tasks use them, gaps most
-(``SchemaSampler.task_share``). Per kind of task (:data:`TASK_KINDS`): the share of the stored
-tasks; goal-directed explorations go after the kind the store holds fewest of. The saved
-report also counts the candidates synthesis refused, by reason (``refused``: ``duplicate``,
-``contaminated``, ``goal_not_reached`` ...), summed over every explore of the run directory.
+Per tool: how many calls exploration made of it, how many of those succeeded, and what share of
+the stored tasks use it in their reference (a tool tried often that never worked is what
+``unlock`` probes go after, questioning/preconditions.py). Per argument: how many distinct
+values were tried, and per argument type the same summed. A tool no stored task uses, or an
+argument never given a value, is a *gap*; the explorer favours tools by how few stored tasks
+use them, gaps most (``SchemaSampler.task_share``). Per kind of task (:data:`TASK_KINDS`): the
+share of the stored tasks; goal-directed explorations go after the kind the store holds fewest
+of. The saved report also counts the candidates synthesis refused, by reason (``refused``:
+``duplicate``, ``contaminated``, ``goal_not_reached`` ...), summed over every explore of the
+run directory.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ def count_tool_uses(tasks: Sequence[Task]) -> Counter:
 
 def coverage(tools: Sequence[ToolSpec], ok_calls: Mapping[str, int],
              tried: Mapping[tuple[str, str], set], uses: Mapping[str, int],
-             n_tasks: int, kinds: Mapping[str, int] | None = None) -> dict:
+             n_tasks: int, kinds: Mapping[str, int] | None = None,
+             tries: Mapping[str, int] | None = None) -> dict:
     """The coverage report (JSON-able) of ``n_tasks`` stored tasks of which ``uses[tool]`` use
-    each tool and ``kinds[kind]`` are of each of ``TASK_KINDS``; see the module docstring."""
+    each tool and ``kinds[kind]`` are of each of ``TASK_KINDS``; ``tries[tool]``: calls of it
+    during exploration, ``ok_calls[tool]`` those that worked. See the module docstring."""
     n = max(n_tasks, 1)
-    per_tool = {t.name: {"ok_calls": int(ok_calls.get(t.name, 0)),
+    per_tool = {t.name: {"tries": int((tries or {}).get(t.name, 0)),
+                         "ok_calls": int(ok_calls.get(t.name, 0)),
                          "task_share": round(uses.get(t.name, 0) / n, 4)} for t in tools}
     per_arg = {f"{t.name}.{a.name}": len(tried.get((t.name, a.name), ()))
                for t in tools for a in t.args}

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from environments.base import ActionError, Environment, FreshEnvs, ToolSpec, parse_action
 from protocol.messages import HELD_OUT_SPLITS, Task
+from questioning.preconditions import PreconditionPlanner, failing_tools
 from questioning.probes import Inverses, ProbePlanner
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ SMALL_INTS = (0, 1, 2, 3)
 SMALL_FLOATS = ("0.5", "1.0", "2.5", "10.0")
 FRESH_SHARE = 0.15  # str draws that invent an identifier where the schema does not say "id"
 _SHELL_TYPES = ("str", "int", "float", "bool")  # what one shell word can carry
+UNLOCK = "unlock:"  # a goal-directed exploration towards a tool: "unlock:<tool>"
 
 
 @dataclass
@@ -43,7 +45,9 @@ class ExploreStep:
     valid: bool  # the action parsed into a declared tool with literal arguments
     tool: str | None  # the tool it named, when known
     error: str | None  # the env's refusal kind (a precondition that failed), None on success
-    phase: str  # "breadth", "depth" or "probe:<kind>" (a goal-directed exploration)
+    # "breadth", "depth", "probe:<kind>" (a goal-directed exploration) or "probe:unlock:<tool>"
+    # (one towards a tool that keeps failing, questioning/preconditions.py)
+    phase: str
     proposer: str  # "schema" or the LLM's name
     state: dict  # snapshot of env.state() after the action
 
@@ -466,6 +470,7 @@ class Explorer:
                                      vocabulary=type(self.env).vocabulary())
         self.llm = llm
         self.inverses = Inverses()
+        self.removers: set[str] = set()  # tools seen deleting what they act on (unlock probes)
         self.counts: Counter = Counter()
 
     @property
@@ -474,8 +479,9 @@ class Explorer:
         return self.envs.env
 
     def explore(self, seed_task: Task, index: int, probe: str | None = None) -> Exploration | None:
-        """One exploration of ``seed_task``'s world, a random walk or (``probe``, one of
-        ``PROBE_KINDS``) a goal-directed one; None when a served env failed it (counted as
+        """One exploration of ``seed_task``'s world, a random walk or a goal-directed one
+        (``probe``: one of ``PROBE_KINDS``, or ``unlock:<tool>`` towards a tool that keeps
+        failing); None when a served env failed it (counted as
         ``env_failed/<reason>``; the next goes on with a fresh instance)."""
         exp = self.envs.run(f"exploration {seed_task.seed}/{index}",
                             lambda env: self._explore(env, seed_task, index, probe))
@@ -496,10 +502,9 @@ class Explorer:
             phases = [("breadth", s.breadth_temperature)] * s.breadth_steps
             phases += [("depth", s.depth_temperature)] * s.depth_steps
         else:
-            planner = ProbePlanner(probe, self.sampler.tools, self.sampler.effects_ok,
-                                   self.inverses, self.sampler.draft, self.rng)
+            planner = self._planner(env, probe)
             phases = [(f"probe:{probe}", s.depth_temperature)] * s.probe_steps
-            self.counts[f"probes/{probe}"] += 1
+            self.counts[f"probes/{probe.split(':')[0]}"] += 1
         before, undoable = exp.initial_state, None
         for phase, temperature in phases:
             if planner is None:
@@ -521,15 +526,30 @@ class Explorer:
                                          after))
             recent.append(obs)
             if planner is not None:
-                planner.observe(action, ok, before, after)
+                planner.observe(action, ok, before, after, obs)
                 if planner.done:
-                    self.counts[f"probes_done/{probe}"] += 1
+                    self.counts[f"probes_done/{probe.split(':')[0]}"] += 1
                     if not planner.next_target():
                         break
             before = after
         exp.seconds = time.monotonic() - t0
         self.counts["explorations"] += 1
         return exp
+
+    def _planner(self, env: Environment, probe: str):
+        """The planner of a goal-directed exploration: ``unlock:<tool>`` or a probe kind."""
+        if probe.startswith(UNLOCK):
+            target = self.sampler.by_name[probe.removeprefix(UNLOCK)]
+            return PreconditionPlanner(target, self.sampler.tools, self.sampler.effects_ok,
+                                       self.sampler.draft, self.rng,
+                                       candidates=lambda: env.candidate_actions() or [],
+                                       removers=self.removers)
+        return ProbePlanner(probe, self.sampler.tools, self.sampler.effects_ok,
+                            self.inverses, self.sampler.draft, self.rng)
+
+    def failing_tools(self) -> list[str]:
+        """Tools that kept being refused: what ``unlock`` probes go after."""
+        return failing_tools(self.sampler.tools, self.sampler.effects, self.sampler.tool_ok)
 
     def _learn_inverse(self, undoable, action: str, ok: bool, before: dict, after: dict):
         """Two state-changing calls in a row, the second putting back the state the first

@@ -23,7 +23,14 @@ from protocol.run_dir import RunDir
 from questioning.coverage import coverage, read_refused, task_kinds, tools_used
 from questioning.coverage import render as render_coverage
 from questioning.decontamination import CONTAMINATED, HeldOutIndex
-from questioning.explorer import Exploration, Explorer, ExploreSettings, LLMProposer, seed_tasks
+from questioning.explorer import (
+    UNLOCK,
+    Exploration,
+    Explorer,
+    ExploreSettings,
+    LLMProposer,
+    seed_tasks,
+)
 from questioning.probes import PROBE_MAKES
 from questioning.profile import ProfileBuilder, build_profile, render_toc, save_json
 from questioning.synthesis import (
@@ -38,6 +45,9 @@ log = logging.getLogger(__name__)
 
 GIVE_UP_AFTER = 20  # probes of one kind that made no task of it: that kind is not run again
 PROBE_SHARE_MAX = 0.5  # of the explorations of one explore run
+# A failing tool used by this share of the stored tasks that the median tool is used by gets
+# no more unlock probes: the probes balance tools, not maximize one.
+UNLOCKED_SHARE = 0.5
 
 
 def explorations_path(run_dir: Path) -> Path:
@@ -218,8 +228,9 @@ class TaskFactory:
         """The coverage report over every stored task (questioning/coverage.py)."""
         sampler = self.explorer.sampler
         stored = sum(map(len, self.by_seed.values()))
+        tries = {tool: calls for tool, (_, calls) in sampler.effects.items()}
         return coverage(self.profile.env.tools(), sampler.tool_ok, sampler.drafter.tried,
-                        self.tool_uses, stored, self.kinds)
+                        self.tool_uses, stored, self.kinds, tries)
 
     def refused(self) -> dict[str, int]:
         """Candidates refused by reason, over every explore of this run directory (the
@@ -254,16 +265,37 @@ class TaskFactory:
         return bool(stop() or full or (rounds and done_rounds >= rounds))
 
     def _probe_kind(self) -> str | None:
-        """The probe that makes the kind of task the store holds the smallest share of, when
-        that share is below ``explore.kind_target`` and probes are not half the explorations
-        already; None (a random walk) otherwise.
+        """What the next exploration goes after, when probes are not half the explorations
+        already (random walks make most tasks, and the gaps' tools): a tool that keeps
+        failing (``unlock:<tool>``, with ``explore.unlock_probes``), else the probe that makes
+        the kind of task the store holds the smallest share of, when that share is below
+        ``explore.kind_target``; None (a random walk) otherwise.
         A probe that made no task of its kind in ``GIVE_UP_AFTER`` tries is not run again:
-        the env cannot make that kind (no ``describe_event``, say)."""
+        the env cannot make that kind (no ``describe_event``, say); nor is an unlock probe
+        whose tool never worked in ``GIVE_UP_AFTER`` of them."""
+        probes = sum(self.probes_run.values())
+        if probes >= PROBE_SHARE_MAX * (self.counts["explorations"] + 1):
+            return None
+        return self._unlock_target() or self._kind_probe()
+
+    def _unlock_target(self) -> str | None:
+        if not self.cfg.explore.unlock_probes:
+            return None
+        used = sorted(n for n in self.tool_uses.values() if n)
+        enough = UNLOCKED_SHARE * used[len(used) // 2] if used else 1
+        for tool in self.explorer.failing_tools():
+            probe = UNLOCK + tool
+            if self.tool_uses[tool] >= enough:
+                continue  # as many stored tasks use it as use a typical tool: enough
+            if self.probes_made[probe] or self.probes_run[probe] < GIVE_UP_AFTER:
+                return probe
+        return None
+
+    def _kind_probe(self) -> str | None:
         target = self.cfg.explore.kind_target
         stored = sum(len(tasks) for tasks in self.by_seed.values())
-        probes = sum(self.probes_run.values())
-        if target <= 0 or probes >= PROBE_SHARE_MAX * (self.counts["explorations"] + 1):
-            return None  # random walks make most tasks (and the gaps' tools): half at least
+        if target <= 0:
+            return None
         shares = {probe: self.kinds[kind] / max(stored, 1) for probe, kind in PROBE_MAKES.items()
                   if self.probes_made[probe] or self.probes_run[probe] < GIVE_UP_AFTER}
         lacking = {probe: share for probe, share in shares.items() if share < target}
@@ -287,7 +319,7 @@ class TaskFactory:
             candidates += self.llm_synth.propose(exp, self.by_seed.get(exp.seed, []))
         kept = self.keep(candidates)
         if probe is not None:
-            self.probes_made[probe] += sum(PROBE_MAKES[probe] in task_kinds(t) for t in kept)
+            self.probes_made[probe] += sum(self._made_by(probe, t) for t in kept)
         if kept:
             self.store.put_many(kept)
             if self.control is not None:
@@ -298,6 +330,14 @@ class TaskFactory:
         self.explorer.sampler.task_share = {
             name: v["task_share"] for name, v in self.coverage()["tools"].items()}
         return kept
+
+    @staticmethod
+    def _made_by(probe: str, task: Task) -> bool:
+        """Whether ``task`` is what ``probe`` set out to make: a task of its kind, or for
+        ``unlock:<tool>`` one whose reference calls the tool."""
+        if probe.startswith(UNLOCK):
+            return probe.removeprefix(UNLOCK) in tools_used(task)
+        return PROBE_MAKES[probe] in task_kinds(task)
 
     def _llm_useful(self) -> bool:
         """Stop asking a proposer whose first replies all failed (an untrained policy)."""

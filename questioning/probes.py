@@ -99,8 +99,10 @@ class ProbePlanner:
             self.next_target()  # nothing left to try on this change: start from the next one
         return call if call is not None else fallback()
 
-    def observe(self, call: str, ok: bool, before: dict, after: dict) -> None:
-        """What the last call did; fixes the entity at the first successful change."""
+    def observe(self, call: str, ok: bool, before: dict, after: dict,
+                observation: str = "") -> None:
+        """What the last call did; fixes the entity at the first successful change. (The
+        answer, ``observation``, is for planners that read refusals: not this one.)"""
         words = call.split()
         if not ok or not words:
             return

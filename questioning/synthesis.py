@@ -236,16 +236,27 @@ class HindsightSynthesizer:
         return [p for p in parts if p.text is not None] if names_changes else parts
 
     def _answer_goal(self, start: dict, now: dict, step) -> list[tuple[GoalPart, ...]]:
-        """A read-only call's answer as a goal, with every change made before it: the answer
-        may depend on them, and a query must say everything the answer needs."""
+        """A read-only call's answer as a goal. The changes made before it that the answer
+        depends on join it in :meth:`_task`, once pruning has shown which those are."""
         answer = self.env.describe_response(step.action, step.observation, now)
-        if answer is None:
-            return []
-        changes = [p for p in self.env.describe_changes(start, now)
-                   if not (p.text and answer.text and p.text in answer.text)]
+        return [] if answer is None else [(answer,)]
+
+    def _read_parts(self, exp: Exploration, reference: list[str],
+                    answer: tuple[GoalPart, ...]) -> tuple[GoalPart, ...] | None:
+        """The answer with the changes its pruned ``reference`` makes: those the answer
+        depends on (every other was pruned away, so "change A, then tell me B" where A never
+        touches B is asked as "tell me B"). A query must say each of them, so None when one
+        has no words or they are more than ``max_parts - 1``."""
+        ran, end, _ = self.replayer.end_state(Task("probe", exp.env, "", exp.seed), reference)
+        if ran != "ran":
+            return None
+        texts = [p.text for p in answer if p.text]
+        changes = [p for p in self.env.describe_changes(exp.initial_state, end)
+                   if not (p.text and any(p.text in t for t in texts))]
         if len(changes) > self.prefs.max_parts - 1 or any(p.text is None for p in changes):
-            return []
-        return [(*changes, answer)]
+            self.stats["read_needs_too_much"] += 1
+            return None
+        return (*changes, *answer)
 
     def _task(self, exp: Exploration, cut: int, parts: tuple[GoalPart, ...],
               kind: str = "state") -> Task | None:
@@ -261,6 +272,11 @@ class HindsightSynthesizer:
             self.stats["not_reproducible"] += 1
             return None
         reference, dependent = pruned
+        if kind == "read":
+            parts = self._read_parts(exp, reference, parts)
+            if parts is None:
+                return None
+            goal = self.env.goal_of([c for p in parts for c in p.conditions])
         texts = [p.text for p in parts]
         worded = all(t is not None for t in texts)
         query = (self.env.query_of(texts) if worded
