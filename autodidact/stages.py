@@ -159,7 +159,7 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
     (the evaluations unless ``eval.before_rl`` is false).
 
     Returns the policy RL starts from and the summary entries ``synthetic_share``,
-    ``explore``, ``experience_init``, ``success_base``, ``success_warm``. Raises
+    ``explore``, ``tasks`` (how many hand-written and self-made), ``experience_init``, ``success_base``, ``success_warm``. Raises
     :class:`NoSyntheticTasks` when the mixture needs synthetic tasks and none exist.
     """
     summary: dict = {"synthetic_share": share, "eval_split": "validation"}
@@ -170,6 +170,11 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
                                "run `autodidact explore` or set explore.stage")
     if share > 0:
         refuse_contaminated(cfg, run_dir, synthetic)
+    summary["tasks"] = {"hand_written": len(original), "self_made": len(synthetic)}
+    say(f"  training tasks: {len(original)} hand-written, {len(synthetic)} self-made; "
+        f"self-made share {share:g}" + (" (tasks.synthetic_share auto: the env has "
+                                        "training tasks)" if cfg.tasks.synthetic_share < 0
+                                        and original else ""))
     summary["experience_init"] = experience_stage(cfg, run_dir, say)
     before_rl = cfg.eval.before_rl
     summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "base", 0,

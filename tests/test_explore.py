@@ -672,6 +672,22 @@ def test_task_feeder_mixture(control, share, want):
         assert {t.task_id for t in pushed} == {t.task_id for t in synthetics(3)}
 
 
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_a_mixed_feeder_draws_both_origins_in_the_configured_share(control, share):
+    """What a mixed run's actors pop, over many top-ups, is self-made in the configured
+    share (binomial: within 4 standard errors), and both pools are cycled through."""
+    cfg = load_config(None, [f"tasks.synthetic_share={share}"])
+    control.add_synthetic(synthetics(40))
+    feeder = TaskFeeder(cfg, control, originals(30), share)
+    drawn = []
+    for _ in range(20):
+        feeder.top_up()
+        drawn += drain(control)
+    made = sum(t.source == "synthetic" for t in drawn) / len(drawn)
+    assert abs(made - share) < 4 * (share * (1 - share) / len(drawn)) ** 0.5, (made, len(drawn))
+    assert {t.task_id for t in drawn} == {t.task_id for t in synthetics(40) + originals(30)}
+
+
 def test_rl_does_not_start_on_the_tasks_the_warm_start_trained_on(control):
     # Same seed, same pool: the feeder's draws must not repeat the warm-start's picks (they
     # did, when both seeded a Random with cfg.seed: the first 4 top-ups were all warm-start

@@ -130,6 +130,8 @@ def test_run_on_synthetic_tasks_only_learns_the_original_held_out_tasks(explored
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["synthetic_share"] == 1.0
     assert len(stored) >= 200 and summary["explore"] is None  # reused, not explored again
+    # The first screen's count of training tasks by origin, as summary.json keeps it.
+    assert summary["tasks"]["self_made"] == len(stored) and summary["tasks"]["hand_written"] > 0
     # Every group the learner could train on rolled out a synthetic task, one of those stored.
     groups = stored_groups(run_dir)
     assert groups and all(g.task.source == "synthetic" for g in groups)
