@@ -159,8 +159,9 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
     (the evaluations unless ``eval.before_rl`` is false).
 
     Returns the policy RL starts from and the summary entries ``synthetic_share``,
-    ``explore``, ``tasks`` (how many hand-written and self-made), ``experience_init``, ``success_base``, ``success_warm``. Raises
-    :class:`NoSyntheticTasks` when the mixture needs synthetic tasks and none exist.
+    ``explore``, ``tasks`` (how many hand-written and self-made), ``experience_init``,
+    ``success_base``, ``success_warm``. Raises :class:`NoSyntheticTasks` when the mixture
+    needs synthetic tasks and none exist.
     """
     summary: dict = {"synthetic_share": share, "eval_split": "validation"}
     summary["explore"] = explore_stage(cfg, run_dir, control, base_path, share, say)

@@ -4,6 +4,9 @@
 reference) is synthetic with that probability. Synthetic tasks come from the run's pool in
 Redis, which explorers keep growing; the feeder picks up new ones at every epoch.
 
+``tasks.match_examples`` draws self-made tasks in the shape of the env's own training tasks
+(:func:`example_weights`): a user's examples say what kinds and lengths of task matter.
+
 ``tasks.curriculum`` decides which tasks of each pool come up: ``uniform`` draws them alike;
 ``frontier`` weighs each by what the actors' rollouts of it scored so far
 (:func:`frontier_weight`), so groups whose rollouts all fail or all succeed, which teach
@@ -14,10 +17,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
 from protocol.messages import Task
+from questioning.coverage import goal_kind
+
+MAX_SHAPE_CALLS = 5  # reference lengths from here up share one shape
 
 
 def frontier_weight(successes: int, trials: int, floor: float) -> float:
@@ -30,6 +37,31 @@ def frontier_weight(successes: int, trials: int, floor: float) -> float:
     rollouts from writing a task off."""
     p = (successes + 1) / (trials + 2)
     return floor + (1.0 - floor) * 4.0 * p * (1.0 - p)
+
+
+def task_shape(task: Task) -> tuple[str, int]:
+    """What :func:`example_weights` matches on: the kind of goal and the reference's calls."""
+    return goal_kind(task.goal), min(len(task.reference), MAX_SHAPE_CALLS)
+
+
+def example_weights(pool: list[Task], examples: list[Task], strength: float) -> list[float]:
+    """A draw weight per task of ``pool`` that gives each shape (:func:`task_shape`) the share
+    ``strength * examples' share + (1 - strength) * pool's share``: self-made tasks drawn in
+    the shape of the env's own (``tasks.match_examples``). All 1.0 without examples."""
+    if not (pool and examples and strength > 0):
+        return [1.0] * len(pool)
+    have, want = Counter(map(task_shape, pool)), Counter(map(task_shape, examples))
+    n, m = len(pool), len(examples)
+    return [(strength * want[s] / m + (1 - strength) * have[s] / n) / (have[s] / n)
+            for s in map(task_shape, pool)]
+
+
+def weighted_sample(rng: random.Random, pool: list[Task], weights: list[float],
+                    k: int) -> list[Task]:
+    """``k`` tasks of ``pool`` without replacement, each drawn with its weight (weighted
+    random keys, Efraimidis and Spirakis); a task of weight 0 never."""
+    keyed = [(rng.random() ** (1.0 / w), i) for i, w in enumerate(weights) if w > 0]
+    return [pool[i] for _, i in sorted(keyed, reverse=True)[:k]]
 
 
 def synthetic_share(cfg: RunConfig, original: list[Task]) -> float:
@@ -47,7 +79,11 @@ def warmstart_tasks(cfg: RunConfig, original: list[Task], synthetic: list[Task],
     rng = random.Random(cfg.seed)
     n = cfg.warmstart.max_examples
     n_synth = n if share == 1.0 else round(share * n)
-    picked = rng.sample(synthetic, min(n_synth, len(synthetic)))
+    weights = example_weights(synthetic, original, cfg.tasks.match_examples)
+    if all(w == 1.0 for w in weights):  # drawn alike: the plain sample earlier runs drew
+        picked = rng.sample(synthetic, min(n_synth, len(synthetic)))
+    else:
+        picked = weighted_sample(rng, synthetic, weights, n_synth)
     picked += rng.sample(original, min(n - len(picked), len(original))) if share < 1.0 else []
     return picked
 
@@ -68,6 +104,8 @@ class TaskFeeder:
         self.floor = cfg.tasks.frontier_floor
         self._outcomes: dict[str, tuple[int, int]] = {}
         self.original, self.synthetic = original, []
+        self.match = cfg.tasks.match_examples
+        self.synthetic_weights: list[float] = []  # example_weights of the pool, kept current
         # Its own stream: seeded with cfg.seed alone, as warmstart_tasks is, its first draws
         # came from the same Mersenne Twister words as the warm-start's picks, so the first
         # tasks RL saw were those the warm-start had just trained on.
@@ -89,7 +127,10 @@ class TaskFeeder:
 
     def refresh(self) -> int:
         """Take in tasks the explorers added since the last call; returns the pool size."""
-        self.synthetic += self.control.synthetic_since(len(self.synthetic))
+        new = self.control.synthetic_since(len(self.synthetic))
+        if new:
+            self.synthetic += new
+            self.synthetic_weights = example_weights(self.synthetic, self.original, self.match)
         return len(self.synthetic)
 
     def top_up(self) -> None:
@@ -102,7 +143,8 @@ class TaskFeeder:
         n = 4 * self.low_water
         n_synthetic = sum(self._draws_synthetic() for _ in range(n))
         originals = self.original if self.share < 1.0 else []
-        batch = self._take(self.synthetic, n_synthetic) + self._take(originals, n - n_synthetic)
+        batch = (self._take(self.synthetic, n_synthetic, self.synthetic_weights)
+                 + self._take(originals, n - n_synthetic))
         self.rng.shuffle(batch)
         if batch:
             self.control.push_tasks(batch)
@@ -110,10 +152,14 @@ class TaskFeeder:
     def _draws_synthetic(self) -> bool:
         return bool(self.synthetic) and (not self.original or self.rng.random() < self.share)
 
-    def _take(self, pool: list[Task], k: int) -> list[Task]:
+    def _take(self, pool: list[Task], k: int, shaped: list[float] | None = None) -> list[Task]:
+        """``k`` draws from ``pool``: by frontier weight, times the shape weight ``shaped``
+        where given; with neither, the pool cycled through."""
+        weights = shaped if shaped and any(w != 1.0 for w in shaped) else None
         if self.frontier and pool and k > 0:
             weights = [frontier_weight(*self._outcomes.get(t.task_id, (0, 0)), self.floor)
-                       for t in pool]
+                       * (weights[i] if weights else 1.0) for i, t in enumerate(pool)]
+        if weights and pool and k > 0:
             return self.rng.choices(pool, weights, k=k)
         out: list[Task] = []
         while pool and len(out) < k:

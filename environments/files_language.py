@@ -221,9 +221,13 @@ class _Diff:
         for p in sorted(p for p in self.bf if p in self.af and self.af[p] != self.bf[p]):
             # Rewritten in place (removed and made again): no words say that plainly.
             parts.append(GoalPart(({"file": list(p), "content": self.af[p]},), None, (p[-1],)))
-        for r in sorted(self.relocated.get(p, p) for p in self.removed):
+        for p, r in sorted((p, self.relocated.get(p, p)) for p in self.removed):
             text = f"delete {r[-1]}" + (f" from {r[-2]}" if len(r) > 1 else "")
-            parts.append(GoalPart(({"absent": list(r)},), text, (r[-1], _where(r[:-1]))))
+            # Deleted from a folder that then moved: gone from where it was too, or the goal
+            # would hold at the start (nothing was ever at the folder's new place).
+            conds = ({"absent": list(r)},) if r == p else ({"absent": list(p)},
+                                                           {"absent": list(r)})
+            parts.append(GoalPart(conds, text, (r[-1], _where(r[:-1]))))
         return parts
 
     @staticmethod

@@ -828,6 +828,14 @@ class TasksConfig:
     grader_repetition_cap: float = 0.3
     """LLM grader: the cap applied then."""
 
+    match_examples: float = 0.5
+    """How far self-made tasks are drawn in the shape of the env's own training tasks, where
+    it has some (a user's examples): each self-made task's draw weight, for the warm-start and
+    for RL, moves the pool's share of its shape (kind of goal, reference calls 1..5+) towards
+    ``match_examples * examples' share + (1 - match_examples) * pool's share``. 0: self-made
+    tasks alike; 1: the examples' shape alone (a shape they lack is not drawn). An env without
+    training tasks draws its pool alike whatever this is (``autodidact/task_mix.py``)."""
+
     curriculum: str = "uniform"
     """How the feeder draws training tasks: ``uniform`` (every task of the mixture alike) or
     ``frontier`` (by the actors' outcomes so far: a task whose rollouts both fail and succeed
@@ -843,6 +851,7 @@ class TasksConfig:
             raise ConfigError(f"curriculum must be one of {', '.join(CURRICULA)}, "
                               f"got {self.curriculum!r}")
         in_range(self, "frontier_floor", 0.0, 1.0)
+        in_range(self, "match_examples", 0.0, 1.0)
         if self.frontier_floor <= 0:
             raise ConfigError("frontier_floor must be above 0: a task the feeder never "
                               "draws again could never show it was learned or forgotten")

@@ -48,6 +48,15 @@ def task_kinds(task: Task) -> list[str]:
     return kinds
 
 
+def goal_kind(goal) -> str:
+    """What a goal asks for, read off its conditions alone (so it holds for any task, the
+    env's own too): ``event`` when a condition names an event, else ``read`` when one names a
+    response, else ``state``."""
+    conds = goal.get("all", []) if isinstance(goal, dict) else []
+    keys = {k for c in conds if isinstance(c, dict) for k in c}
+    return "event" if "event" in keys else "read" if "response" in keys else "state"
+
+
 def count_tool_uses(tasks: Sequence[Task]) -> Counter:
     """How many of ``tasks`` use each tool (what :func:`coverage` takes as ``uses``)."""
     return Counter(name for task in tasks for name in tools_used(task))

@@ -281,7 +281,11 @@ class SchemaSampler:
             effect[1] += 1
         self.last_calls.append(action)
 
-    def propose(self, phase: str, temperature: float, recent: Sequence[str]) -> str:
+    def propose(self, phase: str, temperature: float, recent: Sequence[str],
+                listed: Sequence[str] = ()) -> str:
+        """One call: drafted candidates, and where the env lists its well-formed calls now
+        (``listed``, from ``candidate_actions()``) as many again drawn from those, a tool at a
+        time; the pick is scored as every candidate is (:meth:`_score`)."""
         local = [n for text in recent for n in names_in(text)]
         # Breadth mostly uses names of this world, sometimes names from other worlds (which is
         # where new names for creating things come from); depth uses the last observations.
@@ -293,8 +297,24 @@ class SchemaSampler:
             pool = list(self.here)
         latest = set(names_in(recent[-1])) if recent else set()
         calls = [self._sample_call(pool, latest) for _ in range(self.candidates)]
+        calls += self._from_listed(listed)
         scores = [self._score(c, phase) for c in calls]
         return calls[_softmax_choice(scores, temperature, self.rng)]
+
+    def _from_listed(self, listed: Sequence[str]) -> list[str]:
+        """``self.candidates`` calls the env listed, each of a tool drawn alike among those
+        listed: the env's own values reach exploration (``mv x ..`` in ``files``, where
+        ``..`` appears in no observation), and no tool's many combinations crowd out the
+        rest."""
+        by_tool: dict[str, list[str]] = {}
+        for call in listed:
+            words = call.split()
+            if words and words[0] in self.by_name:
+                by_tool.setdefault(words[0], []).append(call)
+        if not by_tool:
+            return []
+        tools = sorted(by_tool)
+        return [self.rng.choice(by_tool[self.rng.choice(tools)]) for _ in range(self.candidates)]
 
     def draft(self, tool: str, slot: int, arg):
         """A value for ``tool``'s argument ``slot`` from the names of the current world."""
@@ -508,7 +528,8 @@ class Explorer:
         before, undoable = exp.initial_state, None
         for phase, temperature in phases:
             if planner is None:
-                action, proposer = self._propose(phase, temperature, list(recent))
+                action, proposer = self._propose(phase, temperature, list(recent),
+                                                 env.candidate_actions() or [])
             else:
                 action = planner.next_call(lambda t=temperature: self.sampler.propose(
                     "depth", t, list(recent)))
@@ -562,7 +583,8 @@ class Explorer:
             self.inverses.observe(undoable[0], tool)
         return tool, before
 
-    def _propose(self, phase: str, temperature: float, recent: list[str]) -> tuple[str, str]:
+    def _propose(self, phase: str, temperature: float, recent: list[str],
+                 listed: Sequence[str] = ()) -> tuple[str, str]:
         if self.llm is not None and self.llm.enabled:
             action = self.llm.propose(phase, temperature, recent)
             if action is not None:
@@ -570,4 +592,4 @@ class Explorer:
                 return action, self.llm.name
             self.counts["llm_invalid"] += 1
         self.counts["schema_actions"] += 1
-        return self.sampler.propose(phase, temperature, recent), self.sampler.name
+        return self.sampler.propose(phase, temperature, recent, listed), self.sampler.name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from collections import Counter
 from types import SimpleNamespace
 
@@ -456,8 +457,11 @@ def test_hindsight_wordless_queries_stay_in_the_vocabulary():
 
 
 def test_hindsight_ids_are_stable(explorations):
-    a = HindsightSynthesizer(FilesEnv, Preferences(max_steps=10), seed=0).propose(explorations[0])
-    b = HindsightSynthesizer(FilesEnv, Preferences(max_steps=10), seed=7).propose(explorations[0])
+    # Every goal, not the 40 a seeded shuffle keeps: the ids, not the cut, are under test.
+    a = HindsightSynthesizer(FilesEnv, Preferences(max_steps=10), max_candidates=1000,
+                             seed=0).propose(explorations[0])
+    b = HindsightSynthesizer(FilesEnv, Preferences(max_steps=10), max_candidates=1000,
+                             seed=7).propose(explorations[0])
     assert a and {t.task_id for t in a} == {t.task_id for t in b}
     task = a[0]
     goal = task.goal
@@ -686,6 +690,41 @@ def test_a_mixed_feeder_draws_both_origins_in_the_configured_share(control, shar
     made = sum(t.source == "synthetic" for t in drawn) / len(drawn)
     assert abs(made - share) < 4 * (share * (1 - share) / len(drawn)) ** 0.5, (made, len(drawn))
     assert {t.task_id for t in drawn} == {t.task_id for t in synthetics(40) + originals(30)}
+
+
+def _shaped(n: int, calls: int, start: int = 0) -> list[Task]:
+    return [dataclasses.replace(t, reference=["pwd"] * calls) for t in synthetics(n, start)]
+
+
+def test_self_made_tasks_are_drawn_in_the_shape_of_the_examples():
+    """90 one-call and 10 three-call self-made tasks; the examples are all three-call: with
+    match_examples 1 only three-call tasks are drawn, with 0.5 half of them, with 0 a tenth."""
+    from autodidact.task_mix import example_weights, task_shape, weighted_sample
+
+    pool = _shaped(90, 1) + _shaped(10, 3, start=90)
+    examples = [dataclasses.replace(t, reference=["cd a", "cd b", "cd c"]) for t in originals(4)]
+    assert task_shape(examples[0]) == ("state", 3)
+    for strength, want in ((1.0, 1.0), (0.5, 0.55), (0.0, 0.1)):
+        weights = example_weights(pool, examples, strength)
+        three = sum(w for t, w in zip(pool, weights) if len(t.reference) == 3) / sum(weights)
+        assert three == pytest.approx(want), strength
+    rng = random.Random(0)
+    picked = weighted_sample(rng, pool, example_weights(pool, examples, 1.0), 20)
+    assert len(picked) == 10 and all(len(t.reference) == 3 for t in picked)
+    assert example_weights(pool, [], 1.0) == [1.0] * 100  # no examples: drawn alike
+
+
+def test_the_feeder_and_the_warm_start_follow_the_example_shape(control):
+    cfg = load_config(None, ["tasks.synthetic_share=1.0", "tasks.match_examples=1.0",
+                             "warmstart.max_examples=10"])
+    examples = [dataclasses.replace(t, reference=["cd a", "cd b", "cd c"]) for t in originals(4)]
+    pool = _shaped(90, 1) + _shaped(10, 3, start=90)
+    warm = warmstart_tasks(cfg, examples, pool, 1.0)
+    assert len(warm) == 10 and all(len(t.reference) == 3 for t in warm)
+    control.add_synthetic(pool)
+    feeder = TaskFeeder(cfg, control, examples, 1.0)
+    feeder.top_up()
+    assert {len(t.reference) for t in drain(control)} == {3}
 
 
 def test_rl_does_not_start_on_the_tasks_the_warm_start_trained_on(control):
