@@ -44,6 +44,7 @@ from bench.output import command_line, write_result
 from protocol.codec import decode_body
 from protocol.messages import Task
 from protocol.run_dir import RunDir
+from questioning.coverage import goal_kind
 
 POOLS = {"original": "hand-written", "synthetic": "self-made"}  # Task.source -> pool name
 HAND, MADE = POOLS.values()
@@ -91,13 +92,6 @@ def conditions_of(goal) -> list:
     if isinstance(goal, dict) and isinstance(goal.get("all"), list):
         return goal["all"]
     return [goal] if goal else []
-
-
-def goal_kind(goal) -> str:
-    conditions = [c for c in conditions_of(goal) if isinstance(c, dict)]
-    if any("event" in c for c in conditions):
-        return "event"
-    return "read" if any("response" in c for c in conditions) else "state"
 
 
 def entity_words(reference: Sequence[str]) -> set[str]:
