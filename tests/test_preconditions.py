@@ -131,7 +131,7 @@ def _shipping(tasks: list[Task]) -> list[Task]:
 def test_random_walks_alone_rarely_ship_a_crate(explored):
     tasks, summary = explored[False]
     tools = summary["coverage"]["tools"]
-    # Measured: ship tried 615 times, worked 0 times; none of 226 stored tasks ships.
+    # Measured: ship tried 728 times, worked 0 times; none of 560 stored tasks ships.
     assert tools["ship"]["tries"] >= 40 and tools["ship"]["ok_calls"] <= 0.02 * \
         tools["ship"]["tries"], tools["ship"]
     assert len(_shipping(tasks)) <= 0.005 * len(tasks), len(_shipping(tasks))
@@ -141,7 +141,7 @@ def test_unlock_probes_put_the_failing_tool_into_stored_tasks(explored):
     tasks, summary = explored[True]
     walks = _shipping(explored[False][0])
     shipping = _shipping(tasks)
-    # Measured: 24 unlock probes, ship worked 19 times, 13 of 316 stored tasks ship a crate.
+    # Measured: 24 unlock probes, ship worked 22 times, 18 of 561 stored tasks ship a crate.
     assert len(shipping) >= 6 and len(shipping) > 5 * max(len(walks), 1), len(shipping)
     assert summary["probes/unlock"] > 0
     for task in shipping[:10]:  # the whole chain is in the reference, and it verifies
