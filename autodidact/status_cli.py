@@ -510,10 +510,10 @@ def render(snap: dict, console) -> None:
         ("groups/s", f"{_fmt(snap['groups_per_s'], '.2f')} recent, "
                      f"{_fmt(snap['groups_per_s_overall'], '.2f')} over the run; "
                      f"{_fmt(snap['groups_total'])} groups"),
-        ("replay fill", f"{fill}  [{_fmt(rp['source'])}]"),
+        ("replay fill", f"{fill}  ({_fmt(rp['source'])})"),
         ("judge backlog", f"{_fmt(jb['unjudged'])} unjudged"
                           + (f", {jb['leased']} leased" if jb.get("leased") is not None else "")
-                          + f"  [{_fmt(jb['source'])}]"),
+                          + f"  ({_fmt(jb['source'])})"),
     ]
     if snap["task_queue"] is not None:
         lines.append(("task queue", str(snap["task_queue"])))

@@ -135,6 +135,8 @@ def test_status_shows_the_table(run_dir):
     assert "self-made 4 tasks, 2 groups, 25.0% success, 100.0% informative" in text
     assert "synthetic share configured 0.4, effective 0.4, drawn 40.0% (over the 5 groups " \
         "stored in replay.lmdb)" in text
+    # Where the replay counts came from is printed, not eaten as terminal markup.
+    assert "unjudged (replay.lmdb: stored - judged)" in text
 
 
 def test_viewer_run_and_tasks_pages_have_the_table(run_dir):
