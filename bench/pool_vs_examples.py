@@ -45,6 +45,7 @@ from protocol.codec import decode_body
 from protocol.messages import Task
 from protocol.run_dir import RunDir
 from questioning.coverage import goal_kind
+from questioning.probes import is_number
 
 POOLS = {"original": "hand-written", "synthetic": "self-made"}  # Task.source -> pool name
 HAND, MADE = POOLS.values()
@@ -96,15 +97,7 @@ def conditions_of(goal) -> list:
 
 def entity_words(reference: Sequence[str]) -> set[str]:
     """The distinct non-numeric argument words of the reference calls."""
-    return {w for action in reference for w in action.split()[1:] if not _number(w)}
-
-
-def _number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
+    return {w for action in reference for w in action.split()[1:] if not is_number(w)}
 
 
 def features(task: Task) -> dict[str, int | str]:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from os.path import commonprefix
 
 from environments.base import ToolSpec
+from questioning.probes import compose_call, is_number
 
 MAX_DEPTH = 5  # refused calls waiting on one another
 FIXER_TRIES = 2  # calls of one fixer tool per refused call
@@ -143,7 +144,7 @@ class PreconditionPlanner:
         if tool is None:
             return None
         named = dict(zip((a.name for a in tool.args), values))
-        entities = [v for v in values if not _is_number(v)]
+        entities = [v for v in values if not is_number(v)]
         tried = self.fixers_tried.setdefault(waiting, Counter())
         busy = {c.split()[0] for c in self.stack}
         refusal = self.refusal.get(waiting, "")
@@ -171,20 +172,16 @@ class PreconditionPlanner:
                  entities: list[str] = ()) -> str | None:
         """``tool`` with the waiting call's values where an argument has the same name, its
         entities in the other name slots, drafted values elsewhere."""
-        words, free = [tool.name], list(entities)
-        for slot, arg in enumerate(tool.args):
+        free = list(entities)
+
+        def value(slot, arg):
             if arg.name in named:
-                value = named[arg.name]
-            elif arg.type == "str" and not arg.choices and free:
-                value = free.pop(0)
-            else:
-                value = self.draft(tool.name, slot, arg)
-            if value is None:
-                if arg.required:
-                    return None
-                break
-            words.append(str(value))
-        return " ".join(words)
+                return named[arg.name]
+            if arg.type == "str" and not arg.choices and free:
+                return free.pop(0)
+            return self.draft(tool.name, slot, arg)
+
+        return compose_call(tool, value)
 
     def _change_rate(self, tool: str) -> float:
         """How often ``tool`` changed the state when it worked: 0.5 unseen; 0.0 only after
@@ -215,11 +212,3 @@ def _removed(words: list[str], before: dict, after: dict) -> bool:
     """Whether a word of the call was in the state before it and is nowhere in it after."""
     was, now = json.dumps(before), json.dumps(after)
     return any(f'"{w}"' in was and f'"{w}"' not in now for w in words)
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True

@@ -108,7 +108,7 @@ class ProbePlanner:
             return
         changed = after != before
         if self.entity is None:
-            names = [w for w in words[1:] if not _is_number(w)]
+            names = [w for w in words[1:] if not is_number(w)]
             if changed and names:
                 self.entity, self.first_tool = names[0], words[0]
                 self.first_args = words[1:]
@@ -162,15 +162,7 @@ class ProbePlanner:
         return self._drafted(self.rng.choice(known))
 
     def _drafted(self, tool: ToolSpec) -> str | None:
-        words = [tool.name]
-        for slot, arg in enumerate(tool.args):
-            value = self.draft(tool.name, slot, arg)
-            if value is None:
-                if arg.required:
-                    return None
-                break
-            words.append(str(value))
-        return " ".join(words)
+        return compose_call(tool, lambda slot, arg: self.draft(tool.name, slot, arg))
 
     def _reading(self) -> str | None:
         """A read on the entity first (three tries: the change may have deleted it), then
@@ -222,12 +214,26 @@ class ProbePlanner:
         return (changed + 1) / (calls + 2)
 
 
+def compose_call(tool: ToolSpec, value: Callable) -> str | None:
+    """``tool`` with ``value(slot, arg)`` for its arguments in order, up to the first None: the
+    call as far as it goes, or None when that argument is required."""
+    words = [tool.name]
+    for slot, arg in enumerate(tool.args):
+        word = value(slot, arg)
+        if word is None:
+            if arg.required:
+                return None
+            break
+        words.append(str(word))
+    return " ".join(words)
+
+
 def _name_slots(tool: ToolSpec) -> list[int]:
     """Argument slots that may hold an entity's name: strings without a fixed domain."""
     return [i for i, a in enumerate(tool.args) if a.type in _NAME_TYPES and not a.choices]
 
 
-def _is_number(word: str) -> bool:
+def is_number(word: str) -> bool:
     try:
         float(word)
     except ValueError:
