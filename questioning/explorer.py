@@ -529,7 +529,7 @@ class Explorer:
         for phase, temperature in phases:
             if planner is None:
                 action, proposer = self._propose(phase, temperature, list(recent),
-                                                 env.candidate_actions() or [])
+                                                 lambda: env.candidate_actions() or [])
             else:
                 action = planner.next_call(lambda t=temperature: self.sampler.propose(
                     "depth", t, list(recent)))
@@ -584,7 +584,10 @@ class Explorer:
         return tool, before
 
     def _propose(self, phase: str, temperature: float, recent: list[str],
-                 listed: Sequence[str] = ()) -> tuple[str, str]:
+                 listed: Callable[[], Sequence[str]] = tuple) -> tuple[str, str]:
+        """An LLM's call when one is on and writes a valid one, else the schema sampler's;
+        ``listed`` (the env's calls now) is asked only for the sampler: a served env answers
+        it over the wire."""
         if self.llm is not None and self.llm.enabled:
             action = self.llm.propose(phase, temperature, recent)
             if action is not None:
@@ -592,4 +595,4 @@ class Explorer:
                 return action, self.llm.name
             self.counts["llm_invalid"] += 1
         self.counts["schema_actions"] += 1
-        return self.sampler.propose(phase, temperature, recent, listed), self.sampler.name
+        return self.sampler.propose(phase, temperature, recent, listed()), self.sampler.name

@@ -189,7 +189,7 @@ class HindsightSynthesizer:
                           for c in itertools.combinations(parts, r)]
                 kind = "state"
             else:
-                combos, kind = self._answer_goal(exp.initial_state, states[t], step), "read"
+                combos, kind = self._answer_goal(states[t], step), "read"
             for combo in combos:
                 key = goal_key(self.env.goal_of([c for p in combo for c in p.conditions]))
                 found.setdefault(key, (t, combo, kind))
@@ -235,7 +235,7 @@ class HindsightSynthesizer:
         names_changes = type(self.env).describe_changes is not Environment.describe_changes
         return [p for p in parts if p.text is not None] if names_changes else parts
 
-    def _answer_goal(self, start: dict, now: dict, step) -> list[tuple[GoalPart, ...]]:
+    def _answer_goal(self, now: dict, step) -> list[tuple[GoalPart, ...]]:
         """A read-only call's answer as a goal. The changes made before it that the answer
         depends on join it in :meth:`_task`, once pruning has shown which those are."""
         answer = self.env.describe_response(step.action, step.observation, now)
