@@ -73,19 +73,34 @@ def synthetic_share(cfg: RunConfig, original: list[Task]) -> float:
 
 def warmstart_tasks(cfg: RunConfig, original: list[Task], synthetic: list[Task],
                     share: float) -> list[Task] | None:
-    """Reference tasks for the warm-start in the training mixture (None: the env's own)."""
+    """Reference tasks for the warm-start in the training mixture (None: the env's own).
+
+    ``tasks.warmstart_mixing=add`` keeps the hand-written references the warm-start takes
+    alone and adds self-made ones to make up ``share`` of the whole; ``replace`` takes
+    ``warmstart.max_examples`` in all, ``share`` of them self-made."""
     if share == 0.0:
         return None
     rng = random.Random(cfg.seed)
     n = cfg.warmstart.max_examples
+    if 0.0 < share < 1.0 and cfg.tasks.warmstart_mixing == "add":
+        from learner.warmstart import pick_references  # torch: not for the viewer's imports
+
+        hand = pick_references(original, cfg.seed, n)
+        return _self_made(cfg, rng, original, synthetic, round(share / (1 - share) * len(hand))) \
+            + hand
     n_synth = n if share == 1.0 else round(share * n)
-    weights = example_weights(synthetic, original, cfg.tasks.match_examples)
-    if all(w == 1.0 for w in weights):  # drawn alike: the plain sample earlier runs drew
-        picked = rng.sample(synthetic, min(n_synth, len(synthetic)))
-    else:
-        picked = weighted_sample(rng, synthetic, weights, n_synth)
+    picked = _self_made(cfg, rng, original, synthetic, n_synth)
     picked += rng.sample(original, min(n - len(picked), len(original))) if share < 1.0 else []
     return picked
+
+
+def _self_made(cfg: RunConfig, rng: random.Random, original: list[Task],
+               synthetic: list[Task], k: int) -> list[Task]:
+    """``k`` self-made references, drawn in the shape of the env's own (match_examples)."""
+    weights = example_weights(synthetic, original, cfg.tasks.match_examples)
+    if all(w == 1.0 for w in weights):  # drawn alike: the plain sample earlier runs drew
+        return rng.sample(synthetic, min(k, len(synthetic)))
+    return weighted_sample(rng, synthetic, weights, k)
 
 
 class TaskFeeder:

@@ -29,19 +29,29 @@ log = logging.getLogger(__name__)
 
 def reference_groups(cfg: RunConfig, codec: Codec, settings: RolloutSettings,
                      tasks: Sequence[Task] | None = None) -> list[Group]:
-    """One single-trajectory group per task (default: the env's training tasks) whose reference
-    solves it."""
+    """One single-trajectory group per task whose reference solves it: of ``tasks`` (all that
+    have a reference; autodidact/task_mix.py decides them), or by default of
+    :func:`pick_references` from the env's training tasks."""
     envs = FreshEnvs(env_maker(cfg.env), "warm-start")
-    tasks = [t for t in (envs.env.tasks("train") if tasks is None else tasks) if t.reference]
-    random.Random(cfg.seed).shuffle(tasks)
+    pool = envs.env.tasks("train") if tasks is None else tasks
+    limit = cfg.warmstart.max_examples if tasks is None else len(tasks)
     groups = []
-    for task in tasks[:cfg.warmstart.max_examples]:
+    for task in pick_references(pool, cfg.seed, limit):
         ep = envs.run(f"the reference of {task.task_id}",
                       lambda env, task=task: scripted_episode(task, env, codec, settings))
         if ep is not None and ep.reward >= 1.0:
             groups += to_groups([ep], 1, "warmstart", 0.0)
     _say_failures(envs)
     return groups
+
+
+def pick_references(tasks: Sequence[Task], seed: int, n: int) -> list[Task]:
+    """``n`` of ``tasks`` that have a reference, in an order fixed by ``seed``: the warm-start's
+    pick of the env's training tasks, and the hand-written share of a mixture that adds
+    self-made references to it (``tasks.warmstart_mixing=add``)."""
+    with_reference = [t for t in tasks if t.reference]
+    random.Random(seed).shuffle(with_reference)
+    return with_reference[:n]
 
 
 def _say_failures(envs: FreshEnvs) -> None:

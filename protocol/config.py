@@ -214,6 +214,7 @@ class EnvConfig:
 # the two lists equal). Here because the actor's config and the env wire both name them.
 TOOL_FORMATS = ("text", "json", "hermes", "pythonic")
 CURRICULA = ("uniform", "frontier")  # tasks.curriculum
+WARMSTART_MIXING = ("add", "replace")  # tasks.warmstart_mixing
 
 
 @dataclass
@@ -815,7 +816,16 @@ class TasksConfig:
     synthetic_share: float = -1.0
     """Share of synthetic (self-questioned) tasks in training, the rest being the env's own
     training tasks: 0 = original only, 1 = synthetic only, -1 = auto (original only when the env
-    has training tasks, else synthetic only). Warm-start references follow the same mixture."""
+    has training tasks, else synthetic only). Warm-start references follow the same mixture
+    (how: ``warmstart_mixing``)."""
+
+    warmstart_mixing: str = "add"
+    """How self-made references join the warm-start when the share is between 0 and 1:
+    ``add`` (the hand-written references the warm-start takes alone, ``warmstart.max_examples``
+    of them, plus self-made ones making up ``synthetic_share`` of the whole: 400 and 133 at
+    0.25) or ``replace`` (``max_examples`` in all, the self-made ones in place of hand-written
+    ones: 300 and 100). Chosen on validation (docs/questioning.md#self-made-beside-hand-written).
+    """
 
     reward: str = "auto"
     """Outcome reward: ``state`` (the env's check of the goal), ``llm`` (the LLM grader compares
@@ -852,6 +862,9 @@ class TasksConfig:
                               f"got {self.curriculum!r}")
         in_range(self, "frontier_floor", 0.0, 1.0)
         in_range(self, "match_examples", 0.0, 1.0)
+        if self.warmstart_mixing not in WARMSTART_MIXING:
+            raise ConfigError(f"warmstart_mixing must be one of {', '.join(WARMSTART_MIXING)}, "
+                              f"got {self.warmstart_mixing!r}")
         if self.frontier_floor <= 0:
             raise ConfigError("frontier_floor must be above 0: a task the feeder never "
                               "draws again could never show it was learned or forgotten")

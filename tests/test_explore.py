@@ -18,7 +18,8 @@ import pytest
 from autodidact.task_mix import TaskFeeder, synthetic_share, warmstart_tasks
 from environments.base import VERIFY_REASONS, described_only, verify_task
 from environments.files import FilesEnv, make_world
-from protocol.config import load_config
+from learner.warmstart import pick_references
+from protocol.config import ConfigError, load_config
 from protocol.messages import Task
 from questioning.explorer import Exploration, Explorer, ExploreSettings, ExploreStep, seed_tasks
 from questioning.factory import TaskFactory, explorations_path, profile_path, read_explorations
@@ -780,16 +781,21 @@ def test_synthetic_share():
     assert synthetic_share(fixed, []) == 0.3
 
 
-@pytest.mark.parametrize("share,n_synth,want", [
-    (0.0, 20, None),
-    (1.0, 20, (10, 0)),
-    (1.0, 4, (4, 0)),
-    (0.5, 20, (5, 5)),
-    (0.3, 20, (3, 7)),
-    (0.5, 2, (2, 8)),
+@pytest.mark.parametrize("mixing,share,n_synth,want", [
+    ("replace", 0.0, 20, None),
+    ("replace", 1.0, 20, (10, 0)),
+    ("replace", 1.0, 4, (4, 0)),
+    ("replace", 0.5, 20, (5, 5)),
+    ("replace", 0.3, 20, (3, 7)),
+    ("replace", 0.5, 2, (2, 8)),
+    ("add", 0.0, 20, None),
+    ("add", 1.0, 20, (10, 0)),
+    ("add", 0.5, 20, (10, 10)),
+    ("add", 0.3, 20, (4, 10)),  # 0.3 of the whole: 10 * 0.3 / 0.7 = 4.3 self-made
+    ("add", 0.5, 2, (2, 10)),
 ])
-def test_warmstart_tasks_mixture(share, n_synth, want):
-    cfg = load_config(None, ["warmstart.max_examples=10"])
+def test_warmstart_tasks_mixture(mixing, share, n_synth, want):
+    cfg = load_config(None, ["warmstart.max_examples=10", f"tasks.warmstart_mixing={mixing}"])
     picked = warmstart_tasks(cfg, originals(30), synthetics(n_synth), share)
     if want is None:
         assert picked is None
@@ -798,3 +804,18 @@ def test_warmstart_tasks_mixture(share, n_synth, want):
     assert (sources["synthetic"], sources["original"]) == want
     assert len({t.task_id for t in picked}) == len(picked)
     assert picked == warmstart_tasks(cfg, originals(30), synthetics(n_synth), share)
+
+
+def test_added_self_made_references_keep_the_hand_written_ones():
+    """``add``: the hand-written references are the very ones the warm-start takes with no
+    self-made tasks at all, so the mixture differs from the hand-written arm by what it adds."""
+    cfg = load_config(None, ["warmstart.max_examples=10"])
+    alone = {t.task_id for t in pick_references(originals(30), cfg.seed, 10)}
+    mixed = warmstart_tasks(cfg, originals(30), synthetics(20), 0.25)
+    assert {t.task_id for t in mixed if t.source == "original"} == alone
+    assert len(alone) == 10
+
+
+def test_warmstart_mixing_refuses_other_values():
+    with pytest.raises(ConfigError, match="warmstart_mixing must be one of add, replace"):
+        load_config(None, ["tasks.warmstart_mixing=swap"])
