@@ -32,7 +32,7 @@ from rich.console import Console
 
 from autodidact.coordinator import Coordinator
 from autodidact.node_cli import worker_hint
-from autodidact.progress import Reporter, print_summary
+from autodidact.progress import Reporter, checkpoint_fallbacks, print_summary
 from autodidact.roles import replay_role, training_roles, wait_for_replay, write_resolved_config
 from autodidact.stages import NoSyntheticTasks, after_training, up_to_training
 from autodidact.supervisor import Supervisor, stop_signals_interrupt
@@ -140,6 +140,7 @@ def _train_and_finish(cfg: RunConfig, run_dir: Path, coordinator: Coordinator,
         summary["failed_roles"] = failed
         # Each one's own reason, quoted from its log: the run's output says why, not only who.
         summary["failure_reasons"] = {name: roles.failure(name) for name in failed}
+        summary["checkpoint_fallbacks"] = checkpoint_fallbacks(run_dir)
         for key in ("success_rl", "test"):  # an earlier run's, when this one was a resume
             summary.pop(key, None)
         summary.update(after_training(cfg, run_dir, learner_finished=not failed,

@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from autodidact.tracking import WandbMirror
 from metrics.intervals import format_rate
-from metrics.jsonl import MetricsTail, MetricsWriter
+from metrics.jsonl import MetricsTail, MetricsWriter, read_metrics
 from protocol.config import RunConfig
 from protocol.errors import RemoteError, TransportTimeout
 from protocol.run_dir import HELD_OUT_STAGES
@@ -73,6 +73,8 @@ class Progress:
     def update(self) -> list[dict]:
         records = self.tail.read_new()
         for rec in records:
+            if rec.get("role") == "learner" and "learner/checkpoint_fallback" in rec:
+                console.print(f"  [yellow]{fallback_text(rec, self.learner)}[/]", highlight=False)
             if rec.get("role") == "learner" and "learner/loss" in rec:
                 self.learner = rec
             elif rec.get("role") == "actor":
@@ -96,6 +98,29 @@ class Progress:
             f"groups {groups:>6} ({rate:.1f}/s, judged {judged})  "
             f"lag {lr.get('learner/lag_mean', 0):.2f}  restarts {len(roles.restart_log)}",
             highlight=False)
+
+
+def fallback_text(record: dict, last: dict) -> str:
+    """The line for a learner that resumed from ``previous.pt`` because ``latest.pt`` was
+    damaged (``record``), given the learner's last record before it (``last``)."""
+    at = int(record.get("learner/resumed_at_update") or 0)
+    logged = last.get("learner/updates")
+    lost = (f"{int(logged) - at} updates lost (the last logged was {int(logged)})"
+            if logged is not None and logged >= at else "the updates after it are lost")
+    return (f"learner: checkpoints/latest.pt was damaged; resumed from previous.pt at update "
+            f"{at}: {lost}; replay serves the groups they trained on again "
+            f"(logs/learner.log says why)")
+
+
+def checkpoint_fallbacks(run_dir: Path) -> list[str]:
+    """Every checkpoint fallback in the run's metrics, as :func:`fallback_text` says it."""
+    out, last = [], {}
+    for rec in read_metrics(run_dir, "learner"):
+        if "learner/checkpoint_fallback" in rec:
+            out.append(fallback_text(rec, last))
+        elif "learner/loss" in rec:
+            last = rec
+    return out
 
 
 class Reporter:
@@ -146,6 +171,8 @@ def print_summary(summary: dict) -> None:
                    else f"   (greedy: {' -> '.join(greedy)})"))
 
     learner = summary.get("learner", {})
+    for text in summary.get("checkpoint_fallbacks") or []:
+        console.print(f"[yellow]{escape(text)}[/]", highlight=False)
     reasons = summary.get("failure_reasons") or {}
     for role in summary.get("failed_roles") or []:
         why = reasons.get(role) or "no reason in its log"

@@ -46,6 +46,7 @@ from protocol.errors import TransportTimeout
 from protocol.replay_client import ReplayClient
 from protocol.role import StopEvent
 from protocol.role_config import LearnerSettings
+from protocol.run_dir import RunDir
 from protocol.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,11 @@ class Learner:
         state, path = found
         self.step.load_state(state, path)
         self.updates, self.version = state["updates"], state["version"]
+        if path != RunDir(self.run_dir).checkpoint and self.metrics is not None:
+            # The latest was damaged: the run's own output says so (autodidact/progress.py),
+            # not only this role's log.
+            self.metrics.log({"checkpoint_fallback": 1, "resumed_at_update": self.updates},
+                             step=self.updates)
         self.consumed = list(state["consumed"])
         self._consumed_ids = set(self.consumed)
         set_rng_states(state)

@@ -204,3 +204,46 @@ def test_a_learner_with_no_good_checkpoint_exits_unrecoverable_in_one_line(tmp_p
     assert proc.returncode == EXIT_UNRECOVERABLE, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("learner: no good checkpoint in") and "latest.pt" in last
+
+
+class _Weights:
+    """The model step's part in a resume: it takes the checkpoint's state (no model here)."""
+
+    def __init__(self):
+        self.loaded: list[int] = []
+
+    def load_state(self, state: dict, path: Path) -> None:
+        self.loaded.append(state["updates"])
+
+
+def test_a_resume_onto_a_damaged_latest_says_so_in_the_runs_output(tmp_path):
+    """The fallback reaches the run's own output (issue 56, part 6): the learner records it in
+    metrics.jsonl, and the launcher's summary and progress lines name it with the updates
+    lost; a resume from a good latest records nothing."""
+    from autodidact.progress import checkpoint_fallbacks
+    from autodidact.resolve import learner_settings
+    from learner.learner import Learner
+    from metrics.jsonl import MetricsWriter
+    from protocol.config import RunConfig
+
+    before = MetricsWriter(tmp_path, "learner", "learner")
+    for updates in (24, 25, 26, 27):  # the run logged update 27 before it was killed
+        before.log({"loss": 0.5, "updates": updates})
+    before.close()
+    save_checkpoint(tmp_path, state(25))
+    save_checkpoint(tmp_path, state(50))
+
+    def resume() -> list[int]:
+        weights = _Weights()
+        learner = Learner(learner_settings(RunConfig()), tmp_path, None, None, step=weights,
+                          publisher=None)
+        assert learner.resume()
+        learner.metrics.close()
+        return weights.loaded
+
+    assert resume() == [50] and checkpoint_fallbacks(tmp_path) == []
+    flip_bytes(RunDir(tmp_path).checkpoint)
+    assert resume() == [25]
+    (line,) = checkpoint_fallbacks(tmp_path)
+    assert line.startswith("learner: checkpoints/latest.pt was damaged; resumed from "
+                           "previous.pt at update 25: 2 updates lost (the last logged was 27)")
