@@ -229,10 +229,6 @@ def test_missing_store_is_a_clear_error(tmp_path, command):
 
 
 def test_verify(run_dir):
-    import environments.base as base
-
-    if not hasattr(base, "verify_task"):
-        pytest.skip("environments.base.verify_task is not there yet")
     from environments.files import build_tasks
 
     good = [t for t in build_tasks(num_worlds=2) if t.reference][:3]
