@@ -32,6 +32,25 @@ def setup_logging(verbose: bool) -> None:
                         datefmt="%H:%M:%S", stream=sys.stderr)
 
 
+# Loggers of libraries whose lines a user cannot act on: the engine's start-up (vLLM prints
+# ~40 lines per engine, three engines a run) and deprecation notices (``py.warnings``).
+LIBRARY_LOGGERS = ("vllm", "py.warnings", "transformers", "torch", "accelerate")
+
+
+def library_logs_to(path: Path) -> None:
+    """Send the :data:`LIBRARY_LOGGERS` to ``path`` instead of the terminal, warnings included
+    (a library's error still reaches the user: as the exception our code reports)."""
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # vLLM imported after this adds no handler
+    logging.captureWarnings(True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+                                           "%H:%M:%S"))
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]  # vLLM imported before this had its stdout handler
+        logger.propagate = False
+
+
 def config_option(f):
     return click.option("-c", "--config", type=click.Path(exists=True, dir_okay=False),
                         help=CONFIG_HELP)(f)

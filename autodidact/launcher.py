@@ -30,6 +30,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from autodidact.cli_common import library_logs_to
 from autodidact.coordinator import Coordinator
 from autodidact.node_cli import worker_hint
 from autodidact.progress import Reporter, checkpoint_fallbacks, print_summary
@@ -54,6 +55,7 @@ def launch(cfg: RunConfig, run_dir: Path, max_updates: int | None = None,
                          "(replay.address and redis.prefix set)")
     rd = RunDir(run_dir)
     rd.logs.mkdir(exist_ok=True)
+    library_logs_to(rd.log("libraries"))
     console.print(f"[bold]autodidact run[/] {cfg.name} in {run_dir}")
     with contextlib.ExitStack() as stack:
         stack.enter_context(stop_signals_interrupt())

@@ -20,6 +20,7 @@ never by spelling a name itself, so the layout below is the whole contract::
         metrics.jsonl               every role's metrics records, appended
         split.json                  the env's task ids that train and those held out
         logs/<role>.log             each role's stdout and stderr
+        logs/libraries.log          the launcher's library lines (engine start-up, warnings)
         model/                      the tiny base model (when model.path is empty)
         policy_init/                the warm-started policy (a Hugging Face model folder),
                                     with warmstart_tasks.json: the ids of its examples' tasks

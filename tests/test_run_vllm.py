@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,18 @@ def test_a_run_serves_its_llm_judge_and_trains_on_its_labels(finished_run):
     assert len(learner) == UPDATES
     assert sum(r["learner/labelled_groups"] for r in learner) >= 1  # trained on its labels
     assert "smollm2-135m" in (run_dir / "logs" / "vllm-serve-judge.log").read_text()
+
+
+# vLLM's own line format ("INFO 11-29 02:31:53 [dispatcher.py:164] ...") and its loggers' names.
+ENGINE_LINE = re.compile(r"^(DEBUG|INFO|WARNING) \d\d-\d\d |\bvllm\.[a-z_.]+: ")
+
+
+def test_the_runs_terminal_shows_the_run_not_the_engines_start_up(finished_run):
+    """The launcher's held-out evaluations start vLLM engines in its own process: their
+    start-up lines and library warnings go to logs/libraries.log (issue 56, part 6)."""
+    run_dir, proc = finished_run
+    terminal = (proc.stdout + proc.stderr).splitlines()
+    engine = [line for line in terminal if ENGINE_LINE.search(line)]
+    assert not engine, engine[:5]
+    assert not [line for line in terminal if "FutureWarning" in line]
+    assert "vllm" in (run_dir / "logs" / "libraries.log").read_text()
