@@ -132,18 +132,15 @@ def export(run_dir, out, fmt):
 
 
 def _verify_one(task: Task, cfg, run_env) -> str:
-    from environments.base import task_env_class, verify_task
+    from environments.base import task_env_of_run, verify_task
 
+    # Only the run's env (served or not, with the config's options) verifies: a task of
+    # another env is reported, never built, so the module its ``meta.env_spec`` names is not
+    # imported. ``-c``/``--set env.name=...`` verifies another env's tasks.
+    if not task_env_of_run(task, cfg.env):
+        return f"other_env:{task.env!r}"
     try:
-        cls = task_env_class(task, cfg.env)  # the run's env (served or not) for its own tasks
-    except (KeyError, ImportError):
-        return "unknown_env"
-    # The config's options are for the env it names (``run_env``; a plugin's
-    # ``pkg.module:name`` registers as ``name``, which Task.env holds); another env gets its
-    # defaults.
-    options = dict(cfg.env.options) if cls is run_env else {}
-    try:
-        ok, reason = verify_task(cls, task, **options)
+        ok, reason = verify_task(run_env, task, **dict(cfg.env.options))
     except Exception as exc:  # one broken task must not hide the verdict on the others
         return f"error:{type(exc).__name__}"
     return "ok" if ok else reason
@@ -165,7 +162,8 @@ def verify(config, sets, run_dir):
 
     The run's own config.yaml is used unless -c names another: it says which environment
     (a plugin module included, imported here) and with which options the tasks were made.
-    Exits 1 when any task fails.
+    Only tasks of that env are verified: a task of another is counted as other_env:<env>,
+    and what its meta.env_spec names is never imported. Exits 1 when any task fails.
     """
     cfg = _run_config(config, sets, run_dir)
     stored = _read_all(run_dir)

@@ -80,6 +80,11 @@ class Environment(ABC):
     # them to be explored in more than one world (a range will do); a declared seed that a
     # validation or test task uses is never visited.
     train_worlds: Sequence[int] = ()
+    # Constructor options a client of the served env may choose (``autodidact env serve``;
+    # every other option is the server's: ``--set env.options.NAME=VALUE``): name -> the values
+    # allowed, a ``range`` of ints or a tuple of choices. Declare only options that are cheap
+    # and bounded whatever the value, never one the server would reach out with (a url).
+    client_options: dict = {}
 
     def __init_subclass__(cls, **kwargs):
         """An env written before call formats (``def step(self, action_text)``, ``def
@@ -430,6 +435,13 @@ def task_env_name(task: Task) -> str:
 def _of_run_env(task: Task, env_cfg: EnvConfig | None) -> bool:
     # A plugin's "pkg.module:name" registers as "name", which Task.env holds.
     return env_cfg is not None and task.env == env_cfg.name.rpartition(":")[2]
+
+
+def task_env_of_run(task: Task, env_cfg: EnvConfig | None) -> bool:
+    """Whether ``task`` is of the run's env (``env_cfg``): :func:`task_env_maker` builds the
+    run's env for it, never importing what its ``meta.env_spec`` names. A role that must not
+    import code a stored task names (the experience worker) replays only such tasks."""
+    return _of_run_env(task, env_cfg)
 
 
 def task_env_class(task: Task, env_cfg: EnvConfig | None = None) -> type[Environment]:

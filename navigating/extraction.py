@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from environments import Environment
-from environments.base import task_env_maker
+from environments.base import task_env_maker, task_env_of_run
 from environments.call_formats import rewrite
 from inference.llm import ChatModel, LLMError, ReplyFormat, extract_json
 from navigating.pool import experience_id
@@ -242,6 +242,22 @@ def _replaying_in(env_cfg: EnvConfig | None) -> Iterator[None]:
         _RUN_ENV.reset(token)
 
 
+class OtherEnv(Exception):
+    """A task that is not of the run's env, met while replaying in the run's env: it is never
+    built (building it would import what its ``meta.env_spec`` names)."""
+
+
+def _task_env(task: Task) -> Environment:
+    """A fresh env to replay ``task`` in: with the run's env set (an ExperienceExtractor's
+    call) only that env, and a task of another raises :class:`OtherEnv`; without it (a bare
+    call) the env the task names, by name."""
+    run_env = _RUN_ENV.get()
+    if run_env is not None and not task_env_of_run(task, run_env):
+        raise OtherEnv(f"task {task.task_id} is of env {task.env!r}, not the run's "
+                       f"{run_env.name!r}")
+    return task_env_maker(task, run_env)()
+
+
 def in_text_format(task: Task, trajs: Sequence[Trajectory]) -> list[Trajectory]:
     """``trajs`` (of ``task``) with each call their policy wrote in another format
     (``info["call_format"]``) rewritten as the text-format call it makes: the rules read,
@@ -251,7 +267,7 @@ def in_text_format(task: Task, trajs: Sequence[Trajectory]) -> list[Trajectory]:
     if all(t.info.get("call_format", "text") == "text" or not t.steps for t in trajs):
         return list(trajs)
     try:
-        env = task_env_maker(task, _RUN_ENV.get())()
+        env = _task_env(task)
         env.reset(task)
         tools = env.tools()
     except Exception as exc:  # as in _run: extraction goes on with what it has
@@ -274,7 +290,7 @@ def _without_context_steps(traj: Trajectory) -> Trajectory:
 def _run(task: Task, actions: Sequence[str]) -> _Replay | None:
     """``actions`` replayed in a fresh env from the task's seed; None when the env cannot."""
     try:
-        env = task_env_maker(task, _RUN_ENV.get())()
+        env = _task_env(task)
         env.reset(task)
         observations, ok, states = [], [], [env.state()]
         for action in actions:
@@ -500,7 +516,7 @@ def from_exploration(record: Exploration | dict, version: int = -1,
 
 def _env_named(name: str) -> Environment | None:
     try:
-        return task_env_maker(Task("", name, "", 0), _RUN_ENV.get())()
+        return _task_env(Task("", name, "", 0))
     except Exception:  # an env that cannot be built here: lessons keep their action keys
         return None
 
@@ -729,8 +745,11 @@ class ExperienceExtractor:
         self.env = env  # the run's env: its tasks are replayed there (None: by name, here)
         self.counts: Counter[str] = Counter()
         self.fallbacks = 0
+        self.other_env = 0  # groups and explorations skipped: not of the run's env
 
     def from_group(self, group: Group, version: int) -> list[Experience]:
+        if self._other_env(group.task, f"group {group.group_id!r}"):
+            return []
         exps = self.llm.extract(group, version) if self.llm is not None else []
         if self.llm is not None and not exps:
             self.fallbacks += 1
@@ -740,8 +759,25 @@ class ExperienceExtractor:
         return self._counted(exps)
 
     def from_exploration(self, record: Exploration | dict, version: int = -1) -> list[Experience]:
+        rec = record if isinstance(record, Exploration) else Exploration.from_dict(record)
+        if self._other_env(Task(f"explore/{rec.seed}", rec.env, "", rec.seed),
+                           f"exploration {rec.exploration_id!r}"):
+            return []
         with _replaying_in(self.env):
-            return self._counted(from_exploration(record, version))
+            return self._counted(from_exploration(rec, version))
+
+    def _other_env(self, task: Task, what: str) -> bool:
+        """With the run's env set, a task of another env is skipped (one warning line, counted
+        in ``other_env``) and never built: its ``meta.env_spec`` could name any module, and
+        replay serves whatever was stored."""
+        if self.env is None or task_env_of_run(task, self.env):
+            return False
+        self.other_env += 1
+        spec = task.meta.get("env_spec") if isinstance(task.meta, dict) else None
+        log.warning("experience: skipped %s: its task %r is of env %r%s, not the run's %r "
+                    "(%d skipped so far)", what, task.task_id, task.env,
+                    f" ({spec!r})" if spec else "", self.env.name, self.other_env)
+        return True
 
     def _counted(self, exps: list[Experience]) -> list[Experience]:
         self.counts.update(e.kind for e in exps)

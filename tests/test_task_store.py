@@ -247,6 +247,28 @@ def test_verify(run_dir):
     assert "no_reference: 1 (syn/broken)" in res.output
 
 
+def test_verify_never_imports_what_a_task_of_another_env_names(run_dir, tmp_path, monkeypatch):
+    """A stored task of another env is reported (other_env), not built: the module its
+    ``meta.env_spec`` names, which writes a marker when imported, stays unimported."""
+    from environments.files import build_tasks
+
+    plugins, marker = tmp_path / "plugins", tmp_path / "imported.marker"
+    plugins.mkdir()
+    (plugins / "planted_verify_env.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('imported')\n")
+    monkeypatch.syspath_prepend(str(plugins))
+    good = [t for t in build_tasks(num_worlds=1) if t.reference][:2]
+    other = dataclasses.replace(good[0], task_id="syn/other", env="planted",
+                                meta={"env_spec": "planted_verify_env:planted"})
+    with TaskStore(run_dir) as store:
+        store.put_many([*good, other])
+    res = invoke("verify", "--run-dir", run_dir)
+    assert res.exit_code == 1, res.output
+    assert f"verified {len(good)}/{len(good) + 1} tasks" in res.output
+    assert "other_env:'planted': 1 (syn/other)" in res.output
+    assert not marker.exists()
+
+
 def test_a_cut_short_task_store_is_refused_in_one_line_not_a_sigbus(run_dir):
     """The task store is LMDB too: a truncated data file is refused before it is mapped (in a
     subprocess, so a regression's SIGBUS cannot take the test runner down)."""
