@@ -138,7 +138,10 @@ def test_a_judge_killed_mid_group_loses_no_labels(server, client, files_codec, t
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
-    assert client.stats()["judged"] == 0 and client.stats()["leased"] == 1
+    # The dead judge held a lease and wrote nothing. Whether its lease is still running when
+    # this line reads the stats depends on the machine's load (1 s): not asserted.
+    stats = client.stats()
+    assert stats["judged"] == 0 and stats["leases_granted"] == 1
     # A second judge gets the group once the dead one's lease has run out.
     worker = reference_worker(server, tmp_path, "next")
     run_worker(worker, lambda: client.stats()["judged"] == 1)
