@@ -34,11 +34,16 @@ def test_version_and_acks(control):
 
 
 def test_heartbeats_expire(control):
-    control.heartbeat("actor", "a0", groups=3)
-    alive = control.alive()
+    # A TTL of its own, long enough that a loaded machine reads the heartbeat before it
+    # expires; then polled until it has gone, which must not be before the TTL.
+    plane = ControlPlane(control.r, control.keys.prefix, heartbeat_ttl_s=3.0)
+    start = time.monotonic()
+    plane.heartbeat("actor", "a0", groups=3)
+    alive = plane.alive()
     assert [(h["role"], h["id"], h["groups"]) for h in alive] == [("actor", "a0", 3)]
-    time.sleep(0.7)  # TTL is 0.5 s in the fixture
-    assert control.alive() == []
+    while plane.alive() and time.monotonic() < start + 60:
+        time.sleep(0.1)
+    assert plane.alive() == [] and time.monotonic() - start >= 2.9
 
 
 def test_counters_and_state(control):
