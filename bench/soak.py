@@ -22,12 +22,22 @@ Faults beyond role kills, each once, at a share of the time (``--faults``):
 - ``--map-size`` small: the store fills, pushes are refused ``store_full`` and the run goes on
   (``store_full`` in the report).
 
+Resources (``--sample-every``): every role's resident memory and open file descriptors (from
+``/proc``, the launcher's and Redis's included) and the replay store's groups and bytes, sampled
+through the run. ``resources`` in the report compares, per role, the mean of the last fifth of
+the run with the mean of the fifth after ``--settle`` minutes (samples within 2 minutes of a
+role's restart left out: a process refills its caches after a kill); ``flat`` says whether
+every growth is within ``--flat`` (10%). With ``--max-groups`` below what the run makes, the
+store must reach it, evict and go on (``at_capacity``, ``evicted``).
+
 Usage::
 
     .venv/bin/python -m bench.soak [--minutes 10] [--kill-every 60] [--run-dir runs/soak]
                                    [--faults launcher,checkpoint] [--map-size BYTES]
+                                   [-c CONFIG] [--max-groups N] [--sample-every 30]
+                                   [--json FILE]
 
-Exits 1 when anything was lost or trained twice.
+Exits 1 when anything was lost or trained twice, or resources were asked for and grew.
 """
 
 from __future__ import annotations
@@ -59,8 +69,10 @@ def start_run(run_dir: Path, args, resume: bool = False) -> subprocess.Popen:
             f"name=soak-{args.seed}", f"seed={args.seed}"]
     if args.map_size:
         sets.append(f"replay.map_size={args.map_size}")
+    if args.max_groups:
+        sets.append(f"replay.max_groups={args.max_groups}")
     cmd = [sys.executable, "-m", "autodidact.cli", "run", "--run-dir", str(run_dir),
-           "-c", str(QUICK), *[a for s in sets for a in ("--set", s)],
+           "-c", str(args.config), *[a for s in sets for a in ("--set", s)],
            *(["--resume"] if resume else [])]
     log = open(run_dir / "launcher.log", "ab")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -95,13 +107,93 @@ def wait_for_rl(run_dir: Path, launcher: subprocess.Popen, timeout_s: float = 60
         time.sleep(1)
 
 
+def proc_resources(pid: int) -> tuple[int, int] | None:
+    """(resident KiB, open file descriptors) of ``pid``; None once it has gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = next(int(line.split()[1]) for line in status.splitlines()
+                   if line.startswith("VmRSS:"))
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+class Sampler:
+    """Every role's RSS and descriptors and the store's size, every ``every_s`` seconds."""
+
+    def __init__(self, run_dir: Path, every_s: float):
+        self.run_dir, self.every_s = run_dir, every_s
+        self.samples: list[dict] = []
+        self.restarted_at: dict[str, float] = {}
+        self._next = 0.0
+
+    def restarted(self, role: str, t: float) -> None:
+        self.restarted_at[role] = t
+
+    def maybe(self, t: float, launcher: subprocess.Popen) -> None:
+        if not self.every_s or t < self._next:
+            return
+        self._next = t + self.every_s
+        roles = {**role_pids(self.run_dir), "launcher": launcher.pid}
+        sample: dict = {"t": round(t, 1), "roles": {}}
+        for role, pid in roles.items():
+            got = proc_resources(pid)
+            if got is not None:
+                sample["roles"][role] = {"rss_kib": got[0], "fds": got[1],
+                                         "since_restart_s": round(
+                                             t - self.restarted_at.get(role, -1e9), 1)}
+        replay = [r for r in read_metrics(self.run_dir, "replay") if "replay/groups" in r]
+        if replay:
+            sample["store"] = {k: replay[-1].get(f"replay/{k}") for k in
+                               ("groups", "bytes", "evicted", "evicted_stale")}
+        self.samples.append(sample)
+
+
+def window_mean(samples: list[dict], role: str, key: str, window: tuple[float, float]
+                ) -> float | None:
+    """Mean of ``key`` for ``role`` over the samples in ``window`` (seconds), leaving out
+    those within 120 s of the role's restart."""
+    vals = [s["roles"][role][key] for s in samples
+            if window[0] <= s["t"] < window[1] and role in s["roles"]
+            and s["roles"][role]["since_restart_s"] >= 120]
+    return sum(vals) / len(vals) if vals else None
+
+
+def resource_growth(samples: list[dict], minutes: float, settle_min: float,
+                    flat: float, max_groups: int) -> dict:
+    """Per role: mean RSS and descriptors in the fifth of the run after ``settle_min`` and in
+    its last fifth, and the growth between them; the store's size against its capacity."""
+    span = 60 * (minutes - settle_min)
+    early = (60 * settle_min, 60 * settle_min + span / 5)
+    late = (60 * minutes - span / 5, 1e12)
+    per_role: dict = {}
+    for role in sorted({r for s in samples for r in s["roles"]}):
+        per_role[role] = {}
+        for key in ("rss_kib", "fds"):
+            a, b = window_mean(samples, role, key, early), window_mean(samples, role, key, late)
+            per_role[role][key] = {"early": a, "late": b,
+                                   "growth": None if not a or b is None else round(b / a - 1, 4)}
+    growths = [v["growth"] for row in per_role.values() for v in row.values()
+               if v["growth"] is not None]
+    stores = [s["store"] for s in samples if "store" in s]
+    return {"settle_minutes": settle_min, "flat_within": flat, "windows_s": [early, late],
+            "per_role": per_role, "max_growth": max(growths, default=None),
+            "flat": bool(growths) and max(growths) <= flat,
+            "store": {"max_groups": max_groups,
+                      "groups_max": max((s["groups"] or 0 for s in stores), default=0),
+                      "at_capacity": bool(max_groups) and any(
+                          (s["groups"] or 0) >= max_groups for s in stores),
+                      "evicted": max((s["evicted"] or 0 for s in stores), default=0),
+                      "bytes_last": stores[-1]["bytes"] if stores else None}}
+
+
 def kind(role: str) -> str:
     """actor-3 -> actor: kills are spread over kinds of role, not over replicas."""
     return role.split("-")[0]
 
 
-def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, Counter,
-                                                                      Counter, subprocess.Popen]:
+def torment(run_dir: Path, launcher: subprocess.Popen, args,
+            sampler: Sampler) -> tuple[Counter, Counter, Counter, subprocess.Popen]:
     """Kill a random role every ~kill_every s until the time is up, and inject each of
     ``args.faults`` once; count kills, restarts (a role whose pid changed) and fault results.
     Returns them and the launcher running at the end."""
@@ -120,12 +212,16 @@ def torment(run_dir: Path, launcher: subprocess.Popen, args) -> tuple[Counter, C
         for role, pid in now_pids.items():
             if role in seen and seen[role] != pid:
                 restarts[role] += 1
+                sampler.restarted(role, time.monotonic() - t0)
         seen.update(now_pids)
+        sampler.maybe(time.monotonic() - t0, launcher)
         if pending and time.monotonic() >= pending[0][0]:
             _, fault = pending.pop(0)
             print(f"  [{time.monotonic() - t0:5.0f}s] fault: {fault}", flush=True)
             launcher = FAULTS[fault](run_dir, launcher, now_pids, faults, args)
             seen = role_pids(run_dir)
+            for role in [*seen, "launcher"]:
+                sampler.restarted(role, time.monotonic() - t0)
         elif time.monotonic() >= next_kill:
             victims = [r for r, pid in now_pids.items() if alive(pid)]
             if victims:
@@ -226,6 +322,17 @@ def main() -> int:
                         help=f"comma-separated, each injected once: {', '.join(FAULTS)}")
     parser.add_argument("--map-size", type=int, default=0,
                         help="replay.map_size in bytes (small: the store fills up)")
+    parser.add_argument("-c", "--config", default=str(QUICK),
+                        help="the run's config (default configs/quick.yaml)")
+    parser.add_argument("--max-groups", type=int, default=0,
+                        help="replay.max_groups (below what the run makes: it evicts)")
+    parser.add_argument("--sample-every", type=float, default=0.0,
+                        help="seconds between resource samples (0: none)")
+    parser.add_argument("--settle", type=float, default=10.0,
+                        help="minutes before resources are compared")
+    parser.add_argument("--flat", type=float, default=0.10,
+                        help="the growth allowed between the early and the late window")
+    parser.add_argument("--json", default="", help="also write the report here")
     args = parser.parse_args()
     args.faults = [f for f in args.faults.split(",") if f]
     unknown = set(args.faults) - set(FAULTS)
@@ -238,22 +345,34 @@ def main() -> int:
     print(f"soak: {args.minutes:g} min, a SIGKILL every ~{args.kill_every:g} s, "
           f"{args.actors} actors, {args.judges} judge(s); run in {run_dir}", flush=True)
     launcher = start_run(run_dir, args)
+    sampler = Sampler(run_dir, args.sample_every)
     try:
         wait_for_rl(run_dir, launcher)
-        kills, restarts, faults, launcher = torment(run_dir, launcher, args)
+        kills, restarts, faults, launcher = torment(run_dir, launcher, args, sampler)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)  # as Ctrl-C: every role stops, checkpoints
         launcher.wait(300)
-    report = {"minutes": args.minutes, "kills": dict(kills), "restarts": dict(restarts),
+    report = {"command": "python -m bench.soak " + " ".join(sys.argv[1:]),
+              "minutes": args.minutes, "kills": dict(kills), "restarts": dict(restarts),
               "faults": dict(faults), "launcher_exit": launcher.returncode, **audit(run_dir)}
+    if args.sample_every:
+        report["resources"] = resource_growth(sampler.samples, args.minutes, args.settle,
+                                              args.flat, args.max_groups)
+        report["samples"] = sampler.samples
     (run_dir / "soak.json").write_text(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
     width = max(map(len, report))
     for key, value in report.items():
-        print(f"  {key:<{width}}  {value}")
+        if key != "samples":
+            print(f"  {key:<{width}}  {value}")
+    resources = report.get("resources")
     ok = not (report["lost"] or report["duplicates"] or report["skipped"]
               or report["ledger_not_stored"] or faults["orphans"]
-              or ("checkpoint" in args.faults and not report["checkpoint_fallbacks"]))
+              or ("checkpoint" in args.faults and not report["checkpoint_fallbacks"])
+              or (resources and not resources["flat"])
+              or (resources and args.max_groups and not resources["store"]["at_capacity"]))
     print("soak: PASS" if ok else "soak: FAIL")
     return 0 if ok else 1
 
