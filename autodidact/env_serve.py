@@ -18,6 +18,24 @@ worker that opened it, and answers for a worker that cannot:
 * a worker reply that does not decode: ``EnvFailure(bad_reply)``;
 * no worker up: hello and open wait up to ``--no-worker-wait-s``, then ``EnvFailure(no_worker)``.
 
+Authority, as on the replay socket (docs/security.md): every frame carries a client token, one
+of the ``<client>.token`` files of ``--tokens-dir`` (default ``~/.autodidact/env_tokens``,
+``$AUTODIDACT_ENV_TOKENS``; ``client.token`` is made there at the first start, 0600), or comes
+over CURVE (``--keys-dir``), where the client's key stands for it. Anything else is refused
+``unauthorized``, one log line, counted; there is no open mode. The token (or key) names the
+client, and the broker keeps, per session, the client that opened it:
+
+* another client's call on it is answered ``EnvFailure(not_yours)``, logged and counted;
+* a client holds ``--max-sessions-per-client`` sessions at most; past it, and when no worker
+  has room (``--max-sessions`` each), a new session closes that client's own least recently
+  used one, never another client's; a client with none to close is answered ``full``;
+* an open's options are the server's (``--set env.options.NAME=VALUE``) plus those the client
+  chose among ``Environment.client_options``, within their bounds; anything else is answered
+  ``EnvFailure(options)`` naming the field.
+
+Frames past ``--max-frame-bytes`` are refused ``oversize`` (the hello tells clients the limit,
+and they split their batches to fit); the counters answer ``EnvStatsRequest``.
+
 Broker and worker speak over an ipc socket in a private temporary directory: one msgpack
 list ``[ticket, frame, ticket, frame, ...]`` a message both ways, each frame the same codec
 frame a client sends (the worker's first message is ``[b"ready", b""]``). The replies to a
@@ -31,6 +49,8 @@ With ``--openenv`` none of this runs: the env is served as an OpenEnv server ins
 from __future__ import annotations
 
 import collections
+import hmac
+import inspect
 import logging
 import math
 import os
@@ -50,7 +70,7 @@ import zmq
 
 from protocol import codec
 from protocol import env_wire as wire
-from protocol.errors import SchemaError
+from protocol.errors import ConfigError, SchemaError
 from protocol.security import CurveKeys
 from protocol.transport import LINGER_MS, Incoming, RouterServer
 
@@ -100,8 +120,7 @@ class Worker:
     restarts: int = 0
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
-    # session -> None, least recently used first (the eviction order)
-    sessions: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    sessions: dict = field(default_factory=dict)  # session -> None: the envs it holds
     inflight: dict = field(default_factory=dict)  # ticket -> Pending, in the order sent
     busy_since: float | None = None  # when the call it is working on now reached it
 
@@ -111,22 +130,94 @@ class ServeSettings:
     spec: str  # the env: a registered name or pkg.module:name
     address: str  # the env socket clients connect to
     workers: int = 2  # worker processes
-    max_sessions: int = 4096  # env instances one worker holds; the least recently used goes
+    max_sessions: int = 4096  # env instances one worker holds
     call_timeout_s: float = 300.0  # a worker busy with one call longer than this is killed
     no_worker_wait_s: float = 30.0  # how long hello and open wait for a worker to be up
     keys_dir: str = ""  # CURVE keys (server.key_secret, authorized/): encrypted, clients vetted
+    # sessions one client (token or key) holds; past it its own least recently used closes
+    max_sessions_per_client: int = 4096
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES  # a longer frame is refused oversize
+    tokens_dir: str = ""  # the clients' <name>.token files; "" = env_wire.tokens_dir()
+    options: dict = field(default_factory=dict)  # the env's options this server fixes
+
+
+UNAUTHORIZED = ("this env server serves only clients whose frames carry one of its tokens "
+                "(<tokens dir>/<client>.token: a client of its machine and user reads "
+                "~/.autodidact/env_tokens/client.token by itself, or the file "
+                "$AUTODIDACT_ENV_TOKEN_FILE names) or, served with --keys-dir, an authorized "
+                "CURVE key; see docs/environments.md")
+
+
+def load_tokens(folder: Path) -> tuple[dict[str, str], bool]:
+    """The clients' tokens of ``folder`` (client name -> token), ``client.token`` made when
+    it has none, and whether it was made now. ConfigError, failing closed, where another user
+    could read or add one."""
+    made = not any(folder.glob(f"*{wire.TOKEN_SUFFIX}"))
+    if made:
+        wire.make_token(folder / f"{wire.CLIENT}{wire.TOKEN_SUFFIX}")
+    where = f"env tokens directory {folder}"
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ConfigError(f"{where}: owned by another user or writable by others (anyone "
+                          f"could add a client): chmod 700 it, or give --tokens-dir")
+    tokens: dict[str, str] = {}
+    for path in sorted(folder.glob(f"*{wire.TOKEN_SUFFIX}")):
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigError(f"{path}: owned by another user or readable by others: "
+                              f"chmod 600 it")
+        token = wire.read_token(path)
+        if not 16 <= len(token) <= codec.MAX_CREDENTIAL_CHARS:
+            raise ConfigError(f"{path}: a token is 16 to {codec.MAX_CREDENTIAL_CHARS} "
+                              "characters; delete it and restart to make client.token anew")
+        tokens[path.name[:-len(wire.TOKEN_SUFFIX)]] = token
+    return tokens, made
+
+
+def client_options(cls, fixed: dict, chosen: dict) -> tuple[dict | None, str]:
+    """The options an env of ``cls`` is made with (the server's ``fixed``, then those of a
+    client's ``chosen`` that ``cls.client_options`` allows), or None and the one line saying
+    which field was refused and what to do."""
+    merged = dict(fixed)
+    declared = getattr(cls, "client_options", {}) or {}
+    for name, value in chosen.items():
+        if name in fixed:
+            if value == fixed[name] and type(value) is type(fixed[name]):
+                continue
+            return None, (f"env.options.{name}: this server fixes it to {fixed[name]!r}; leave "
+                          f"it out of env.options (or serve with --set env.options.{name}=...)")
+        allowed = declared.get(name)
+        if allowed is None:
+            mine = ", ".join(f"{k} ({wire.describe_allowed(v)})" for k, v in declared.items())
+            return None, (f"env.options.{name}: not an option a client of this {cls.name} "
+                          f"server may set (it may set: {mine or 'none'}); leave it out, or "
+                          f"start the server with --set env.options.{name}=VALUE")
+        if not wire.allows(allowed, value):
+            return None, (f"env.options.{name}={value!r}: {cls.name} lets a client choose "
+                          f"{wire.describe_allowed(allowed)}; choose one of those, or start the "
+                          f"server with --set env.options.{name}=VALUE")
+        merged[name] = value
+    return merged, ""
 
 
 class EnvBroker:
     """The env socket, the worker pool and the routing between them."""
 
     def __init__(self, settings: ServeSettings):
+        from environments import env_class
+
         self.settings = settings
+        self.cls = env_class(settings.spec)  # its client_options: what a client may choose
+        # Who may call: with CURVE keys the client's key, else one of the tokens.
+        curve = CurveKeys.load(settings.keys_dir) if settings.keys_dir else None
+        self.tokens_dir = Path(settings.tokens_dir).expanduser() if settings.tokens_dir \
+            else wire.tokens_dir()
+        self.tokens, self.token_made = ({}, False) if curve else load_tokens(self.tokens_dir)
+        self.clients = len(curve.authorized) if curve else len(self.tokens)
         self.ctx = zmq.Context()
         # A CURVE server gets a context of its own (its ZAP handler is per context).
-        curve = CurveKeys.load(settings.keys_dir) if settings.keys_dir else None
-        self.front = RouterServer(settings.address, context=None if curve else self.ctx,
-                                  curve=curve)
+        self.front = RouterServer(settings.address, settings.max_frame_bytes,
+                                  context=None if curve else self.ctx, curve=curve)
         self.dir = Path(tempfile.mkdtemp(prefix="autodidact-env-"))
         self.back_address = f"ipc://{self.dir}/workers.sock"
         self.back = self.ctx.socket(zmq.ROUTER)
@@ -137,8 +228,15 @@ class EnvBroker:
         self.poller.register(self.back, zmq.POLLIN)
         self.workers = [Worker(i) for i in range(settings.workers)]
         self.route: dict[str, Worker] = {}  # session -> the worker holding it
-        self.lost: collections.OrderedDict = collections.OrderedDict()  # session -> failure
-        self.waiting: collections.deque = collections.deque()  # (since, Incoming) for a worker
+        self.owner: dict[str, str] = {}  # session (routed or opening) -> the client of it
+        # client -> its sessions on workers, least recently used first (its eviction order)
+        self.owned: dict[str, collections.OrderedDict] = collections.defaultdict(
+            collections.OrderedDict)
+        self.evicted = 0  # sessions closed to make room for their client's newer ones
+        # session -> (failure detail, worker tail, client)
+        self.lost: collections.OrderedDict = collections.OrderedDict()
+        # (since, Incoming, client) waiting for a worker
+        self.waiting: collections.deque = collections.deque()
         self.opening: set[str] = set()  # sessions whose EnvOpen is among the waiting
         self.failures: collections.Counter = collections.Counter()  # reason -> calls failed
         self.last_tail: list[str] = []  # the last output of the worker that died last
@@ -186,6 +284,10 @@ class EnvBroker:
         if incoming.error is not None:
             self.front.reject(incoming, incoming.error)
             return
+        client = self._client(incoming)
+        if client is None:
+            self.front.reject(incoming, SchemaError("unauthorized", UNAUTHORIZED))
+            return
         msg = incoming.msg
         if type(msg) not in wire.REQUESTS:
             self.front.reject(incoming, SchemaError(
@@ -193,17 +295,36 @@ class EnvBroker:
                 "env socket: protocol/env_wire.py)"))
             return
         if isinstance(msg, wire.EnvBatch):
-            self._from_batch(incoming)
+            self._from_batch(incoming, client)
+        elif isinstance(msg, wire.EnvStatsRequest):
+            self._reply(incoming, self.stats(client))
         else:
-            self._route(incoming)
+            self._route(incoming, client)
 
-    def _route(self, incoming: Incoming) -> None:
+    def _client(self, incoming: Incoming) -> str | None:
+        """The client a frame comes from: its CURVE key's, or the name of the token its
+        envelope carries; None for none (refused)."""
+        if incoming.peer_key:  # on a CURVE socket only, set by the ZAP handler
+            return f"key:{incoming.peer_key.decode()}"
+        given = incoming.credential.encode()
+        found = None
+        for name, token in self.tokens.items():  # every one compared: no timing of a match
+            if hmac.compare_digest(given, token.encode()) and found is None:
+                found = name
+        return found
+
+    def stats(self, client: str = "") -> wire.EnvStats:
+        return wire.EnvStats(dict(self.front.counters.rejected), dict(self.failures),
+                             len(self.route), len(self.owned.get(client, ())), self.evicted,
+                             self.clients)
+
+    def _route(self, incoming: Incoming, client: str) -> None:
         if isinstance(incoming.msg, (wire.EnvHello, wire.EnvOpen)):
-            self._to_any_worker(incoming)
+            self._to_any_worker(incoming, client)
         else:
-            self._to_session(incoming)
+            self._to_session(incoming, client)
 
-    def _from_batch(self, batch: Incoming) -> None:
+    def _from_batch(self, batch: Incoming, client: str) -> None:
         """Each request of a batch as if it had come alone, those for one worker sent to it in
         one message. A request that does not decode refuses the batch whole, none sent."""
         inner = [self.front.incoming(batch, frame) for frame in batch.msg.frames]
@@ -217,53 +338,100 @@ class EnvBroker:
         self._outbox = collections.defaultdict(list)
         try:
             self.held[tuple(batch.route), batch.msg_id] = HeldReplies(batch.route, len(inner))
-            for request in inner:
-                self._from_client(request)
+            for request in inner:  # the batch's client is theirs
+                self._route(request, client)
         finally:
             outbox, self._outbox = self._outbox, None
             for identity, parts in outbox.items():
                 self.back.send_multipart([identity, _packed(parts)])
 
-    def _to_any_worker(self, incoming: Incoming) -> None:
-        if incoming.msg.version != wire.ENV_WIRE_VERSION:
+    def _to_any_worker(self, incoming: Incoming, client: str) -> None:
+        msg = incoming.msg
+        if msg.version != wire.ENV_WIRE_VERSION:
             self._fail(incoming, "version", f"this server speaks env wire "
-                       f"v{wire.ENV_WIRE_VERSION}, the client v{incoming.msg.version}")
+                       f"v{wire.ENV_WIRE_VERSION}, the client v{msg.version}")
             return
-        opens = isinstance(incoming.msg, wire.EnvOpen)
-        session = incoming.msg.session if opens else ""
+        opens = isinstance(msg, wire.EnvOpen)
+        session = msg.session if opens else ""
         if opens and (session in self.route or session in self.opening):
             self._fail(incoming, "session_taken", f"session {session[:64]} is open already: "
                        "a new env names a new one")
             return
+        if opens:  # the worker makes the env with the server's options and the client's own
+            options, refused = client_options(self.cls, self.settings.options, msg.options)
+            if options is None:
+                log.warning("refused an open of client %s: %s", client[:16], refused)
+                self._fail(incoming, "options", refused)
+                return
+            incoming.body = codec.encode_body(wire.EnvOpen(msg.version, session, options))
         ready = [w for w in self.workers if w.ready]
         if not ready:
-            self.waiting.append((time.monotonic(), incoming))
+            self.waiting.append((time.monotonic(), incoming, client))
             if opens:  # its session's calls wait behind it
                 self.opening.add(session)
+                self.owner[session] = client
             return
-        # An idle worker first (one stuck in a call would hold the new session behind it),
-        # then the one with the fewest sessions.
-        worker = min(ready, key=lambda w: (len(w.inflight), len(w.sessions)))
+        worker = self._place(session, client, ready) if opens else \
+            min(ready, key=lambda w: (len(w.inflight), len(w.sessions)))
+        if worker is None:
+            self.owner.pop(session, None)
+            log.warning("refused an open of client %s: every worker holds --max-sessions %d "
+                        "and the client has none to close", client[:16],
+                        self.settings.max_sessions)
+            self._fail(incoming, "full", f"every env worker holds its "
+                       f"{self.settings.max_sessions} sessions (--max-sessions) and none is "
+                       "this client's to close: close sessions, or serve more workers")
+            return
         if opens:  # routed from now on: the calls after it in its batch follow it there
-            if len(worker.sessions) >= self.settings.max_sessions:
-                self._evict(worker)
             worker.sessions[session] = None
             self.route[session] = worker
+            self.owner[session] = client
+            self.owned[client][session] = None
         self._send(worker, incoming, opens)
 
-    def _to_session(self, incoming: Incoming) -> None:
+    def _place(self, session: str, client: str, ready: list[Worker]) -> Worker | None:
+        """The worker a new session of ``client`` goes to, after closing that client's own
+        least recently used sessions where it holds its quota or no worker has room; None
+        when no worker has room and the client holds none to close (the others' stay)."""
+        mine = self.owned[client]
+        while mine and len(mine) >= self.settings.max_sessions_per_client:
+            self._evict(next(iter(mine)), "--max-sessions-per-client "
+                        f"{self.settings.max_sessions_per_client}")
+        room = [w for w in ready if len(w.sessions) < self.settings.max_sessions]
+        if room:  # an idle worker first (one stuck in a call would hold the new session
+            # behind it), then the one with the fewest sessions
+            return min(room, key=lambda w: (len(w.inflight), len(w.sessions)))
+        oldest = next((s for s in mine if self.route[s].ready), None)
+        if oldest is None:
+            return None
+        worker = self.route[oldest]
+        self._evict(oldest, f"--max-sessions {self.settings.max_sessions} on every worker")
+        return worker
+
+    def _to_session(self, incoming: Incoming, client: str) -> None:
         session = incoming.msg.session
+        owner = self.owner.get(session) or self.lost.get(session, (None, None, None))[2]
+        if owner is not None and owner != client:
+            method = wire.SESSION_REQUESTS[type(incoming.msg)]
+            log.warning("refused %s of client %s: session %s is another client's", method,
+                        client[:16], session[:64])
+            self._fail(incoming, "not_yours", f"session {session[:64]} was opened by another "
+                       "client of this server: a client calls only the sessions it opened")
+            return
         worker = self.route.get(session)
         if worker is not None:
-            worker.sessions.move_to_end(session)
+            if isinstance(incoming.msg, wire.EnvClose):  # gone now: its room is free
+                self._forget(session)
+            else:
+                self.owned[client].move_to_end(session)
             self._send(worker, incoming)
         elif session in self.opening:  # its open waits for a worker: so does it
-            self.waiting.append((time.monotonic(), incoming))
+            self.waiting.append((time.monotonic(), incoming, client))
         elif isinstance(incoming.msg, wire.EnvClose):  # gone already: nothing left to close
             self.lost.pop(session, None)
             self._reply(incoming, wire.EnvValue(None))
         elif session in self.lost:
-            detail, tail = self.lost[session]
+            detail, tail, _ = self.lost[session]
             self._fail(incoming, "worker_died", detail, tail)
         else:
             self._fail(incoming, "no_session", f"no session {session[:64]} here: never "
@@ -327,12 +495,24 @@ class EnvBroker:
         else:
             self.back.send_multipart([worker.identity, _packed([ticket, frame])])
 
-    def _evict(self, worker: Worker) -> None:
-        """Close the worker's least recently used session to make room (no client waits)."""
-        session, _ = worker.sessions.popitem(last=False)
-        self.route.pop(session, None)
-        log.info("env worker %d holds %d sessions: closing the least recently used, %s",
-                 worker.index, self.settings.max_sessions, session)
+    def _forget(self, session: str) -> tuple[Worker | None, str | None]:
+        """Unroute ``session``: (the worker that held it, its client)."""
+        worker, client = self.route.pop(session, None), self.owner.pop(session, None)
+        if worker is not None:
+            worker.sessions.pop(session, None)
+        if client is not None:
+            self.owned[client].pop(session, None)
+            if not self.owned[client]:
+                del self.owned[client]
+        return worker, client
+
+    def _evict(self, session: str, why: str) -> None:
+        """Close ``session``, its client's least recently used, to make room for that
+        client's new one (no client waits for the close)."""
+        worker, client = self._forget(session)
+        self.evicted += 1
+        log.info("client %s: closing its least recently used session %s (%s)",
+                 (client or "")[:16], session, why)
         self._tickets += 1
         frame = codec.encode(wire.EnvClose(session), "")
         self.back.send_multipart([worker.identity,
@@ -359,8 +539,8 @@ class EnvBroker:
         log.info("env worker %d up (pid %d)", worker.index, worker.proc.pid)
         waiting, self.waiting = self.waiting, collections.deque()
         self.opening.clear()
-        for _, incoming in waiting:  # in order: an open before its session's calls
-            self._route(incoming)
+        for _, incoming, client in waiting:  # in order: an open before its session's calls
+            self._route(incoming, client)
 
     def _answer(self, worker: Worker, pending: Pending | None, frame: bytes) -> None:
         worker.busy_since = time.monotonic() if worker.inflight else None
@@ -380,8 +560,8 @@ class EnvBroker:
             return
         if (pending.opens and not isinstance(reply, wire.EnvOpened)) \
                 or isinstance(pending.incoming.msg, wire.EnvClose):  # no session (any more)
-            worker.sessions.pop(pending.incoming.msg.session, None)
-            self.route.pop(pending.incoming.msg.session, None)
+            if self.route.get(pending.incoming.msg.session) is worker:
+                self._forget(pending.incoming.msg.session)
         if isinstance(reply, wire.EnvFailure):
             self.failures[reply.reason] += 1
             reply.stderr = list(worker.tail)
@@ -405,9 +585,10 @@ class EnvBroker:
             if worker.proc is None and now >= worker.next_start:
                 self._start(worker)
         while self.waiting and now - self.waiting[0][0] > self.settings.no_worker_wait_s:
-            _, incoming = self.waiting.popleft()
+            _, incoming, _ = self.waiting.popleft()
             if isinstance(incoming.msg, wire.EnvOpen):
                 self.opening.discard(incoming.msg.session)
+                self.owner.pop(incoming.msg.session, None)
             self._fail(incoming, "no_worker", f"no env worker came up within "
                        f"{self.settings.no_worker_wait_s:g} s; see the server's log",
                        self.last_tail)
@@ -425,9 +606,9 @@ class EnvBroker:
                     worker.backoff_s, " | ".join(tail[-3:]) or "none")
         for pending in worker.inflight.values():
             self._fail(pending.incoming, "worker_died", f"{detail} during this call", tail)
-        for session in worker.sessions:
-            self.route.pop(session, None)
-            self.lost[session] = (f"{detail}; this session's env was in it", tail)
+        for session in list(worker.sessions):
+            _, client = self._forget(session)
+            self.lost[session] = (f"{detail}; this session's env was in it", tail, client)
         while len(self.lost) > MAX_LOST:
             self.lost.popitem(last=False)
         worker.sessions.clear()
@@ -443,7 +624,7 @@ class EnvBroker:
         worker.tail = collections.deque(maxlen=TAIL_LINES)
         worker.proc = subprocess.Popen(
             [sys.executable, "-m", "autodidact.env_serve", "worker", self.settings.spec,
-             self.back_address, worker.identity.decode()],
+             self.back_address, worker.identity.decode(), str(self.settings.max_frame_bytes)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             preexec_fn=parent_death_preexec())
         worker.started_at = time.monotonic()
@@ -468,11 +649,13 @@ def _echo(stream, tail: collections.deque, index: int) -> None:
 class EnvWorker:
     """The env instances of the sessions the broker routes here, one call at a time."""
 
-    def __init__(self, spec: str, identity: str):
+    def __init__(self, spec: str, identity: str,
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
         from environments import env_class
 
         self.cls = env_class(spec)
         self.identity = identity  # EnvOpened names it: where a session lives
+        self.max_frame_bytes = max_frame_bytes  # the broker's, which the hello tells clients
         self.sessions: dict = {}
 
     def reply_frame(self, frame: bytes) -> bytes:
@@ -495,8 +678,8 @@ class EnvWorker:
         from environments.remote import answer, raised_to_wire, served_facts
 
         if isinstance(msg, wire.EnvHello):
-            return served_facts(self.cls)
-        if isinstance(msg, wire.EnvOpen):
+            return served_facts(self.cls, self.max_frame_bytes)
+        if isinstance(msg, wire.EnvOpen):  # its options: the broker's (client_options)
             try:
                 self.sessions[msg.session] = self.cls(**msg.options)
             except Exception as exc:  # options the constructor refuses
@@ -511,13 +694,13 @@ class EnvWorker:
         return answer(env, msg)
 
 
-def run_worker(spec: str, address: str, identity: str) -> None:
+def run_worker(spec: str, address: str, identity: str, max_frame_bytes: str = "") -> None:
     """A worker's process: connect to the broker, say ready, answer until told to stop."""
     # SIGTERM (the broker stopping, or its death: the parent-death signal) ends the worker
     # even inside an env call that would not return for long; an env holds nothing durable.
     signal.signal(signal.SIGTERM, _exit_now)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the broker, which stops us
-    worker = EnvWorker(spec, identity)
+    worker = EnvWorker(spec, identity, int(max_frame_bytes or wire.DEFAULT_MAX_FRAME_BYTES))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -635,7 +818,22 @@ def env() -> None:
 @click.option("--workers", type=click.IntRange(1, 1024), default=2, show_default=True,
               help="Worker processes; each holds the env instances of its sessions.")
 @click.option("--max-sessions", type=click.IntRange(1), default=4096, show_default=True,
-              help="Env instances one worker holds; past it the least recently used closes.")
+              help="Env instances one worker holds; past it on every worker, a client's new "
+                   "session closes its own least recently used (never another client's).")
+@click.option("--max-sessions-per-client", type=click.IntRange(1), default=4096,
+              show_default=True,
+              help="Sessions one client (token or CURVE key) holds; past it its own least "
+                   "recently used closes.")
+@click.option("--max-frame-bytes", type=click.IntRange(64 * 1024, 256 * 1024 * 1024),
+              default=wire.DEFAULT_MAX_FRAME_BYTES, show_default=True,
+              help="A longer frame is refused (oversize); clients split their batches to fit.")
+@click.option("--tokens-dir", default="", type=click.Path(file_okay=False),
+              help="The clients' <name>.token files (client.token made when there is none); "
+                   "default $AUTODIDACT_ENV_TOKENS or ~/.autodidact/env_tokens, where this "
+                   "machine's clients look. Not used with --keys-dir.")
+@click.option("--set", "sets", multiple=True, metavar="env.options.NAME=VALUE",
+              help="An option of the env's constructor, fixed for every session (a client "
+                   "chooses only those the env declares in client_options). Repeatable.")
 @click.option("--call-timeout-s", type=click.FloatRange(min=0.1), default=300.0,
               show_default=True, help="A worker busy with one call longer than this is "
                                       "killed and restarted (its sessions are lost).")
@@ -651,18 +849,20 @@ def env() -> None:
               help="Serve it as an OpenEnv server (openenv-core, the [openenv] extra) at "
                    "--address http://HOST:PORT, for OpenEnv clients; --max-sessions bounds "
                    "its WebSocket sessions. No workers, no keys: one process, plain HTTP.")
-def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s, keys_dir,
-          allow_plaintext_remote, openenv):
+def serve(spec, address, workers, max_sessions, max_sessions_per_client, max_frame_bytes,
+          tokens_dir, sets, call_timeout_s, no_worker_wait_s, keys_dir, allow_plaintext_remote,
+          openenv):
     """Serve the env SPEC (a registered name such as `files`, or `pkg.module:name`) at
     --address until SIGTERM or Ctrl-C."""
-    from protocol.errors import ConfigError
     from protocol.security import leaves_loopback
 
     if openenv:
         given = click.get_current_context().get_parameter_source
-        for name in ("workers", "call_timeout_s", "no_worker_wait_s"):
+        for name in ("workers", "call_timeout_s", "no_worker_wait_s",
+                     "max_sessions_per_client", "max_frame_bytes", "tokens_dir", "sets"):
             if given(name) is not click.core.ParameterSource.DEFAULT:
-                raise click.UsageError(f"--{name.replace('_', '-')} does not apply to "
+                flag = "set" if name == "sets" else name.replace("_", "-")
+                raise click.UsageError(f"--{flag} does not apply to "
                                        "--openenv (one process, no workers)")
         _serve_openenv(spec, address, max_sessions, keys_dir, allow_plaintext_remote)
         return
@@ -672,29 +872,62 @@ def serve(spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s
     from environments import env_class
 
     try:
-        name = env_class(spec).name  # fail here, not in N workers, on a name that is wrong
+        cls = env_class(spec)  # fail here, not in N workers, on a name that is wrong
     except (KeyError, ImportError) as exc:
         raise click.UsageError(f"{spec}: {exc}") from None
+    options = fixed_options(cls, sets)
     try:
-        broker = EnvBroker(ServeSettings(spec, address, workers, max_sessions, call_timeout_s,
-                                         no_worker_wait_s, keys_dir))
-    except ConfigError as exc:  # keys that cannot serve (no server.key_secret, no clients)
-        raise click.UsageError(f"--keys-dir: {exc}") from None
+        broker = EnvBroker(ServeSettings(
+            spec, address, workers, max_sessions, call_timeout_s, no_worker_wait_s, keys_dir,
+            max_sessions_per_client, max_frame_bytes, tokens_dir, options))
+    except ConfigError as exc:  # keys that cannot serve, tokens others could read
+        raise click.UsageError(f"--{'keys' if keys_dir else 'tokens'}-dir: {exc}") from None
     except zmq.ZMQError as exc:  # the address is taken, or not one this machine has
         raise click.UsageError(f"--address {address}: cannot bind ({exc})") from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    click.echo(f"env serve: {name} at {broker.front.bound_address}, {workers} workers "
-               f"(env wire v{wire.ENV_WIRE_VERSION}, {'CURVE' if keys_dir else 'plaintext'})",
-               err=True)
+    if keys_dir:
+        who = f"clients by CURVE key ({broker.clients} authorized)"
+    else:
+        who = (f"clients by token: {', '.join(sorted(broker.tokens))} in {broker.tokens_dir}"
+               + (" (client.token made now)" if broker.token_made else ""))
+    click.echo(f"env serve: {cls.name} at {broker.front.bound_address}, {workers} workers "
+               f"(env wire v{wire.ENV_WIRE_VERSION}, {'CURVE' if keys_dir else 'plaintext'}; "
+               f"{who}; options {options or 'the defaults'}; a client may set "
+               f"{', '.join(cls.client_options) or 'none'}; frames up to {max_frame_bytes} "
+               "bytes)", err=True)
     try:
         broker.serve(stop)
     finally:
         rejected = dict(broker.front.counters.rejected)
         broker.close()
         click.echo(f"env serve: stopped; frames refused {rejected or 'none'}, calls failed "
-                   f"{dict(broker.failures) or 'none'}", err=True)
+                   f"{dict(broker.failures) or 'none'}, sessions evicted {broker.evicted}",
+                   err=True)
+
+
+def fixed_options(cls, sets) -> dict:
+    """``--set env.options.NAME=VALUE`` as options of ``cls``'s constructor (values read as
+    YAML, as a run's --set reads them); a usage error for anything else."""
+    import yaml
+
+    options = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        name = key.strip().removeprefix("env.options.")
+        if not sep or name == key.strip() or not name or "." in name:
+            raise click.UsageError(f"--set {item}: an env serve --set is "
+                                   "env.options.NAME=VALUE")
+        try:
+            options[name] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise click.UsageError(f"--set {item}: the value is not valid YAML") from None
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as exc:
+        raise click.UsageError(f"--set: {cls.name} takes no such options ({exc})") from None
+    return options
 
 
 def _serve_openenv(spec: str, address: str, max_sessions: int, keys_dir: str,
@@ -740,4 +973,4 @@ def _loopback_host(host: str) -> bool:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    run_worker(*sys.argv[2:5])
+    run_worker(*sys.argv[2:6])

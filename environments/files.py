@@ -225,6 +225,10 @@ class FilesEnv(Environment):
     valid world for synthetic tasks.
     """
 
+    # what a client of the served env may choose: tasks() builds every world up to num_worlds
+    # (200 take 0.4 s once), so a larger one is the server's to set (--set env.options...)
+    client_options = {"num_worlds": range(1, 201), "holdout": HOLDOUTS}
+
     def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "world"):
         super().__init__()
         self.num_worlds = num_worlds

@@ -294,6 +294,7 @@ class OpenEnvEnv(Environment):
     """A session on an OpenEnv server; see the module docstring."""
 
     query_in_prompt = False  # the server's reset observation carries the request
+    client_options: dict = {}  # served: url and all are the server's, never a client's
 
     def __init__(self, url: str = "", seeds: int = 10, timeout_s: float = 30.0,
                  reward: str = "last", action_field: str = "", max_obs_words: int = 200):

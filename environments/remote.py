@@ -17,6 +17,11 @@ rollout makes of all its episodes at once (``environments.base.call_all``) go in
 bundled (``EnvAnswers``). The client names each session: a constructor opens it at once (and
 raises what refused it), while sessions made together (``open_many``, what a rollout does)
 send their open with their first call, in the same batch.
+
+Every frame carries this client's token (``env_wire.client_token_file()``: the
+``client.token`` an env server of this machine and user makes, or the file
+``$AUTODIDACT_ENV_TOKEN_FILE`` names), which the server serves it by; with ``env.keys_dir`` the
+CURVE key does. A batch stays under the frame limit the server's hello names.
 """
 
 from __future__ import annotations
@@ -121,11 +126,17 @@ def _rebuilt(cls: type, detail: str) -> Exception:
 
 class EnvLink:
     """Calls to the env server at ``address``, each answered within ``timeout_s``; encrypted
-    with the CURVE keys of ``keys_dir`` when given."""
+    with the CURVE keys of ``keys_dir`` when given. Every frame carries ``token`` (default:
+    the one in ``env_wire.client_token_file()``, "" where there is none)."""
 
-    def __init__(self, address: str, timeout_s: float, keys_dir: str = ""):
+    def __init__(self, address: str, timeout_s: float, keys_dir: str = "",
+                 token: str | None = None):
         self.address, self.timeout_s = address, timeout_s
         self.curve = _client_keys(keys_dir) if keys_dir else None
+        self.token_file = None if token is not None else wire.client_token_file()
+        self.token = token if token is not None else wire.read_token(self.token_file)
+        # the server's limit (its hello says it): a batch is split to stay under it
+        self.max_frame_bytes = wire.DEFAULT_MAX_FRAME_BYTES
         self._local = threading.local()
         # Sessions whose env objects were collected: closed by the next call from any thread.
         # A finalizer must not use a socket itself: it can run inside a call on this thread.
@@ -138,8 +149,18 @@ class EnvLink:
         channel = getattr(self._local, "channel", None)
         if channel is None:
             channel = self._local.channel = ZmqChannel(
-                self.address, retry_after_s=NEVER_RESEND_S, curve=self.curve)
+                self.address, retry_after_s=NEVER_RESEND_S, curve=self.curve,
+                credential=self.token)
+        channel.credential = self.token  # read again since (reread_token)
         return channel
+
+    def reread_token(self) -> bool:
+        """Read the token file again (a server started just now makes it); whether the
+        token changed."""
+        if self.token_file is None:
+            return False
+        token, self.token = self.token, wire.read_token(self.token_file)
+        return token != self.token
 
     def call(self, request) -> Any:
         """The reply to ``request``; EnvFailed when the service fails it."""
@@ -153,10 +174,34 @@ class EnvLink:
         in one frame (``EnvBatch``; the server works on them side by side where they are on
         different workers); each must be answered within ``timeout_s`` of the last answer,
         as one call would."""
-        replies: list = []
-        for start in range(0, len(requests), BATCH_CALLS):
-            replies += self._call_batch(requests[start:start + BATCH_CALLS])
+        sizes = [len(codec.encode_body(r)) + 64 for r in requests]  # its frame, about
+        replies: list = [None] * len(requests)
+        fits = []
+        for i, size in enumerate(sizes):
+            if size <= self.max_frame_bytes - 1024:
+                fits.append(i)
+            else:  # the server would refuse its frame: not sent
+                replies[i] = EnvFailed("refused", f"{type(requests[i]).__name__} of {size} "
+                                       f"bytes is over the frame limit of the env server at "
+                                       f"{self.address} ({self.max_frame_bytes} bytes, its "
+                                       "--max-frame-bytes): not sent")
+        for batch in self._batches(fits, sizes):
+            for i, reply in zip(batch, self._call_batch([requests[i] for i in batch])):
+                replies[i] = reply
         return replies
+
+    def _batches(self, indices: list[int], sizes: list[int]):
+        """``indices`` in batches of at most BATCH_CALLS requests and half the server's frame
+        limit (the other half for the closes that ride along, and the envelopes)."""
+        budget, batch, size = self.max_frame_bytes // 2, [], 0
+        for i in indices:
+            if batch and (len(batch) >= BATCH_CALLS or size + sizes[i] > budget):
+                yield batch
+                batch, size = [], 0
+            batch.append(i)
+            size += sizes[i]
+        if batch:
+            yield batch
 
     def _call_batch(self, requests: Sequence) -> list:
         channel = self._channel()
@@ -220,15 +265,19 @@ class EnvLink:
         if isinstance(reply, wire.EnvFailure):
             return EnvFailed(reply.reason, reply.detail, reply.stderr)
         if isinstance(reply, Error):
+            presented = "" if reply.reason != "unauthorized" else (
+                f" (this client presented {'no token' if not self.token else 'a token'}"
+                f"{f' from {self.token_file}' if self.token_file else ''})")
             return EnvFailed("refused", f"the env server at {self.address} refused "
-                             f"{what}: {reply.reason}: {reply.detail}")
+                             f"{what}: {reply.reason}: {reply.detail}{presented}")
         return reply
 
     def _closes(self) -> list[str]:
         """Sessions to close, taken off the queue (at most a batch's worth). Every thread's
         calls take from the one queue: each pop is its own, never a count read before."""
         taken: list[str] = []
-        while len(taken) < BATCH_CALLS:
+        most = min(BATCH_CALLS, self.max_frame_bytes // 4 // 128)  # a close is < 128 bytes
+        while len(taken) < most:
             try:
                 taken.append(self._to_close.popleft())
             except IndexError:
@@ -242,7 +291,13 @@ class EnvLink:
 
     def hello(self) -> wire.EnvServed:
         try:
-            served = self.call(wire.EnvHello(wire.ENV_WIRE_VERSION))
+            try:
+                served = self.call(wire.EnvHello(wire.ENV_WIRE_VERSION))
+            except EnvFailed as exc:  # a token made after this link read the file: again
+                if not (exc.reason == "refused" and ": unauthorized:" in exc.detail
+                        and self.reread_token()):
+                    raise
+                served = self.call(wire.EnvHello(wire.ENV_WIRE_VERSION))
         except EnvFailed as exc:
             if exc.reason != "timeout":
                 raise
@@ -250,7 +305,15 @@ class EnvLink:
                             "there?)") from None
         if not isinstance(served, wire.EnvServed):
             raise EnvFailed("bad_reply", f"EnvHello answered {type(served).__name__}")
+        self.max_frame_bytes = max(64 * 1024, served.max_frame_bytes)
         return served
+
+    def stats(self) -> wire.EnvStats:
+        """The server's counters (refusals, failures, sessions: this client's among them)."""
+        stats = self.call(wire.EnvStatsRequest())
+        if not isinstance(stats, wire.EnvStats):
+            raise EnvFailed("bad_reply", f"EnvStatsRequest answered {type(stats).__name__}")
+        return stats
 
 
 def _opened(channel: ZmqChannel, batch_id: str | None, replies: list) -> list:
@@ -636,11 +699,15 @@ _CALLS: dict[type, Callable[[Environment, Any], Any]] = {
 }
 
 
-def served_facts(cls: type[Environment]) -> wire.EnvServed:
-    """The hello a server of ``cls`` answers: its name and class-level facts."""
+def served_facts(cls: type[Environment],
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> wire.EnvServed:
+    """The hello a server of ``cls`` answers: its name and class-level facts, and the
+    largest frame it reads."""
     return wire.EnvServed(wire.ENV_WIRE_VERSION, cls.name, list(cls.vocabulary()),
                           bool(cls.query_in_prompt), dict(cls.default_limits),
-                          [int(seed) for seed in cls.train_worlds])
+                          [int(seed) for seed in cls.train_worlds], max_frame_bytes,
+                          {name: wire.describe_allowed(allowed)
+                           for name, allowed in cls.client_options.items()})
 
 
 def answer(env: Environment, request):

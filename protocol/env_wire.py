@@ -30,6 +30,14 @@ Any request may instead be answered :class:`EnvRaised` (the env raised) or
 env's answer would not encode), and a frame that does not decode is answered
 ``protocol.messages.Error`` like on every other socket.
 
+Authority (v6). Every frame to an env server carries, in its envelope's ``credential``, a
+client token: one of the ``<name>.token`` files of the server's tokens directory
+(:func:`tokens_dir`, made by the server at its first start; a batch's frames ride on the
+batch's). A frame without one is refused ``unauthorized``; with CURVE keys the client's key
+stands for it instead. The token (or key) names the *client*: a session belongs to the client
+that opened it, another client's call on it is answered ``EnvFailure(not_yours)``, and each
+client has a quota of sessions of its own (past it, its own least recently used closes).
+
 Versions: :data:`ENV_WIRE_VERSION` names this set of messages. ``EnvHello`` and ``EnvOpen``
 carry the client's; a server refuses another (:class:`EnvFailure` ``version``) rather than
 serve a client it may misread. The frames themselves carry ``codec.SCHEMA_VERSION`` as
@@ -40,7 +48,9 @@ everywhere; adding these types needed no bump of it (an older server refuses the
 from __future__ import annotations
 
 import builtins
+import os
 from dataclasses import field
+from pathlib import Path
 from typing import Any
 
 from protocol.codec import message
@@ -50,9 +60,15 @@ from protocol.messages import Task
 
 # v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers); the client names a new session
 # (EnvOpen.session). v4: a step and the instructions name the call format the agent speaks;
-# EnvCallGrammar. v5: the hello carries the class's train_worlds.
+# EnvCallGrammar. v5: the hello carries the class's train_worlds. v6: every frame carries a
+# client token (or comes over CURVE); sessions belong to their client; the hello says the
+# server's frame limit; EnvStatsRequest; failures not_yours, full, options.
 # Bump on any incompatible change to a message below.
-ENV_WIRE_VERSION = 5
+ENV_WIRE_VERSION = 6
+# The largest frame a server reads unless started with --max-frame-bytes: a batch of a
+# rollout's calls is a few KiB an episode (a files state about 2 KiB), and a client splits its
+# batches to fit the limit the hello names.
+DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 # Python's own exception types by name (not BaseException's others: a worker that is told to
 # exit, exits). A served env's raise of one is raised again by the client as that type.
@@ -74,6 +90,9 @@ FAILURE_REASONS = (
     "session_taken",  # an EnvOpen named a session that is open already
     "version",  # the client speaks another ENV_WIRE_VERSION
     "no_worker",  # every worker is down and none came back within the server's wait
+    "not_yours",  # the session was opened by another client (another token or CURVE key)
+    "full",  # no worker has room for a new session and the client holds none to close
+    "options",  # EnvOpen.options names an option this server keeps, or a value out of bounds
 )
 MAX_APPENDED = 1024  # observations one call may add to env.responses (a step adds one)
 
@@ -104,6 +123,11 @@ class EnvServed:
     query_in_prompt: bool = True  # the class attribute of that name (see Environment)
     default_limits: dict = field(default_factory=dict)  # the class's default_limits
     train_worlds: list[int] = field(default_factory=list)  # the class's train_worlds, listed
+    # the largest frame the server reads: a client splits its batches to stay under it
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    # the constructor options a client may choose (Environment.client_options), described:
+    # name -> "1 to 200" / "'world', 'task'"; every other option is the server's
+    client_options: dict = field(default_factory=dict)
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -115,7 +139,10 @@ class EnvOpen:
     # names the new env instance in every later request: chosen by the client (random, as
     # unguessable as a server's would be), so its first calls can follow in the same batch
     session: str
-    options: dict = field(default_factory=dict)  # keyword arguments of the env's constructor
+    # keyword arguments of the env's constructor the client chooses: only those the class
+    # declares (Environment.client_options), within their bounds, and none the server fixed
+    # to another value (``env serve --set env.options.x=...``); else EnvFailure(options)
+    options: dict = field(default_factory=dict)
 
     def validate(self):
         _check_session(self.session)
@@ -363,7 +390,23 @@ class EnvBatch:
                               "frames")
 
 
-REQUESTS = (EnvHello, EnvBatch, *BATCHED)  # everything an env server is sent
+@message("env_stats_request")
+class EnvStatsRequest:
+    """The server's counters, answered :class:`EnvStats` (a client with a token may ask)."""
+
+
+@message("env_stats")
+class EnvStats:
+    rejected: dict = field(default_factory=dict)  # frames refused, by reason (unauthorized,
+    # oversize, not_msgpack, ...: protocol.errors.REJECT_REASONS; auth: CURVE handshakes)
+    failures: dict = field(default_factory=dict)  # calls failed, by FAILURE_REASONS
+    sessions: int = 0  # sessions open on the server, every client's
+    yours: int = 0  # of them, the asking client's
+    evicted: int = 0  # sessions closed to make room for their own client's newer ones
+    clients: int = 0  # clients (tokens or keys) the server serves
+
+
+REQUESTS = (EnvHello, EnvBatch, EnvStatsRequest, *BATCHED)  # everything an env server is sent
 
 
 @message("env_answers")
@@ -463,3 +506,65 @@ class EnvFailure:
     def validate(self):
         _check_choice(self.reason, FAILURE_REASONS, "reason")
 
+
+
+# --- what a client may choose: Environment.client_options ----------------------------------
+
+
+def allows(allowed, value) -> bool:
+    """Whether ``value`` is among what an ``Environment.client_options`` entry allows: a
+    ``range`` of ints, or a collection of choices (a bool is no int here, nor 1 True)."""
+    if isinstance(allowed, range):
+        return type(value) is int and value in allowed
+    return any(type(value) is type(c) and value == c for c in allowed)
+
+
+def describe_allowed(allowed) -> str:
+    """An ``Environment.client_options`` entry as words: ``1 to 200``, ``'world', 'task'``."""
+    if isinstance(allowed, range):
+        return f"{allowed.start} to {allowed.stop - 1}"
+    return ", ".join(repr(c) for c in allowed)
+
+
+# --- authority: the client tokens --------------------------------------------------------------
+
+TOKENS_ENV = "AUTODIDACT_ENV_TOKENS"  # the tokens directory, where not ~/.autodidact/env_tokens
+TOKEN_FILE_ENV = "AUTODIDACT_ENV_TOKEN_FILE"  # a client's token file, where not the default
+CLIENT = "client"  # the token a server makes at its first start; what a client presents
+TOKEN_SUFFIX = ".token"
+
+
+def tokens_dir() -> Path:
+    """Where an env server keeps its clients' tokens (``<client>.token``, mode 0600, in a
+    0700 directory) unless started with ``--tokens-dir``: ``$AUTODIDACT_ENV_TOKENS``, else
+    ``~/.autodidact/env_tokens``. The same place on the clients' side is where they look."""
+    return Path(os.environ.get(TOKENS_ENV) or "~/.autodidact/env_tokens").expanduser()
+
+
+def client_token_file() -> Path:
+    """The token file a client presents: ``$AUTODIDACT_ENV_TOKEN_FILE``, else
+    ``<tokens_dir()>/client.token`` (the one a server of this machine and user makes)."""
+    named = os.environ.get(TOKEN_FILE_ENV)
+    return Path(named).expanduser() if named else tokens_dir() / f"{CLIENT}{TOKEN_SUFFIX}"
+
+
+def read_token(path: Path) -> str:
+    """The token in ``path``; "" when there is none (the server then refuses the client)."""
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def make_token(path: Path) -> str:
+    """A new token at ``path`` (its directory made 0700), mode 0600, never replacing one."""
+    import secrets
+
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # made meanwhile by another process
+        return read_token(path)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(24))
+    return read_token(path)

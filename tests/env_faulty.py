@@ -30,6 +30,8 @@ FAULT_SEEDS = {7: "crash", 8: "garble", 9: "hang"}
 
 @register_env("faulty")
 class Faulty(Environment):
+    client_options = {"only_ok": (False, True)}  # a served client may choose it
+
     def __init__(self, hang_s: float = 60.0, only_ok: bool = False):
         super().__init__()
         self.hang_s = hang_s

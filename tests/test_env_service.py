@@ -6,7 +6,7 @@ free port, its workers, and clients over real ZeroMQ sockets.
 * One resolution point: ``env_class`` / ``env_maker`` / ``task_env_class`` of an EnvConfig with
   an address make sessions on the server; a server of another env is refused by name.
 * Bad frames to the env socket: each answered with one refusal (and one log line), counted,
-  and the server keeps serving.
+  and the server keeps serving. (Hostile clients with good frames: test_env_service_hostile.)
 * Faults (``tests/env_faulty.py``): a call past the deadline, a worker that exits mid-episode,
   an answer that does not decode; each raises EnvFailed with its reason (and the worker's last
   output where the server has it), the server restarts dead workers with back-off and a fresh
@@ -19,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import os
 import random
 import re
 import threading
@@ -46,6 +47,28 @@ from protocol.messages import SPLITS, Error, StatsRequest, Task
 from protocol.transport import free_tcp_port
 
 HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def env_tokens(tmp_path_factory):
+    """The env servers' and their clients' tokens in a directory of this module's (not
+    ~/.autodidact/env_tokens): the servers started below inherit it."""
+    before = os.environ.get(wire.TOKENS_ENV)
+    os.environ[wire.TOKENS_ENV] = str(tmp_path_factory.mktemp("env_tokens") / "tokens")
+    try:
+        yield Path(os.environ[wire.TOKENS_ENV])
+    finally:
+        if before is None:
+            os.environ.pop(wire.TOKENS_ENV, None)
+        else:
+            os.environ[wire.TOKENS_ENV] = before
+
+
+def client_token() -> str:
+    """The token this machine's clients present (the servers here make it at their start)."""
+    token = wire.read_token(wire.client_token_file())
+    assert token, "no client.token: start a server first"
+    return token
 
 
 class EnvServer(EnvServerProcess):
@@ -291,19 +314,23 @@ def test_a_curve_server_serves_a_client_with_keys_and_no_plaintext_one(keys_dir,
 
 
 def _bad_frames() -> list[tuple[bytes, str]]:
-    good = codec.encode(wire.EnvHello(wire.ENV_WIRE_VERSION), "x")
+    token = client_token()  # each frame is the client's: what it refuses is the frame
+    good = codec.encode(wire.EnvHello(wire.ENV_WIRE_VERSION), "x", token)
     rng = random.Random(3)
     frames = [
         (b"", "not_msgpack"), (b"\xc1\xff", "not_msgpack"), (good[: len(good) // 2], "not_msgpack"),
         (msgpack.packb([1, 2, 3]), "bad_envelope"),
-        (codec.pack_frame("no_such_type", "x", b"\x80"), "unknown_type"),
-        (codec.pack_frame("env_hello", "x", b"\x80", version=codec.SCHEMA_VERSION + 1),
-         "future_version"),
-        (codec.pack_frame("env_step", "x", msgpack.packb({"session": "s"})), "missing_field"),
-        (codec.pack_frame("env_step", "x", msgpack.packb({"session": "", "action": "ls"})),
-         "invalid"),
-        (codec.pack_frame("env_hello", "x", msgpack.packb({"version": "1"})), "wrong_type"),
-        (codec.encode(StatsRequest(), "x"), "unexpected_type"),  # a replay request
+        (codec.pack_frame("no_such_type", "x", b"\x80", credential=token), "unknown_type"),
+        (codec.pack_frame("env_hello", "x", b"\x80", version=codec.SCHEMA_VERSION + 1,
+                          credential=token), "future_version"),
+        (codec.pack_frame("env_step", "x", msgpack.packb({"session": "s"}), credential=token),
+         "missing_field"),
+        (codec.pack_frame("env_step", "x", msgpack.packb({"session": "", "action": "ls"}),
+                          credential=token), "invalid"),
+        (codec.pack_frame("env_hello", "x", msgpack.packb({"version": "1"}), credential=token),
+         "wrong_type"),
+        (codec.encode(StatsRequest(), "x", token), "unexpected_type"),  # a replay request
+        (codec.encode(wire.EnvHello(wire.ENV_WIRE_VERSION), "x"), "unauthorized"),  # no token
     ]
     for _ in range(20):  # random bytes and flipped bytes of a good frame
         flipped = bytearray(good)
@@ -369,7 +396,7 @@ def test_a_batch_with_a_request_that_does_not_decode_is_refused_whole(files_serv
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(files_server.address)
     try:
-        sock.send(codec.encode(wire.EnvBatch([good, b"\x93garbage"]), "batch"))
+        sock.send(codec.encode(wire.EnvBatch([good, b"\x93garbage"]), "batch", client_token()))
         assert sock.poll(5000), "no answer"
         envelope, reply = codec.decode(sock.recv())
         assert envelope.msg_id == "batch" and isinstance(reply, Error)
@@ -385,13 +412,15 @@ def test_a_sessions_calls_wait_behind_its_open_for_a_worker(tmp_path):
     once one is, both go to it, the open first; a second open of the same session is refused."""
     from autodidact.env_serve import EnvBroker, ServeSettings
 
-    broker = EnvBroker(ServeSettings("files", f"tcp://127.0.0.1:{free_tcp_port()}"))
+    broker = EnvBroker(ServeSettings("files", f"tcp://127.0.0.1:{free_tcp_port()}",
+                                     tokens_dir=str(tmp_path / "tokens")))
+    token = wire.read_token(tmp_path / "tokens" / "client.token")
     try:
         opening = codec.encode(wire.EnvOpen(wire.ENV_WIRE_VERSION, "s1", {}), "open")
         reset = codec.encode(wire.EnvReset("s1", TASK), "reset")
         broker._from_client(broker.front._decode(
-            [b"client", codec.encode(wire.EnvBatch([opening, reset]), "batch")]))
-        assert [i.msg_id for _, i in broker.waiting] == ["open", "reset"]
+            [b"client", codec.encode(wire.EnvBatch([opening, reset]), "batch", token)]))
+        assert [i.msg_id for _, i, _ in broker.waiting] == ["open", "reset"]
         worker = broker.workers[0]
         worker.identity, worker.proc = b"w0.0", type("Proc", (), {"pid": 0})()
         broker._ready(worker)  # (no process: what is sent to w0.0 goes nowhere)
@@ -399,7 +428,7 @@ def test_a_sessions_calls_wait_behind_its_open_for_a_worker(tmp_path):
         assert not broker.waiting and broker.route["s1"] is worker
         assert [p.incoming.msg_id for p in worker.inflight.values()] == ["open", "reset"]
         again = broker.front._decode([b"client", codec.encode(
-            wire.EnvOpen(wire.ENV_WIRE_VERSION, "s1", {}), "again")])
+            wire.EnvOpen(wire.ENV_WIRE_VERSION, "s1", {}), "again", token)])
         broker._from_client(again)
         assert broker.failures["session_taken"] == 1
     finally:
@@ -422,7 +451,9 @@ ENV_SAMPLES = {m.TYPE: codec.encode_body(m) for m in [
     wire.EnvQueryOf(S, ["a", "b"]),
     wire.EnvBatch([codec.encode(wire.EnvStep(S, "ls"), "i1"), codec.encode(wire.EnvState(S),
                                                                            "i2")]),
-    wire.EnvServed(1, "files", ["a"], True, {"max_turns": 3}), wire.EnvOpened(S),
+    wire.EnvServed(1, "files", ["a"], True, {"max_turns": 3}, [1], 1 << 20, {"n": "1 to 9"}),
+    wire.EnvOpened(S), wire.EnvStatsRequest(),
+    wire.EnvStats({"unauthorized": 2}, {"not_yours": 1}, 3, 1, 0, 2),
     wire.EnvValue({"x": [1, 2.5, None]}, ["ok"]), wire.EnvStepped("ok", False, {"valid": True}),
     wire.EnvToolList([wire.WireTool("mv", "move", [wire.WireArg("n", "int", bounds=[1, 9])])]),
     wire.EnvTaskList([TASK]), wire.EnvParts([wire.WirePart([{"p": 1}], "make a", ["a"])]),
@@ -433,18 +464,19 @@ REQUEST_TAGS = sorted(m.TYPE for m in wire.REQUESTS)
 WRONG = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
                   st.floats(allow_nan=True), st.text(max_size=70), st.binary(max_size=8),
                   st.lists(st.integers(-2, 2), max_size=3),
-                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                  st.dictionaries(st.text(max_size=3), st.integers(-2**63, 2**63 - 1),
+                                  max_size=2),  # what msgpack can pack
                   st.builds(msgpack.ExtType, st.integers(0, 3), st.binary(max_size=8)))
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 
 
-def _mutated(tag: str, data) -> bytes:
+def _mutated(tag: str, data, credential: str = "") -> bytes:
     """A frame of ``tag`` with its body mutated, damaged, or under another type's tag."""
     how = data.draw(st.sampled_from(["mutate", "damage", "retag"]))
     if how == "damage":
-        frame = codec.pack_frame(tag, "id", ENV_SAMPLES[tag])
+        frame = codec.pack_frame(tag, "id", ENV_SAMPLES[tag], credential=credential)
         return damage(frame, data.draw(st.sampled_from(["truncate", "flip"])), data, 4)
     tree = msgpack.unpackb(ENV_SAMPLES[tag], raw=False)
     if how == "mutate":
@@ -452,7 +484,8 @@ def _mutated(tag: str, data) -> bytes:
             mutate_tree(tree, data, WRONG)
     else:
         tag = data.draw(st.sampled_from(sorted(ENV_SAMPLES)))
-    return codec.pack_frame(tag, "id", msgpack.packb(tree, use_bin_type=True))
+    return codec.pack_frame(tag, "id", msgpack.packb(tree, use_bin_type=True),
+                            credential=credential)
 
 
 @given(st.sampled_from(sorted(ENV_SAMPLES)), st.data())
@@ -476,7 +509,7 @@ def test_the_server_answers_every_mutated_request(files_server, served_files, ta
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(files_server.address)
     try:
-        sock.send(_mutated(tag, data))
+        sock.send(_mutated(tag, data, client_token()))  # a client's: past the token check
         assert sock.poll(5000), "no answer"
         codec.decode(sock.recv())
     finally:
