@@ -44,6 +44,7 @@ made, so the default install never needs it.
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import math
@@ -104,19 +105,26 @@ def local_name(name: str) -> str:
 def tool_from_schema(tool) -> ToolSpec:
     """The ToolSpec of one MCP tool (``{"name", "description", "inputSchema"}``; OpenEnv's own
     ``Tool`` spells it ``input_schema``), named by :func:`local_name`. Required arguments come
-    first, in the schema's order. ValueError naming the field when the tool does not fit."""
-    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str) \
-            or not tool["name"]:
-        raise ValueError("tools[].name: missing or not text")
-    name = tool["name"]
+    first, in the schema's order. ValueError naming the field and what it should be when the
+    tool does not fit (whatever the JSON: nothing else is raised)."""
+    if not isinstance(tool, Mapping):
+        raise ValueError(f"tools[]: expected an object, got {_kind(tool)}")
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tools[].name: expected a non-empty string, got {_kind(name)}")
     schema = tool.get("inputSchema", tool.get("input_schema")) or {}
-    props = schema.get("properties", {}) if isinstance(schema, Mapping) else None
-    required = schema.get("required", []) if isinstance(schema, Mapping) else None
-    if not isinstance(props, Mapping) or not isinstance(required, list):
-        raise ValueError(f"tool {name}: inputSchema.properties / .required malformed")
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"tool {name}: inputSchema: expected an object, got {_kind(schema)}")
+    props, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(props, Mapping):
+        raise ValueError(f"tool {name}: inputSchema.properties: expected an object, got "
+                         f"{_kind(props)}")
+    if not isinstance(required, list):
+        raise ValueError(f"tool {name}: inputSchema.required: expected a list of names, got "
+                         f"{_kind(required)}")
     args = [_arg(name, arg, spec, arg in required) for arg, spec in props.items()]
     args.sort(key=lambda a: not a.required)  # stable: the schema's order within each
-    description = tool.get("description") or ""
+    description = tool.get("description")
     return ToolSpec(local_name(name), description if isinstance(description, str) else "",
                     tuple(args))
 
@@ -124,24 +132,32 @@ def tool_from_schema(tool) -> ToolSpec:
 def _arg(tool: str, name: str, spec, required: bool) -> ArgSpec:
     where = f"tool {tool}: inputSchema.properties.{name}"
     if not isinstance(spec, Mapping):
-        raise ValueError(f"{where}: not an object")
-    kind = _json_type(spec)
+        raise ValueError(f"{where}: expected an object, got {_kind(spec)}")
+    kind = _json_type(spec, where)
     if kind not in JSON_TYPES:
         raise ValueError(f"{where}.type: {kind!r} is not one of {', '.join(JSON_TYPES)}")
     arg_type = JSON_TYPES[kind]
     low, high = spec.get("minimum"), spec.get("maximum")
     bounds = (low, high) if arg_type in ("int", "float") and _numbers(low, high) else None
-    choices = spec.get("enum") if isinstance(spec.get("enum"), list) else ()
-    description = spec.get("description") or spec.get("title") or ""
-    return ArgSpec(name, arg_type, str(description), required, tuple(choices), bounds)
+    choices = spec.get("enum", [])
+    if not isinstance(choices, list) or not all(_is_scalar(c) for c in choices):
+        raise ValueError(f"{where}.enum: expected a list of strings, numbers or booleans, got "
+                         f"{_kind(choices)}")
+    description = spec.get("description") or spec.get("title")
+    return ArgSpec(name, arg_type, description if isinstance(description, str) else "",
+                   required, tuple(c for c in choices if c is not None), bounds)
 
 
-def _json_type(spec: Mapping):
+def _json_type(spec: Mapping, where: str = "schema"):
     """``type``: the one non-null type of ``type: [t, "null"]`` or of an ``anyOf`` (pydantic's
-    ``Optional[int]``); None when there is not exactly one."""
+    ``Optional[int]``); None when there is not exactly one. ValueError naming ``where``'s
+    ``anyOf`` when it is not a list."""
     kinds = spec.get("type")
     if kinds is None:
-        kinds = [s.get("type") for s in spec.get("anyOf", []) if isinstance(s, Mapping)]
+        any_of = spec.get("anyOf", [])
+        if not isinstance(any_of, list):
+            raise ValueError(f"{where}.anyOf: expected a list of schemas, got {_kind(any_of)}")
+        kinds = [s.get("type") for s in any_of if isinstance(s, Mapping)]
     if not isinstance(kinds, list):
         return kinds if isinstance(kinds, str) else None
     kinds = [k for k in kinds if k != "null"]
@@ -149,8 +165,23 @@ def _json_type(spec: Mapping):
 
 
 def _numbers(*values) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) \
+    """Whether ``values`` are finite numbers (JSON's, not booleans), in order."""
+    return all(isinstance(v, int) and not isinstance(v, bool)
+               or isinstance(v, float) and math.isfinite(v) for v in values) \
         and values[0] <= values[1]
+
+
+def _is_scalar(value) -> bool:
+    """A value an enum may list: text, a finite number, a boolean; or null (left out)."""
+    return value is None or isinstance(value, (str, bool, int)) \
+        or isinstance(value, float) and math.isfinite(value)
+
+
+def _kind(value) -> str:
+    """``value``'s JSON type, for a message naming what came instead of what was expected."""
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
+             str: "a string", list: "a list", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def schema_tool(tool: ToolSpec) -> dict:
@@ -222,20 +253,20 @@ class OpenEnvSession:
         return self._ws
 
     def _data(self, kind: str, raw) -> dict:
-        try:
-            reply = json.loads(raw)
-        except (TypeError, ValueError):
-            raise EnvFailed("bad_reply", f"the OpenEnv server at {self.url} answered {kind} "
-                            "with a message that is not JSON") from None
-        if not isinstance(reply, dict) or not isinstance(reply.get("data"), dict):
-            raise EnvFailed("bad_reply", f"OpenEnv reply to {kind}: field data missing or "
-                            "not an object")
+        reply = _json(raw, f"the OpenEnv server at {self.url} answered {kind} with a message")
+        if not isinstance(reply, dict):
+            raise EnvFailed("bad_reply", f"OpenEnv reply to {kind}: expected an object with "
+                            f"field data, got {_kind(reply)}")
+        if not isinstance(reply.get("data"), dict):
+            raise EnvFailed("bad_reply", f"OpenEnv reply to {kind}: field data: expected an "
+                            f"object, got {_kind(reply.get('data'))}")
         if reply.get("type") == "error":
             error = reply["data"]
-            if error.get("code") in SESSION_ENDING:  # the server closes it: so do we
+            code = error.get("code")
+            if code in SESSION_ENDING:  # the server closes it: so do we
                 self.close()
             raise EnvFailed("refused", f"the OpenEnv server at {self.url} refused {kind}: "
-                            f"{error.get('code', '?')}: {error.get('message', '')}"
+                            f"{_words(code, '?')}: {_words(error.get('message'))}"
                             + _capacity_hint(error))
         return reply["data"]
 
@@ -243,13 +274,17 @@ class OpenEnvSession:
         """The server's ``GET /schema`` (``action``, ``observation``, ``state`` schemas)."""
         try:
             with urllib.request.urlopen(self.url + "/schema", timeout=self.timeout_s) as r:
-                body = json.loads(r.read(MAX_REPLY_BYTES))
+                raw = r.read(MAX_REPLY_BYTES)
         except (OSError, urllib.error.URLError) as exc:  # URLError: gone, or answered 4xx/5xx
             raise EnvFailed("no_worker", f"GET {self.url}/schema: {exc}") from None
-        except ValueError:
-            raise EnvFailed("bad_reply", f"GET {self.url}/schema: not JSON") from None
-        if not isinstance(body, dict) or not isinstance(body.get("action"), dict):
-            raise EnvFailed("bad_reply", f"GET {self.url}/schema: field action missing")
+        except (http.client.HTTPException, ValueError) as exc:  # not HTTP, or a bad URL
+            raise EnvFailed("bad_reply", f"GET {self.url}/schema: not an HTTP reply "
+                            f"({type(exc).__name__})") from None
+        body = _json(raw, f"GET {self.url}/schema answered")
+        action = body.get("action") if isinstance(body, dict) else None
+        if not isinstance(action, dict):
+            raise EnvFailed("bad_reply", f"GET {self.url}/schema: field action: expected an "
+                            f"object, got {_kind(action)}")
         return body
 
     def close(self) -> None:
@@ -266,6 +301,28 @@ class OpenEnvSession:
             ws.close()
 
 
+def _json(raw, what: str):
+    """``raw`` (text or bytes) as JSON, its text made UTF-8 clean (a lone surrogate, which
+    JSON can escape and no tokenizer takes, becomes ``?``); EnvFailed when it is not JSON."""
+    try:
+        value = json.loads(raw)
+        text = json.dumps(value, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            value = json.loads(text.encode("utf-8", "replace"))
+        return value
+    except (TypeError, ValueError, RecursionError):  # RecursionError: nested too deep
+        raise EnvFailed("bad_reply", f"{what} that is not JSON (or nests too deep)") from None
+
+
+def _words(value, default: str = "") -> str:
+    """A server's code or message as text for an error line (nothing else is quoted)."""
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)[:500]
+    return default
+
+
 def _capacity_hint(error: dict) -> str:
     if error.get("code") != "CAPACITY_REACHED":
         return ""
@@ -276,8 +333,8 @@ def _capacity_hint(error: dict) -> str:
 def _field(data: dict, name: str, ok, what: str, where: str):
     value = data.get(name)
     if not ok(value):
-        raise EnvFailed("bad_reply", f"OpenEnv reply to {where}: field {name} missing or not "
-                        f"{what} (got {type(value).__name__})")
+        raise EnvFailed("bad_reply", f"OpenEnv reply to {where}: field {name}: expected "
+                        f"{what}, got {_kind(value) if name in data else 'nothing'}")
     return value
 
 
@@ -386,8 +443,8 @@ class OpenEnvEnv(Environment):
                            "arguments": arguments})
         error = data.get("error")
         if isinstance(error, dict):  # the tool failed: a refusal, the step stays valid
-            text = self._clip(f"error : {error.get('message', '')}")
-            return text, str(error.get("error_type") or "tool_error")
+            text = self._clip(f"error : {_words(error.get('message'))}")
+            return text, _words(error.get("error_type")) or "tool_error"
         text = self._text(data)
         self.responses.append(text)
         return text, None
@@ -438,12 +495,16 @@ class OpenEnvEnv(Environment):
     def _mcp_tools(self) -> list[ToolSpec]:
         tools = self._listed.get("tools")
         if not isinstance(tools, list):
-            raise EnvFailed("bad_reply", "OpenEnv tools/list: field result.tools missing")
+            raise EnvFailed("bad_reply", "OpenEnv tools/list: field result.tools: expected a "
+                            f"list of tools, got {_kind(tools)}")
         return self._specs(tools, "tools/list")
 
     def _listed_tools(self, observation: dict) -> list[ToolSpec]:
         tools = observation.get("tools")
-        return self._specs(tools, "reset observation") if isinstance(tools, list) else []
+        if tools is not None and not isinstance(tools, list):
+            raise EnvFailed("bad_reply", "OpenEnv reset observation: field tools: expected a "
+                            f"list of tools, got {_kind(tools)}")
+        return self._specs(tools, "reset observation") if tools else []
 
     def _specs(self, tools: list, where: str) -> list[ToolSpec]:
         try:
@@ -461,9 +522,18 @@ class OpenEnvEnv(Environment):
     def _text_field(self) -> str:
         if not self.action_field:
             action = self.session.schema()["action"]
-            text = [n for n, p in action.get("properties", {}).items()
-                    if n in action.get("required", []) and isinstance(p, dict)
-                    and _json_type(p) == "string"]
+            props, required = action.get("properties", {}), action.get("required", [])
+            if not isinstance(props, dict) or not isinstance(required, list):
+                field, got = ("properties", props) if not isinstance(props, dict) \
+                    else ("required", required)
+                raise EnvFailed("bad_reply", f"OpenEnv /schema: field action.{field}: expected "
+                                f"{'an object' if field == 'properties' else 'a list of names'}"
+                                f", got {_kind(got)}")
+            try:
+                text = [n for n, p in props.items() if n in required and isinstance(p, dict)
+                        and _json_type(p, f"/schema action.properties.{n}") == "string"]
+            except ValueError as exc:
+                raise EnvFailed("bad_reply", f"OpenEnv {exc}") from None
             if len(text) != 1:
                 raise EnvFailed("bad_reply", f"OpenEnv /schema: the action requires "
                                 f"{len(text)} string fields ({', '.join(text) or 'none'}); "
@@ -506,7 +576,10 @@ class OpenEnvEnv(Environment):
         """An observation as the text the model reads: its ``text`` field (``env serve
         --openenv``), a tool result's text content, its one text field, or its fields as
         JSON."""
-        return self._clip(_render(observation))
+        try:
+            return self._clip(_render(observation))
+        except RecursionError:
+            raise EnvFailed("bad_reply", "OpenEnv observation: nests too deep to show") from None
 
     def _clip(self, text: str) -> str:
         """``text`` as the server wrote it (its line breaks too) unless it is too long."""
