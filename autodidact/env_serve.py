@@ -296,8 +296,6 @@ class EnvBroker:
             return
         if isinstance(msg, wire.EnvBatch):
             self._from_batch(incoming, client)
-        elif isinstance(msg, wire.EnvStatsRequest):
-            self._reply(incoming, self.stats(client))
         else:
             self._route(incoming, client)
 
@@ -319,7 +317,9 @@ class EnvBroker:
                              self.clients)
 
     def _route(self, incoming: Incoming, client: str) -> None:
-        if isinstance(incoming.msg, (wire.EnvHello, wire.EnvOpen)):
+        if isinstance(incoming.msg, wire.EnvStatsRequest):  # the broker's own: answered now
+            self._reply(incoming, self.stats(client))
+        elif isinstance(incoming.msg, (wire.EnvHello, wire.EnvOpen)):
             self._to_any_worker(incoming, client)
         else:
             self._to_session(incoming, client)

@@ -8,9 +8,11 @@ episode, each reset to a training task) so that all of them are open at once, th
 every one of them ``--steps`` times, round by round, from ``--threads`` client threads (each
 thread has its own socket, as an actor's rollout thread would). Every call is timed; the
 server's resident memory (broker and workers) is read before the first session and with all
-of them open. The same resets and steps on the env in this process give the baseline
-latency. What it cannot say: rollouts per second of a training run (the actors' generation
-dominates those; that comparison needs two runs).
+of them open, and the server says how many sessions it holds then (its ``EnvStats``: every
+one opened, none evicted, is what "open at once" means) and once they are closed. The same
+resets and steps on the env in this process give the baseline latency. What it cannot
+say: rollouts per second of a training run (the actors' generation dominates those; that
+comparison needs two runs).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def timed(call, *args) -> float:
 
 def episodes(make_env, tasks, steps: int, threads: int) -> dict:
     """Open one env per task, reset all, then step all ``steps`` rounds: the seconds of every
-    reset and step call, and how many sessions were open at once."""
+    reset and step call, and the envs (still open)."""
     pool = ThreadPoolExecutor(threads)
     try:
         envs = list(pool.map(lambda _: make_env(), tasks))
@@ -59,7 +61,7 @@ def episodes(make_env, tasks, steps: int, threads: int) -> dict:
         for turn in range(steps):  # a round: every episode one step further
             actions = [action_of(task, turn) for task in tasks]
             step_s += pool.map(lambda pair: timed(pair[0].step, pair[1]), zip(envs, actions))
-        return {"open": len(envs), "reset_s": resets, "step_s": step_s, "envs": envs}
+        return {"reset_s": resets, "step_s": step_s, "envs": envs}
     finally:
         pool.shutdown()
 
@@ -75,7 +77,8 @@ def measure(sessions: int, workers: int, steps: int, threads: int) -> dict:
     tasks = [train[i % len(train)] for i in range(sessions)]
     # Every session stays open: opens are not spread evenly over the workers, so each may
     # have to hold all of them before any is evicted.
-    with EnvServerProcess("files", "--max-sessions", str(sessions), workers=workers) as server:
+    with EnvServerProcess("files", "--max-sessions", str(sessions), "--max-sessions-per-client",
+                          str(sessions), workers=workers) as server:
         cfg = EnvConfig(name="files", address=server.address, call_timeout_s=60.0)
         served_cls = env_class(cfg)  # the hello waits until the workers are up
         idle_mib = resident_mib(server.proc.pid)
@@ -83,11 +86,17 @@ def measure(sessions: int, workers: int, steps: int, threads: int) -> dict:
         served = episodes(served_cls, tasks, steps, threads)
         wall = time.perf_counter() - t0
         open_mib = resident_mib(server.proc.pid)
+        held = served_cls._link.stats()  # what the server holds with every episode stepped
         for env in served.pop("envs"):
             env.close()
+        after = served_cls._link.stats()  # the closes ride with this call, before it
     local = episodes(FilesEnv, tasks, steps, 1)
     local.pop("envs")
-    return {"sessions_open_at_once": served["open"], "workers": workers, "steps": steps,
+    return {"sessions": sessions,
+            "server": {"sessions_open": held.sessions, "evicted": held.evicted,
+                       "calls_failed": held.failures, "sessions_open_after_close":
+                           after.sessions},
+            "workers": workers, "steps": steps,
             "client_threads": threads, "wall_s": wall,
             "calls_per_s": (len(served["reset_s"]) + len(served["step_s"])) / wall,
             "server_resident_mib": {"idle": idle_mib, "all_open": open_mib,
@@ -110,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": f"{os.cpu_count()} cores", **measure(args.sessions, args.workers,
                                                              args.steps, args.threads)}
     s, local = result["served"], result["in_process"]
-    print(f"{result['sessions_open_at_once']} sessions open at once on {args.workers} workers, "
+    print(f"{result['server']['sessions_open']} of {args.sessions} sessions open at once on "
+          f"the server ({result['server']['evicted']} evicted), {args.workers} workers, "
           f"{result['calls_per_s']:.0f} calls/s from {args.threads} threads; server "
           f"{result['server_resident_mib']['all_open']:.0f} MiB "
           f"({result['server_resident_mib']['per_session_kib']:.0f} KiB a session)")

@@ -239,7 +239,9 @@ class EnvLink:
         waiting to be closed (fire and forget: their replies are dropped unread, and the
         server drops an unknown session quietly). Returns the batch's msg_id (None when there
         is none) and each request's msg_id -> its index."""
-        closes = [codec.encode(wire.EnvClose(session), "") for session in self._closes()]
+        batchable = all(type(r) in wire.BATCHED for r in requests)  # a hello goes alone
+        closes = [codec.encode(wire.EnvClose(session), "")
+                  for session in (self._closes() if batchable else ())]
         if len(requests) == 1 and not closes:
             return None, {channel.send(requests[0]): 0}
         waiting = {new_id(): i for i in range(len(requests))}

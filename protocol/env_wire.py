@@ -24,6 +24,7 @@ A conversation::
     EnvBatch([frame, frame, ...])    -> EnvAnswers([frame, ...]), usually one: each request's
                                         own reply, as if sent one by one (those ready go out
                                         early while another call is slow)
+    EnvStatsRequest()                -> EnvStats: the server's counters (alone or in a batch)
 
 Any request may instead be answered :class:`EnvRaised` (the env raised) or
 :class:`EnvFailure` (the service failed it: its worker died, the session is unknown, the
@@ -369,7 +370,6 @@ SESSION_REQUESTS: dict[type, str] = {
     EnvDescribeEvent: "describe_event", EnvDescribeResponse: "describe_response",
     EnvEntities: "entities", EnvGoalOf: "goal_of", EnvQueryOf: "query_of",
 }
-BATCHED = (EnvOpen, *SESSION_REQUESTS)  # what an EnvBatch may carry
 MAX_BATCH_CALLS = 4096  # requests in one EnvBatch
 
 
@@ -406,7 +406,8 @@ class EnvStats:
     clients: int = 0  # clients (tokens or keys) the server serves
 
 
-REQUESTS = (EnvHello, EnvBatch, EnvStatsRequest, *BATCHED)  # everything an env server is sent
+BATCHED = (EnvOpen, EnvStatsRequest, *SESSION_REQUESTS)  # what an EnvBatch may carry
+REQUESTS = (EnvHello, EnvBatch, *BATCHED)  # everything an env server is sent
 
 
 @message("env_answers")
