@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -13,15 +14,22 @@ import click
               help="A run directory; repeat to compare runs. A folder of runs (an ablation's "
                    "output) serves each arm.")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind; keep the loopback and tunnel over SSH for a remote run.")
+              help="Address to bind; keep the loopback and tunnel over SSH for a remote run. "
+                   "Any other address needs --allow-remote.")
 @click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
               help="Port to listen on; 0 picks a free one.")
-def view(run_dirs, host, port):
+@click.option("--allow-remote", is_flag=True,
+              help="Serve on a --host other than the loopback. Every request then needs a "
+                   "token, printed once at start in the viewer's URL.")
+def view(run_dirs, host, port, allow_remote):
     """Serve a read-only web page over run directories, live while a run goes on."""
-    from autodidact.viewer.server import serve
+    from autodidact.viewer.server import is_loopback, remote_refusal, serve
 
+    if not (allow_remote or is_loopback(host)):
+        click.echo(remote_refusal(host), err=True)
+        sys.exit(2)
     missing = [str(p) for p in run_dirs if not p.is_dir()]
     if missing:
         raise click.BadParameter(f"no such run directory: {', '.join(missing)}",
                                  param_hint="--run-dir")
-    serve(list(run_dirs), host, port)
+    serve(list(run_dirs), host, port, allow_remote=allow_remote)

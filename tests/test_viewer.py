@@ -284,3 +284,225 @@ def test_summaries_survive_a_record_from_before_checksums(tmp_path):
             len(group.trajectories)
         assert json.loads(c.get(f"/api/group/{group.group_id}").text)["group_id"] == \
             group.group_id
+
+
+# --- the run's password never leaves, in any encoding -------------------------------------------
+
+# Quotes and backslashes (JSON and Python escape them), non-ASCII and an astral character
+# (\uXXXX and surrogate pairs), %, +, space, /, :, @ (URL-encoded in redis.url), markup.
+HOSTILE = "p\"w\\d'ö€😀 %41<&>/+:@x"
+
+
+def _encodings(secret: str) -> dict[str, str]:
+    """Every way the test knows a reply could carry `secret`: computed here, not by the
+    viewer's scrubber."""
+    import html
+    import urllib.parse
+
+    out = {"raw": secret, "json": json.dumps(secret)[1:-1],
+           "json-utf8": json.dumps(secret, ensure_ascii=False)[1:-1],
+           "json-twice": json.dumps(json.dumps(secret))[1:-1], "repr": repr(secret)[1:-1],
+           "ascii": ascii(secret)[1:-1], "url": urllib.parse.quote(secret, safe=""),
+           "url-path": urllib.parse.quote(secret), "url-plus": urllib.parse.quote_plus(secret),
+           "url-lower": urllib.parse.quote(secret, safe="").lower(),
+           "html": html.escape(secret),
+           "charrefs": secret.encode("ascii", "xmlcharrefreplace").decode()}
+    out.update({f"{k} in json": json.dumps(v)[1:-1] for k, v in list(out.items())})
+    return out
+
+
+class _CharTokenizer:
+    """A tokenizer whose ids are code points: a rollout's tokens spell its text one
+    character a token, so a secret in it is spread over many rows of the token view."""
+
+    def decode(self, ids) -> str:
+        return "".join(chr(int(i)) for i in ids)
+
+
+def _planted_run(tmp_path: Path, password: str) -> tuple[Path, str]:
+    """A run whose redis.url holds `password` (URL-encoded, as a URL must) and whose stored
+    data quotes it raw and encoded everywhere a reply reads from: (run dir, a group id)."""
+    import dataclasses
+    import urllib.parse
+
+    import numpy as np
+    import yaml
+
+    from protocol.messages import Step
+    from questioning.task_store import TaskStore
+
+    run_dir = tmp_path / "planted"
+    run_dir.mkdir()
+    url = f"redis://:{urllib.parse.quote(password, safe='')}@127.0.0.1:1/0"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"name": "planted",
+                                                         "redis": {"url": url}}))
+    quoted = " | ".join(_encodings(password).values())
+    base = make_group(3)
+    text = f"say {password} now"
+    ids = np.array([ord(c) for c in text], np.int32)
+    prompt = len(text) - len(" now")  # the prompt holds the password, the policy says " now"
+    mask = (np.arange(len(ids)) >= prompt).astype(np.uint8)
+    traj = dataclasses.replace(
+        base.trajectories[0], tokens=ids, logprobs=np.where(mask, -0.5, 0).astype(np.float32),
+        versions=np.where(mask, 0, -1).astype(np.int32), action_mask=mask, prompt_len=prompt,
+        experience_span=[0, prompt], experience_ids=[f"e-{password}"],
+        info={"note": quoted, password: 1},
+        steps=[Step(action=f"echo {password}", observation=quoted, start=prompt, end=len(ids),
+                    thought=f"the password is {password}", info={"url": url})])
+    task = dataclasses.replace(base.task, task_id=f"t-{password}", query=f"{'x' * 150}{password}")
+    group = dataclasses.replace(base, group_id="g-planted", task=task, trajectories=[traj])
+    _store(run_dir, [group], labelled=[group])
+    with TaskStore(run_dir) as store:
+        store.put(dataclasses.replace(task, task_id="syn/planted", source="synthetic",
+                                      query=f"find {quoted}", meta={"exploration": password}))
+    RunDir(run_dir).split.write_text(json.dumps({"train": [f"split-{password}"]}))
+    return run_dir, group.group_id
+
+
+def _leaks(text: str, password: str) -> list[str]:
+    return [name for name, form in _encodings(password).items() if form in text]
+
+
+def test_no_reply_carries_a_planted_password_in_any_encoding(tmp_path):
+    import urllib.parse
+
+    run_dir, gid = _planted_run(tmp_path, HOSTILE)
+    view = RunView(run_dir, f"label {HOSTILE}")
+    view._tokenizer = _CharTokenizer()
+    assert HOSTILE in view.secrets()[0] or urllib.parse.unquote(view.secrets()[0]) == HOSTILE
+    pw_in_url = urllib.parse.quote(HOSTILE, safe="")
+    paths = ["/api/runs", "/api/run", "/api/curves", "/api/groups?per_page=200",
+             f"/api/groups?task={urllib.parse.quote(HOSTILE[:3])}", f"/api/group/{gid}",
+             f"/api/tokens/{gid}/0", "/api/tasks?per_page=200", "/api/tasks?source=original",
+             # the password sent back: error lines that quote the request
+             f"/api/run?run={pw_in_url}", f"/api/groups?outcome={pw_in_url}",
+             f"/api/curves?runs={pw_in_url}"]
+    # Path parameters too (TestClient decodes a path twice, so these need not arrive as the
+    # password: no leak is asserted, not a mask).
+    echoed = [f"/api/group/{pw_in_url}", f"/api/tokens/{pw_in_url}/0", f"/api/{pw_in_url}"]
+    with TestClient(make_app(Viewer([view]))) as c:
+        for path in paths + echoed:
+            reply = c.get(path)
+            assert reply.status_code < 500, (path, reply.text[:300])
+            assert not _leaks(reply.text, HOSTILE), (path, _leaks(reply.text, HOSTILE))
+            # decoded, too: the JSON parser undoes every escape the serialiser made
+            assert not _leaks(json.dumps(reply.json(), ensure_ascii=False), HOSTILE), path
+            # the plant reached the reply and was masked there (the token view: per row, below)
+            assert "***" in reply.text or path in echoed or \
+                path.startswith(f"/api/tokens/{gid}"), (path, reply.text[:300])
+        # The token view spreads the password over one row per character: masked across rows.
+        rows = c.get(f"/api/tokens/{gid}/0").json()["tokens"]
+        joined = "".join(r["text"] for r in rows)
+        assert joined == "say " + "*" * len(HOSTILE) + " now"
+        # The group list cuts a query: the password it would have split is masked first.
+        summary = c.get("/api/groups").json()["groups"][0]
+        assert summary["query"].startswith("x" * 150) and HOSTILE[:2] not in summary["query"]
+        assert c.get("/api/runs").json()["errors"] == 0
+
+
+def test_the_planted_password_test_can_fail(tmp_path, monkeypatch):
+    """Without the scrubber the same plant shows on the endpoints (the test above is not
+    vacuous)."""
+    from autodidact.viewer import data as viewer_data
+
+    run_dir, gid = _planted_run(tmp_path, HOSTILE)
+    view = RunView(run_dir, f"label {HOSTILE}")
+    view._tokenizer = _CharTokenizer()
+    monkeypatch.setattr(viewer_data.Scrubber, "__init__",
+                        lambda self, secrets: setattr(self, "pattern", None))
+    viewer_data.Scrubber.of.cache_clear()
+    try:
+        with TestClient(make_app(Viewer([view]))) as c:
+            for path in ("/api/runs", "/api/run", "/api/curves", "/api/groups", "/api/tasks",
+                         f"/api/group/{gid}"):
+                assert _leaks(c.get(path).text, HOSTILE), path
+            rows = c.get(f"/api/tokens/{gid}/0").json()["tokens"]
+            assert HOSTILE in "".join(r["text"] for r in rows)
+    finally:
+        viewer_data.Scrubber.of.cache_clear()
+
+
+def test_the_scrubber_matches_every_encoding_and_mixes_of_them():
+    from autodidact.viewer.data import Scrubber
+
+    scrub = Scrubber([HOSTILE]).text
+    for name, form in _encodings(HOSTILE).items():
+        masked = scrub(f"<{form}>")
+        assert "***" in masked and not _leaks(masked, HOSTILE), (name, masked)
+    # one secret, its first half JSON-escaped and the rest percent-encoded
+    mixed = json.dumps(HOSTILE[:5])[1:-1] + "".join(f"%{b:02x}" for b in HOSTILE[5:].encode())
+    assert scrub(f"<{mixed}>") == "<***>"
+    assert scrub("nothing secret here") == "nothing secret here"
+    assert Scrubber([]).text("p\"w") == "p\"w"
+
+
+# --- the door: loopback only, unless --allow-remote, and then a token ----------------------------
+
+
+def test_a_remote_host_is_refused_without_the_flag(tmp_path):
+    from autodidact.cli import main
+    from autodidact.viewer.server import is_loopback
+
+    for host in ("0.0.0.0", "::", "192.168.1.7", "example.org"):
+        result = CliRunner().invoke(main, ["view", "--run-dir", str(tmp_path), "--host", host])
+        assert result.exit_code != 0, host
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "--allow-remote" in lines[0] and host in lines[0], lines
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "localhost", "::1", "[::1]"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "10.0.0.1", "box.local"))
+
+
+TOKEN = "s3cret-view-token"
+
+
+def test_with_a_token_every_endpoint_refuses_a_request_without_it(tmp_path):
+    run_dir = _small_run(tmp_path)
+    group = make_group(5)
+    _store(run_dir, [group])
+    viewer = Viewer([RunView(run_dir, "small")])
+    paths = ["/", "/static/app.js", "/static/app.css", "/static/vendor/uPlot.iife.min.js",
+             "/api/runs", "/api/run", "/api/curves", "/api/groups",
+             f"/api/group/{group.group_id}", f"/api/tokens/{group.group_id}/0", "/api/tasks",
+             "/api/nothing", "/nothing"]
+    with TestClient(make_app(viewer, TOKEN), follow_redirects=False) as c:
+        refused = 0
+        for path in paths:
+            for headers, cookies, status in (
+                    ({}, {}, 401), ({"Authorization": "Bearer wrong"}, {}, 403),
+                    ({"Authorization": f"Basic {TOKEN}"}, {}, 403),
+                    ({}, {"autodidact_view_token": "wrong"}, 403)):
+                c.cookies.clear()
+                c.cookies.update(cookies)
+                reply = c.get(path, headers=headers)
+                refused += 1
+                assert reply.status_code == status, (path, headers, reply.status_code)
+                line = reply.json()["error"] if path.startswith("/api") else reply.text
+                assert line.startswith("refused:") and line.strip().count("\n") == 0, line
+                assert TOKEN not in reply.text
+            c.cookies.clear()
+            for a_wrong in ("wrong", TOKEN + "x", ""):
+                assert c.get(f"{path}?token={a_wrong}").status_code == 403
+                refused += 1
+        c.cookies.clear()
+        # With it, as a header (scripts) or as the cookie the printed URL sets (a browser):
+        # every path answers as it does on the loopback.
+        for path in paths:
+            want = 404 if "nothing" in path else 200
+            assert c.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == want
+        first = c.get(f"/?token={TOKEN}")
+        assert first.status_code == 303 and first.headers["location"] == "/"
+        cookie = first.headers["set-cookie"]
+        assert f"autodidact_view_token={TOKEN}" in cookie and "HttpOnly" in cookie
+        assert "samesite=strict" in cookie.lower()
+        deep = c.get(f"/api/groups?per_page=1&token={TOKEN}")
+        assert deep.status_code == 303 and deep.headers["location"] == "/api/groups?per_page=1"
+        c.cookies.set("autodidact_view_token", TOKEN)
+        for path in paths:
+            assert c.get(path).status_code == (404 if "nothing" in path else 200), path
+        runs = c.get("/api/runs").json()
+        assert runs["refused"] == refused and runs["errors"] == 0  # counted, still serving
+
+
+def test_the_loopback_without_the_flag_needs_no_token(tmp_path):
+    with TestClient(make_app(Viewer([RunView(_small_run(tmp_path), "small")]))) as c:
+        assert c.get("/").status_code == 200 and c.get("/api/runs").json()["refused"] == 0

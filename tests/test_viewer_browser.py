@@ -97,13 +97,14 @@ def viewer(run_dir, tmp_path_factory, request) -> str:
     return _serve(run_dir, tmp_path_factory, request)
 
 
-def _serve(run_dir: Path, tmp_path_factory, request) -> str:
-    """`autodidact view` over `run_dir`, stopped when `request`'s scope ends: its base URL."""
+def _serve(run_dir: Path, tmp_path_factory, request, *extra: str) -> str:
+    """`autodidact view` over `run_dir` (and `extra` arguments), stopped when `request`'s scope
+    ends: the URL it prints (with ``?token=`` when it wants one)."""
     log = tmp_path_factory.mktemp("viewer") / "viewer.log"
     err = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "autodidact.cli", "view", "--run-dir",
-                             str(run_dir), "--port", "0"], stdout=subprocess.PIPE, stderr=err,
-                            text=True, start_new_session=True)
+                             str(run_dir), "--port", "0", *extra], stdout=subprocess.PIPE,
+                            stderr=err, text=True, start_new_session=True)
     request.addfinalizer(lambda: (_kill_group(proc), err.close()))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -331,3 +332,77 @@ def test_run_and_tasks_pages_show_tasks_by_origin(browser, tmp_path_factory, req
                             for origin, (tasks, groups, ok, n, good) in EXPECTED.items()], rows
             assert "configured 0.4, effective 0.4, drawn 40.0%" in page.js(
                 "return document.querySelector('#origins').textContent")
+
+
+# --- the door: a remote bind needs --allow-remote, and then the token --------------------------
+
+
+@pytest.fixture(scope="module")
+def small_run(browser, tmp_path_factory) -> Path:
+    """A run of a few stored groups (no training): enough for the Groups page."""
+    from helpers_replay import make_group
+    from test_viewer import _small_run, _store
+
+    run_dir = _small_run(tmp_path_factory.mktemp("door"))
+    _store(run_dir, [make_group(i) for i in range(3)])
+    return run_dir
+
+
+def test_a_remote_bind_is_refused_without_the_flag(browser, small_run):
+    from protocol.transport import free_tcp_port
+
+    port = free_tcp_port()
+    refused = subprocess.run([sys.executable, "-m", "autodidact.cli", "view", "--run-dir",
+                              str(small_run), "--host", "0.0.0.0", "--port", str(port)],
+                             capture_output=True, text=True, timeout=WAIT_S)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode != 0 and refused.stdout == "", refused
+    assert len(lines) == 1 and "--allow-remote" in lines[0], lines
+    # Nothing listens: the browser gets no page from that port.
+    from selenium.common.exceptions import WebDriverException
+
+    with pytest.raises(WebDriverException, match="ERR_CONNECTION_REFUSED"):
+        browser.get(f"http://127.0.0.1:{port}/")
+    browser.get_log("browser")  # the refused connection's entry, for no later test to see
+
+
+def test_with_allow_remote_the_page_needs_the_printed_token(browser, small_run,
+                                                            tmp_path_factory, request):
+    printed = _serve(small_run, tmp_path_factory, request, "--host", "0.0.0.0",
+                     "--allow-remote")
+    found = re.fullmatch(r"http://0\.0\.0\.0:(\d+)/\?token=([\w-]+)", printed)
+    assert found, printed
+    base, token = f"http://127.0.0.1:{found.group(1)}", found.group(2)
+    page = Page(browser, base, tmp_path_factory.mktemp("door-shots"))
+    fetch = ("const done = arguments[arguments.length - 1];"
+             "fetch(arguments[0]).then(r => r.text().then(t => done([r.status, t])))"
+             ".catch(e => done([0, String(e)]));")
+    browser.delete_all_cookies()
+    with page.checked("door-without", allowed=r"127\.0\.0\.1"):
+        browser.get(f"{base}/#/groups/0")  # no token: one line, no page
+        text = page.js("return document.body.innerText").strip()
+        assert text.startswith("refused:") and "token" in text and "\n" not in text, text
+        assert page.js("return document.querySelector('#main')") is None
+        browser.get(f"{base}/?token=not-{token}")
+        assert page.js("return document.body.innerText").startswith("refused:")
+        assert not browser.get_cookies()
+    # (a refused page has no icon link: the browser's own /favicon.ico ask is refused too)
+    with page.checked("door-with", allowed=r"/favicon\.ico"):
+        browser.get(f"{base}/?token={token}#/groups/0")  # the printed URL, as a user opens it
+        page.wait_drawn()
+        assert page.error_text() is None
+        assert int(page.js("return document.querySelector('#group-total').textContent")) == 3
+        # the token left the address bar; it stays as an HttpOnly cookie the page cannot read
+        assert page.js("return location.search") == "" and "token" not in browser.current_url
+        assert page.js("return document.cookie") == ""
+        cookies = {c["name"]: c for c in browser.get_cookies()}
+        assert cookies["autodidact_view_token"]["httpOnly"]
+        status, body = browser.execute_async_script(fetch, "/api/runs")
+        assert status == 200 and json.loads(body)["refused"] >= 2
+        page.open("groups/0?outcome=mixed")  # navigating on: the cookie goes with every request
+    browser.delete_all_cookies()
+    with page.checked("door-dropped", allowed=r"127\.0\.0\.1"):
+        status, body = browser.execute_async_script(fetch, "/api/groups")
+        assert status == 401 and json.loads(body)["error"].startswith("refused:")
+        browser.refresh()
+        assert page.js("return document.body.innerText").strip().startswith("refused:")

@@ -7,9 +7,13 @@ run's Redis, never enters a reply (:func:`scrub` is applied by the server to eve
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import threading
+import unicodedata
+import urllib.parse
 import zlib
 from dataclasses import asdict
 from functools import cached_property
@@ -42,7 +46,7 @@ class RunView:
 
     def __init__(self, path: Path, label: str):
         self.path, self.label = Path(path), label
-        self.groups = GroupIndex(self.path)
+        self.groups = GroupIndex(self.path, mask=lambda text: self.scrubber().text(text))
         self._tokenizer = None
         self._secrets: list[str] = []
 
@@ -67,6 +71,9 @@ class RunView:
         if not self._secrets:
             self._secrets = self._read_secrets()
         return self._secrets
+
+    def scrubber(self) -> Scrubber:
+        return Scrubber.of(tuple(self.secrets()))
 
     def _read_secrets(self) -> list[str]:
         cfg, _ = status_cli.read_config(self.path)
@@ -208,7 +215,8 @@ class RunView:
         if seen is not None and traj_index < len(seen["logprobs"]) and \
                 len(seen["logprobs"][traj_index]) == len(traj.tokens):
             learner = seen["logprobs"][traj_index]
-        texts = self.token_texts(traj.tokens)
+        # A secret in the rollout spreads over tokens, a part in each row: masked across them.
+        texts = self.scrubber().pieces(self.token_texts(traj.tokens))
         rows = []
         for i, text in enumerate(texts):
             generated = bool(traj.action_mask[i])
@@ -364,7 +372,106 @@ def _finite(x):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+MASK = "***"
+
+
+class Scrubber:
+    """Masks the run's secrets in whatever encoding a reply can carry them: raw, JSON- or
+    Python-escaped (``\\"``, ``\\\\``, ``\\u00e9``, surrogate pairs, ``\\x``), escaped
+    again, percent-encoded (either hex case, ``%25`` for an encoding encoded again, ``+`` for a
+    space), as HTML character references, and any mix of these within one secret. Each
+    secret is matched as itself, URL-decoded (a ``redis.url`` holds its password encoded) and
+    in its Unicode normal forms.
+
+    The server applies it to a reply's data before serialising (:meth:`data`) and to the
+    serialised text (:meth:`text`); the token view masks a secret spread over several tokens
+    (:meth:`pieces`)."""
+
+    def __init__(self, secrets):
+        forms = set()
+        for secret in secrets:
+            for s in (secret, urllib.parse.unquote(secret), urllib.parse.unquote_plus(secret)):
+                forms.update(unicodedata.normalize(f, s) for f in ("NFC", "NFD", "NFKC"))
+                forms.add(s)
+        forms.discard("")
+        # Every encoding starts with the character itself, a backslash, %, & or + (a space):
+        # a look at the first character skips most positions (4x faster on a long reply).
+        first = "".join(sorted({re.escape(f[0]) for f in forms} | {r"\\", "%", "&", r"\+"}))
+        self.pattern = re.compile(f"(?=[{first}])(?:" + "|".join(
+            "".join(_char_forms(ch) for ch in s) for s in sorted(forms, key=len, reverse=True))
+            + ")") if forms else None
+
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def of(secrets: tuple[str, ...]) -> Scrubber:
+        """The scrubber of ``secrets``, compiled once."""
+        return Scrubber(secrets)
+
+    def text(self, text: str) -> str:
+        return text if self.pattern is None else self.pattern.sub(MASK, text)
+
+    def data(self, value):
+        """``value`` (JSON-able: dicts, lists, strings, numbers) with every string masked."""
+        if self.pattern is None:
+            return value
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {self.data(k) if isinstance(k, str) else k: self.data(v)
+                    for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.data(v) for v in value]
+        return value
+
+    def pieces(self, pieces: list[str]) -> list[str]:
+        """``pieces`` (a text cut into tokens) with every character of a secret that runs
+        across them replaced by ``*``: each token's own text can hold only a part of it."""
+        if self.pattern is None:
+            return pieces
+        joined = "".join(pieces)
+        hidden = [m.span() for m in self.pattern.finditer(joined)]
+        if not hidden:
+            return pieces
+        out, start = [], 0
+        for piece in pieces:
+            end = start + len(piece)
+            chars = list(piece)
+            for lo, hi in hidden:
+                for i in range(max(lo, start), min(hi, end)):
+                    chars[i - start] = "*"
+            out.append("".join(chars))
+            start = end
+        return out
+
+
 def scrub(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
+    return Scrubber(secrets).text(text)
+
+
+def _hex(n: int, width: int) -> str:
+    return "".join(f"[{c}{c.upper()}]" if c.isalpha() else c for c in f"{n:0{width}x}")
+
+
+_NAMED_ESCAPES = {"\n": "n", "\t": "t", "\r": "r", "\b": "b", "\f": "f", "\v": "v",
+                  "\0": "0", "\a": "a"}
+_HTML_NAMES = {"&": "amp", "<": "lt", ">": "gt", '"': "quot", "'": "apos"}
+
+
+def _char_forms(ch: str) -> str:
+    """A regular expression for ``ch`` in any one of the encodings :class:`Scrubber` names."""
+    cp, esc = ord(ch), r"\\+"  # one backslash or more: an escape, or one escaped again
+    units = [cp] if cp < 0x10000 else [0xD800 + ((cp - 0x10000) >> 10),
+                                       0xDC00 + ((cp - 0x10000) & 0x3FF)]
+    forms = [re.escape(ch), esc + re.escape(ch),  # \" \\ \' \/
+             "".join(esc + "u" + _hex(u, 4) for u in units), esc + "U" + _hex(cp, 8),
+             "".join("%(?:25)*" + _hex(b, 2) for b in ch.encode("utf-8", "surrogatepass")),
+             f"&#0*{cp};", "&#[xX]0*" + _hex(cp, 1) + ";"]
+    if cp < 0x100:
+        forms.append(esc + "x" + _hex(cp, 2))
+    if ch in _NAMED_ESCAPES:
+        forms.append(esc + _NAMED_ESCAPES[ch])
+    if ch in _HTML_NAMES:
+        forms.append(f"&{_HTML_NAMES[ch]};")
+    if ch == " ":
+        forms.append(r"\+")
+    return "(?:" + "|".join(forms) + ")"

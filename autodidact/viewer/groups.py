@@ -73,8 +73,10 @@ def origin_of(task: dict) -> tuple[str, str]:
     return (f"{how}, exploration {exploration}" if exploration else how), exploration
 
 
-def summarize(group_id: str, body: bytes, rec: GroupRecord) -> Summary:
-    """A group's summary from its stored body, without building its arrays."""
+def summarize(group_id: str, body: bytes, rec: GroupRecord, mask=None) -> Summary:
+    """A group's summary from its stored body, without building its arrays. ``mask`` (text
+    to text) hides secrets in the query before it is cut: a cut can split a secret, and the
+    half kept would no longer be recognised."""
     summary = Summary(group_id, rec.seq, rec.created, rec.task_id, "", "", "", "", 0, 0, 0.0,
                       rec.min_version, rec.max_version, 0)
     _set_flags(summary, rec)
@@ -85,7 +87,8 @@ def summarize(group_id: str, body: bytes, rec: GroupRecord) -> Summary:
         summary.created = float(group.get("created_at") or rec.created)
         summary.source = str(task.get("source", "original"))
         summary.origin, summary.exploration = origin_of(task)
-        summary.query = str(task.get("query", ""))[:QUERY_CHARS]
+        query = str(task.get("query", ""))
+        summary.query = (mask(query) if mask else query)[:QUERY_CHARS]
         summary.rollouts = len(trajs)
         summary.successes = sum(bool(t.get("success")) for t in trajs)
         summary.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
@@ -162,8 +165,9 @@ class Filters:
 class GroupIndex:
     """The summaries of one run's stored groups, brought up to date on each :meth:`refresh`."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, mask=None):
         self.run_dir = Path(run_dir)
+        self.mask = mask  # applied to each query before it is cut (summarize)
         self._by_id: dict[str, Summary] = {}
         self._next_seq = 0
         self.stored = 0  # groups in the store at the last refresh
@@ -207,7 +211,7 @@ class GroupIndex:
                     break
                 rec = records.get(gid)
                 if rec is not None:
-                    self._by_id[gid] = summarize(gid, bytes(body), rec)
+                    self._by_id[gid] = summarize(gid, bytes(body), rec, self.mask)
                 self._next_seq = seq + 1
         for gid in [g for g in self._by_id if g not in records]:  # evicted since
             del self._by_id[gid]
