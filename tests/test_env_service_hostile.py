@@ -315,3 +315,20 @@ def test_the_server_outlived_every_hostile_client(server):
     assert server.proc.poll() is None
     final = stats(server)
     assert final.sessions == 0 and final.clients == len(CLIENTS)
+
+
+def test_tokens_others_could_read_or_add_stop_the_server_at_start(tmp_path):
+    from autodidact.env_serve import load_tokens
+    from protocol.errors import ConfigError
+
+    tokens, made = load_tokens(tmp_path / "tokens")  # none yet: client.token made, 0600
+    assert made and list(tokens) == ["client"] and len(tokens["client"]) == 48
+    assert (tmp_path / "tokens" / "client.token").stat().st_mode & 0o777 == 0o600
+    assert load_tokens(tmp_path / "tokens") == (tokens, False)  # never made again
+    (tmp_path / "tokens" / "client.token").chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_tokens(tmp_path / "tokens")
+    (tmp_path / "tokens" / "client.token").chmod(0o600)
+    (tmp_path / "tokens").chmod(0o777)
+    with pytest.raises(ConfigError, match="chmod 700"):
+        load_tokens(tmp_path / "tokens")
