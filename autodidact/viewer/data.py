@@ -12,6 +12,7 @@ import json
 import math
 import re
 import threading
+import time
 import unicodedata
 import urllib.parse
 import zlib
@@ -34,6 +35,7 @@ from questioning.coverage import task_kinds
 from replay.store import GroupRecord
 
 MAX_PER_PAGE = 200
+SECRETS_EVERY_S = 1.0  # a run without a password yet is looked at again this often
 # A request brings the group index up to date for at most this long; the background indexer
 # does the rest, so a big store's tasks-by-origin table fills in over a few refreshes.
 REQUEST_INDEX_S = 0.5
@@ -49,6 +51,7 @@ class RunView:
         self.groups = GroupIndex(self.path, mask=lambda text: self.scrubber().text(text))
         self._tokenizer = None
         self._secrets: list[str] = []
+        self._secrets_read_at = -math.inf
 
     def check(self) -> None:
         if not self.path.is_dir():
@@ -66,10 +69,12 @@ class RunView:
             return RunConfig()
 
     def secrets(self) -> list[str]:
-        """The run's Redis password, however it is found. Read until found, then kept: every
+        """The run's Redis password, however it is found. Read until found (at most every
+        SECRETS_EVERY_S: the indexer asks for each group it summarizes), then kept: every
         reply is scrubbed with it, and a run's password does not change."""
-        if not self._secrets:
+        if not self._secrets and time.monotonic() - self._secrets_read_at > SECRETS_EVERY_S:
             self._secrets = self._read_secrets()
+            self._secrets_read_at = time.monotonic()
         return self._secrets
 
     def scrubber(self) -> Scrubber:

@@ -181,7 +181,7 @@ class TokenDoor:
         return Response(f"refused: {why}\n", status, media_type="text/plain", headers=headers)
 
 
-def make_app(viewer: Viewer, token: str | None = None) -> Starlette:
+def make_app(viewer: Viewer, token: str | None = None) -> Starlette | TokenDoor:
     """The viewer's app; with ``token``, behind a :class:`TokenDoor` that wants it."""
     app = _routes(viewer)
     return TokenDoor(app, token, viewer) if token else app
