@@ -96,6 +96,7 @@ class ExperienceWorker:
         self.metrics.log({"groups": len(groups), "candidates": len(exps),
                           **{k: float(v) for k, v in counts.items()},
                           "pool_size": float(self.pool.size()), "malformed": self.malformed,
+                          "other_env": self.extractor.other_env,
                           "extract_s": time.monotonic() - t0, "version": version},
                          step=version)
         log.info("experience: %d groups -> %d candidates, %s; pool %d", len(groups), len(exps),

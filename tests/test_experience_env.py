@@ -96,6 +96,8 @@ def test_the_worker_skips_a_task_of_another_env_and_never_imports_its_module(
         worker.close()
     assert not marker.exists(), "the worker imported the module a stored task named"
     assert worker.extractor.other_env == 1
+    from metrics.jsonl import read_metrics
+    assert read_metrics(tmp_path / "run", "experience")[-1]["experience/other_env"] == 1
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(skipped) == 1 and "\n" not in skipped[0], skipped
     assert foreign.group_id in skipped[0] and "'planted'" in skipped[0] and name in skipped[0]
