@@ -22,11 +22,12 @@ import click
 from autodidact.base_model import prepare_model
 from autodidact.cli_common import check_model, config_option, load, load_run, set_option
 from autodidact.engine_env import ensure_engine
-from autodidact.resolve import Flags
+from autodidact.resolve import Flags, set_keys
 from autodidact.stages import record_test_look, write_split
 from inference.models import model_folder
 from metrics.intervals import format_rate
 from protocol.config import RunConfig
+from protocol.errors import ConfigError
 from protocol.messages import SPLITS
 from protocol.run_dir import RunDir
 
@@ -90,8 +91,9 @@ def eval_command(config, sets, env_name, split, model_path, k, temperature, poli
         ensure_engine(cfg)
     try:
         summary = run_eval(cfg, path, split, model_path, k, temperature, policy, limit,
-                           batch_tasks, out, per_category=per_category, resume=resume)
-    except (KeyError, ValueError, RuntimeError, OSError) as exc:
+                           batch_tasks, out, per_category=per_category, resume=resume,
+                           own_limits=config is None and "env.max_context" not in set_keys(sets))
+    except (KeyError, ValueError, RuntimeError, OSError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(render_table(summary))
 
@@ -117,12 +119,16 @@ def look_at_test_later(run_dir: str | None, sets: tuple[str, ...]) -> None:
 
 def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, k: int,
              temperature: float | None, policy: str, limit: int, batch_tasks: int,
-             out: str | None, per_category: int = 0, resume: bool = False) -> dict:
+             out: str | None, per_category: int = 0, resume: bool = False,
+             own_limits: bool = False) -> dict:
     """:func:`episodes.evaluate.evaluate_model` with ``autodidact eval``'s presentation:
     progress lines, per-task JSONL written batch by batch and a summary beside it; returns
-    the summary."""
+    the summary. A sampling model's context is checked first
+    (:func:`autodidact.resolve.check_context`; ``own_limits``: a larger ``env.max_context``
+    the env declares is taken, for a command without a config file)."""
+    from autodidact.resolve import check_context
     from environments.base import env_maker
-    from episodes.evaluate import evaluate_model, select_tasks, summarize
+    from episodes.evaluate import evaluate_model, model_positions, select_tasks, summarize
 
     env = env_maker(cfg.env)()
     write_split(run_dir, env)
@@ -130,6 +136,9 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     if not tasks:
         raise ValueError(f"env {cfg.env.name!r} has no {split} tasks")
     model_path = model_folder(model_path) if model_path else prepare_model(cfg, run_dir)
+    if policy == "model":  # replayed references are never read by a model: no context guard
+        cfg = check_context(cfg, model_path, tasks[0], own_limits,
+                            positions=model_positions(model_path))
     temperature = cfg.eval.temperature if temperature is None else temperature
     settings = {"env": cfg.env.name, "split": split, "policy": policy, "model": model_path,
                 "k": k, "temperature": temperature, "seed": cfg.seed,

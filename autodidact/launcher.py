@@ -35,7 +35,7 @@ from autodidact.coordinator import Coordinator
 from autodidact.node_cli import worker_hint
 from autodidact.progress import Reporter, checkpoint_fallbacks, print_summary
 from autodidact.roles import replay_role, training_roles, wait_for_replay, write_resolved_config
-from autodidact.stages import NoSyntheticTasks, after_training, up_to_training
+from autodidact.stages import StartRefused, after_training, up_to_training
 from autodidact.supervisor import Supervisor, stop_signals_interrupt
 from autodidact.tracking import WandbMirror, read_summary
 from autodidact.vllm_serve import served_judge
@@ -105,7 +105,7 @@ def train(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, roles: Superv
     summary = read_summary(run_dir) if resume else {}
     try:
         start = up_to_training(cfg, run_dir, coordinator.control, summary, resume)
-    except NoSyntheticTasks as exc:
+    except StartRefused as exc:  # no synthetic tasks, a context too short
         console.print(f"[red]{exc}[/]")
         return 1
     with contextlib.ExitStack() as judge_llm:

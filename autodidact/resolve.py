@@ -8,6 +8,13 @@ and nothing assigns to the result. Precedence, lowest first::
 
     embedded defaults < config file < --set < flags (--redis-url, --env, ...) < start defaults
 
+but for ``--env``: it switches env first and the ``--set`` beside it still apply (all but
+``env.name``, which ``--env`` gives): ``--env openenv --set env.options.url=...`` keeps the url,
+and the env's own limits give way to a ``--set env.max_context``.
+
+At start, once the model is known, :func:`check_context` measures one episode's opening on the
+model's tokenizer and refuses an ``env.max_context`` too short for it.
+
 Start defaults fill what the config leaves empty: ``redis.prefix`` (``autodidact:<name>``) for
 commands that talk to Redis, ``replay.address`` (a socket in the run directory) for a run
 whose services start here. Values learned only later make a new checked config at an explicit
@@ -44,7 +51,8 @@ class Flags:
     """--weights-addr: the learner's weight server (``weights.address``)."""
 
     env: str | None = None
-    """--env: another environment; its options are reset to that env's defaults."""
+    """--env: another environment; its options are reset to that env's defaults, but for
+    those a ``--set env.options...`` beside it gives."""
 
     env_limits: bool = False
     """Take the env's own rollout limits (``default_limits``: turns, context, action tokens)
@@ -140,9 +148,11 @@ def flag_values(cfg: RunConfig, flags: Flags, run_dir: Path | None = None,
 
 def env_values(cfg: RunConfig, name: str, limits: bool,
                explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Switch to env ``name``: its options reset (another env's options mean nothing to it),
-    and with ``limits`` the env's own rollout limits (e.g. bfcl: long contexts and actions),
-    but for those the command sets itself (``explicit``: ``--set env.max_turns=8`` wins)."""
+    """Switch to env ``name``: its options reset (another env's options mean nothing to it)
+    but for those the command sets itself, and with ``limits`` the env's own rollout limits
+    (e.g. bfcl: long contexts and actions), again but for those the command sets itself
+    (``explicit``: ``--set env.options.url=...`` and ``--set env.max_turns=8`` win): as if
+    ``--env`` were applied first and the ``--set`` after it."""
     from environments import env_class
 
     try:
@@ -151,10 +161,19 @@ def env_values(cfg: RunConfig, name: str, limits: bool,
         raise ConfigError(f"--env: {exc.args[0]}") from None
     values: dict[str, Any] = {}
     if name != cfg.env.name:
-        values.update({"env.name": name, "env.options": {}})
+        values.update({"env.name": name, "env.options": set_options(cfg, explicit)})
     if limits:
         values.update(own_limits(cls, explicit))
     return values
+
+
+def set_options(cfg: RunConfig, explicit: frozenset[str]) -> dict[str, Any]:
+    """The env options among ``cfg``'s that a ``--set`` gave (``env.options.KEY=...``, or
+    ``env.options={...}`` for all of them): what ``--env`` keeps."""
+    if "env.options" in explicit:
+        return dict(cfg.env.options)
+    given = {key.split(".")[2] for key in explicit if key.startswith("env.options.")}
+    return {key: value for key, value in cfg.env.options.items() if key in given}
 
 
 def own_limits(cls, explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -239,3 +258,92 @@ def judge_settings(cfg: RunConfig) -> JudgeSettings:
 
 def experience_settings(cfg: RunConfig) -> ExperienceSettings:
     return ExperienceSettings(experience=cfg.experience, env=cfg.env)
+
+
+# --- what one episode needs of the context, checked at start -------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextNeed:
+    """The tokens one episode needs at least, measured on one task with the model's own
+    tokenizer and the run's rollout settings: the opening prompt (request, first observation,
+    and the tools' schemas and instructions where the model reads them), one call
+    (``actor.max_action_tokens``), its observation (counted as long as the first one) and room
+    for the call that reads it (the rollout appends an observation only with that room left);
+    and the ``max_context`` the env itself declares it needs (``default_limits``, which an env
+    may learn once it has its tools: the OpenEnv adapter's from the server's schemas), 0 if
+    none."""
+
+    prompt: int
+    call: int
+    observation: int
+    declared: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.call + self.observation + self.call
+
+
+def context_need(cfg: RunConfig, model_path: str, task) -> ContextNeed | None:
+    """:class:`ContextNeed` of ``task`` in the configured env, through the rollout's own
+    opening (:func:`episodes.rollout.start_episodes`); None when the env fails the episode (a
+    served env that is down: the run says so itself, where it would have failed anyway)."""
+    from transformers import AutoTokenizer
+
+    from environments.base import env_maker
+    from episodes.rollout import env_call, rollout_settings, start_episodes
+    from inference.codecs import make_codec
+
+    settings = rollout_settings(cfg)
+    codec = make_codec(AutoTokenizer.from_pretrained(model_path), settings.tool_format)
+    (ep,) = start_episodes([task], 1, env_maker(cfg.env), codec, settings=settings)
+    try:
+        if ep.failure is not None:
+            return None
+        observation = codec.observation(ep.opening[1], "tool",
+                                        settings.context.observation_tokens)
+        env_call(ep, ep.env.tools)  # an env may learn its needs from its tools (openenv)
+        if ep.failure is not None:
+            return None
+        declared = dict(getattr(ep.env, "default_limits", None) or {}).get("max_context", 0)
+        return ContextNeed(ep.prompt_len, settings.max_action_tokens, len(observation),
+                           int(declared))
+    finally:
+        close = getattr(ep.env, "close", None)
+        if close is not None:
+            close()
+
+
+def check_context(cfg: RunConfig, model_path: str, task, own_limits: bool = False,
+                  positions: int | None = None) -> RunConfig:
+    """``cfg`` once its ``env.max_context`` is known to hold an episode of ``task`` past its
+    first call (:class:`ContextNeed`, measured on ``model_path``'s tokenizer); with
+    ``own_limits`` (a command without a config file whose ``--set`` leaves
+    ``env.max_context`` alone) a larger ``max_context`` the env declares is taken: a new
+    config. ``positions``: the model's position limit where the rollout caps the context at
+    it (``autodidact eval``). ConfigError, one line with the numbers and the setting to
+    change, when the context is too short."""
+    need = context_need(cfg, model_path, task)
+    if need is None:
+        return cfg
+    if own_limits and need.declared > cfg.env.max_context:
+        cfg = with_values(cfg, {"env.max_context": need.declared})
+    if need.total <= min(cfg.env.max_context, positions or cfg.env.max_context):
+        return cfg
+    if positions is not None and positions < need.total:
+        raise ConfigError(
+            f"the model {model_path} holds {positions} positions, too few for an episode of "
+            f"{cfg.env.name} past its first call: {_need_words(need)}; use a model with a "
+            f"longer context")
+    wanted = max(need.total, need.declared)
+    raise ConfigError(
+        f"env.max_context={cfg.env.max_context} is too short for an episode of "
+        f"{cfg.env.name} past its first call: {_need_words(need)}"
+        + (f" (the env declares {need.declared})" if need.declared else "")
+        + f"; set env.max_context to at least {wanted} (--set env.max_context={wanted})")
+
+
+def _need_words(need: ContextNeed) -> str:
+    return (f"its opening prompt takes {need.prompt} tokens, a call up to {need.call} "
+            f"(actor.max_action_tokens), its observation about {need.observation} and the "
+            f"next call {need.call}: {need.total} in all")

@@ -49,7 +49,7 @@ from autodidact.coordinator import Coordinator
 from autodidact.progress import print_summary
 from autodidact.resolve import learner_threads
 from autodidact.stages import (  # the stages around RL, shared with `autodidact run`
-    NoSyntheticTasks,
+    StartRefused,
     after_training,
     console,
     up_to_training,
@@ -278,7 +278,7 @@ def train(cfg: RunConfig, run_dir: Path, coordinator: Coordinator, replay: InPro
     ``summary``, returns the exit code."""
     try:
         start = up_to_training(cfg, run_dir, coordinator.control, summary, resume)
-    except NoSyntheticTasks as exc:
+    except StartRefused as exc:  # no synthetic tasks, a context too short
         console.print(f"[red]{exc}[/]")
         return 1
     cfg = start.cfg  # the config the roles read from here on

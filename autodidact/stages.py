@@ -32,12 +32,13 @@ from pathlib import Path
 from rich.console import Console
 
 from autodidact.base_model import prepare_model
-from autodidact.resolve import with_model
+from autodidact.resolve import check_context, with_model
 from autodidact.task_mix import synthetic_share, warmstart_tasks
 from metrics.intervals import format_rate
 from metrics.jsonl import MetricsWriter, read_metrics
 from protocol.config import RunConfig
 from protocol.control import ControlPlane
+from protocol.errors import ConfigError
 from protocol.messages import SPLITS, Task
 from protocol.run_dir import RunDir
 
@@ -51,7 +52,11 @@ def show(message: str) -> None:
     console.print(message, highlight=False)
 
 
-class NoSyntheticTasks(RuntimeError):
+class StartRefused(RuntimeError):
+    """A run that cannot start as configured; its message (one line) says what to change."""
+
+
+class NoSyntheticTasks(StartRefused):
     """The task mixture asks for synthetic tasks and none exist, or some of those there are
     repeat a held-out task (a pool made before decontamination, or under another split)."""
 
@@ -201,13 +206,20 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
                    resume: bool, say: Say = show) -> Training:
     """The base model, split.json and, unless a resumed run did them already, the stages
     before training (:func:`before_training`, their entries added to ``summary`` and written
-    to summary.json). Raises :class:`NoSyntheticTasks` as ``before_training`` does."""
+    to summary.json). Raises :class:`NoSyntheticTasks` as ``before_training`` does, and
+    :class:`StartRefused` first where ``env.max_context`` cannot hold an episode past its
+    first call (:func:`autodidact.resolve.check_context`)."""
     from environments.base import env_maker
 
     base = prepare_model(cfg, run_dir)
     env = env_maker(cfg.env)()
     write_split(run_dir, env)
     original = env.tasks("train")
+    for task in (original or env.tasks("validation"))[:1]:
+        try:  # a context too short for one call: refused now, not truncated in every episode
+            check_context(cfg, base, task)
+        except ConfigError as exc:
+            raise StartRefused(str(exc)) from None
     share = synthetic_share(cfg, original)
     if resume and "success_warm" in summary:
         policy = resumed_policy(cfg, run_dir, base)

@@ -34,9 +34,17 @@ run`` from exploring). The server's own state is :meth:`server_state`.
 
 **Failures.** A server that cannot be reached, goes away, answers late, refuses a message or
 answers something that does not parse raises :class:`~protocol.errors.EnvFailed` (reasons
-``no_worker``, ``worker_died``, ``timeout``, ``refused``, ``bad_reply``), naming the field
-that was wrong, so an actor drops the episode as it does for a served env. Nothing from the
-wire is evaluated: replies are JSON, read field by field.
+``no_worker``, ``worker_died``, ``timeout``, ``refused``, ``bad_reply``), and nothing else,
+whatever the reply, ``/schema`` or tool list: a ``bad_reply`` is one line naming the field and
+what it expected (``tool t: inputSchema.properties.x.anyOf: expected a list of schemas, got
+null``), so an actor drops the episode as it does for a served env. Nothing from the wire is
+evaluated: replies are JSON, read field by field (tests/test_openenv_hostile.py serves
+thousands of hostile ones).
+
+**Context.** The tools' schemas fill a chat model's prompt, so once an instance has them it
+declares the ``max_context`` it needs in its own ``default_limits`` (:meth:`_declare_limits`);
+``autodidact eval`` without a config file takes it, and every run and evaluation refuses at
+start a context too short for one call (``autodidact.resolve.check_context``).
 
 ``websockets`` (a dependency of the ``openenv`` extra) is imported only when an instance is
 made, so the default install never needs it.
@@ -90,6 +98,14 @@ SESSION_ENDING = ("CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR")
 # How long close() waits for the server to end the session it asked to end. openenv-core
 # 0.3.0 logs a traceback for every session whose client closed the socket first.
 CLOSE_WAIT_S = 5.0
+# The context an instance declares it needs once it has the server's tools (its
+# ``default_limits``, which a command without a config file takes): the tools' JSON schemas at
+# about 3 characters a token, room for the request and instructions around them, and for
+# TURN_ROOM calls, each with an observation of max_obs_words (about 2 tokens a word).
+SCHEMA_CHARS_PER_TOKEN = 3
+PROMPT_ROOM = 256
+TURN_ROOM = 4
+CALL_ROOM = 64
 
 
 # --- JSON-schema tools as ToolSpecs -------------------------------------------------------------
@@ -395,6 +411,7 @@ class OpenEnvEnv(Environment):
             self._mcp = self._lists_tools()
         if not self._mcp:  # a text-action server's tools are in its reset observation
             self._tools = self._listed_tools(observation)
+            self._declare_limits()
             self._text_field()  # asked now, while the session is known to be up
         return self._text(observation)
 
@@ -484,7 +501,17 @@ class OpenEnvEnv(Environment):
             self._mcp = self._lists_tools()
         if self._mcp and self._tools is None:
             self._tools = self._mcp_tools()
+            self._declare_limits()
         return list(self._tools or [])
+
+    def _declare_limits(self) -> None:
+        """This instance's ``default_limits`` once its tools are known: the ``max_context``
+        their schemas, the request and :data:`TURN_ROOM` calls with their observations need
+        (see the constants above), rounded up to a multiple of 256."""
+        chars = len(json.dumps([schema_tool(t) for t in self._tools or []]))
+        need = -(-chars // SCHEMA_CHARS_PER_TOKEN) + PROMPT_ROOM \
+            + TURN_ROOM * (CALL_ROOM + 2 * self.max_obs_words)
+        self.default_limits = {"max_context": -(-need // 256) * 256}
 
     def _lists_tools(self) -> bool:
         """Whether the server answers MCP ``tools/list`` (an MCP-tool server)."""

@@ -405,6 +405,41 @@ def test_serve_flag_refuses_in_one_line(argv, says):
     assert result.exit_code == 2 and says in result.output, result.output
 
 
+def test_eval_takes_the_context_the_server_s_tools_need(servers, files_policy_path, tmp_path):
+    """The adapter declares the max_context its server's tool schemas need once it has them;
+    ``autodidact eval --env openenv`` (no config file, ``--set env.options.url``) takes it, and
+    a ``--set env.max_context`` too short for one call is refused at start in one line."""
+    from environments.openenv_adapter import OpenEnvEnv, schema_tool
+
+    _, native = servers
+    env = adapter(native.url)
+    assert OpenEnvEnv.default_limits == {}  # the class cannot know: its instances learn it
+    tools = env.tools()
+    chars = len(json.dumps([schema_tool(t) for t in tools]))
+    declared = env.default_limits["max_context"]
+    assert declared % 256 == 0 and declared >= chars // 3 + 4 * 2 * env.max_obs_words
+    env.close()
+    common = ["eval", "--env", "openenv", "--set", f"env.options.url={native.url}", "--model",
+              files_policy_path, "-k", "1", "--limit", "1", "--set", "env.max_turns=2"]
+    result = CliRunner().invoke(main_cli(), [*common, "--run-dir", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(next((tmp_path / "a" / "eval").glob("*.summary.json")).read_text())
+    assert summary["env_settings"]["max_context"] == declared
+    result = CliRunner().invoke(main_cli(), [*common, "--run-dir", str(tmp_path / "b"),
+                                             "--set", "env.max_context=17"])
+    assert result.exit_code == 1, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: env.max_context=17 is too short for an episode of openenv "
+                           "past its first call: its opening prompt takes ") \
+        and f"(the env declares {declared}); set env.max_context to at least {declared}" in last
+
+
+def main_cli():
+    from autodidact.cli import main
+
+    return main
+
+
 def test_adapter_sessions_end_cleanly(servers):
     """Last: every adapter session above, closed or refused, left the native server's log
     clean (openenv-core 0.3.0 logs a traceback for a session whose client closes the socket

@@ -65,10 +65,15 @@ def test_env_switch_resets_options_and_takes_the_envs_limits_without_a_file():
     sets = ["env.options={num_worlds: 3}"]
     same = resolve_config(None, sets, Flags(env="files"))
     assert same.env.options == {"num_worlds": 3}  # the config's own env: options kept
-    other = resolve_config(None, sets, Flags(env="bfcl"))
+    other = resolve_config(None, [], Flags(env="bfcl"))
     assert (other.env.name, other.env.options) == ("bfcl", {})
     assert other.env.max_context == RunConfig().env.max_context  # limits only when asked
-    own = resolve_config(None, sets, Flags(env="bfcl", env_limits=True))
+    # --env applies first, the --set beside it after: its options are the new env's to take
+    # (tests/test_context_check.py has the options a file gave, which --env does reset)
+    with pytest.raises(ConfigError, match="env.options.num_worlds: unknown option of "
+                                          "environment 'bfcl'"):
+        resolve_config(None, sets, Flags(env="bfcl"))
+    own = resolve_config(None, [], Flags(env="bfcl", env_limits=True))
     assert (own.env.max_turns, own.env.max_context, own.actor.max_action_tokens) == \
         (64, 16384, 256)
     # ... but a limit the command sets itself is the command's
