@@ -140,7 +140,14 @@ class EnvConfig:
 
     max_context: int = 384
     """Context-length guard in tokens: an episode stops before its context would exceed this
-    (with a ``context`` that rebuilds the prompt, the context of one turn, not the episode)."""
+    (with a ``context`` that rebuilds the prompt, the context of one turn, not the episode).
+    Checked at start (``autodidact run``, ``autodidact eval``: ``autodidact.resolve.
+    check_context``): one episode's opening prompt (with the tools' schemas where the model
+    reads them), a call (``actor.max_action_tokens``), its observation and the next call must
+    fit, or the command refuses in one line with the numbers and the value to set, instead of
+    truncating every episode after its first call. An env may declare what it needs
+    (``default_limits``; the ``openenv`` adapter from its server's tool schemas), which a
+    command without a config file takes unless ``--set env.max_context`` is given."""
 
     context: str = "linear"
     """How the model's context grows over an episode (docs/context.md): ``linear`` (every turn
