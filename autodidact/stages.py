@@ -33,7 +33,7 @@ from rich.console import Console
 
 from autodidact.base_model import prepare_model
 from autodidact.resolve import check_context, with_model
-from autodidact.task_mix import synthetic_share, warmstart_tasks
+from autodidact.task_mix import rl_synthetic_share, synthetic_share, warmstart_tasks
 from metrics.intervals import format_rate
 from metrics.jsonl import MetricsWriter, read_metrics
 from protocol.config import RunConfig
@@ -164,23 +164,27 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
     (the evaluations unless ``eval.before_rl`` is false).
 
     Returns the policy RL starts from and the summary entries ``synthetic_share``,
+    ``rl_synthetic_share``,
     ``explore``, ``tasks`` (how many hand-written and self-made), ``experience_init``,
     ``success_base``, ``success_warm``. Raises :class:`NoSyntheticTasks` when the mixture
     needs synthetic tasks and none exist.
     """
-    summary: dict = {"synthetic_share": share, "eval_split": "validation"}
-    summary["explore"] = explore_stage(cfg, run_dir, control, base_path, share, say)
+    rl_share = rl_synthetic_share(cfg, share)
+    summary: dict = {"synthetic_share": share, "rl_synthetic_share": rl_share,
+                     "eval_split": "validation"}
+    needed = max(share, rl_share)
+    summary["explore"] = explore_stage(cfg, run_dir, control, base_path, needed, say)
     synthetic = control.synthetic_since(0)
-    if share > 0 and not synthetic:
+    if needed > 0 and not synthetic:
         raise NoSyntheticTasks("tasks.synthetic_share > 0 but there are no synthetic tasks: "
                                "run `autodidact explore` or set explore.stage")
-    if share > 0:
+    if needed > 0:
         refuse_contaminated(cfg, run_dir, synthetic)
     summary["tasks"] = {"hand_written": len(original), "self_made": len(synthetic)}
     say(f"  training tasks: {len(original)} hand-written, {len(synthetic)} self-made; "
-        f"self-made share {share:g}" + (" (tasks.synthetic_share auto: the env has "
-                                        "training tasks)" if cfg.tasks.synthetic_share < 0
-                                        and original else ""))
+        f"self-made share {share:g}" + (f" (in RL {rl_share:g})" if rl_share != share else "")
+        + (" (tasks.synthetic_share auto: the env has training tasks)"
+           if cfg.tasks.synthetic_share < 0 and original else ""))
     summary["experience_init"] = experience_stage(cfg, run_dir, say)
     before_rl = cfg.eval.before_rl
     summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "base", 0,
@@ -198,7 +202,7 @@ class Training:
 
     cfg: RunConfig  # the config the roles read: model.path is the policy RL starts from
     original: list[Task]  # the env's own training tasks
-    share: float  # the share of synthetic tasks in the mixture
+    share: float  # the share of synthetic tasks among RL's draws
     base: str  # the base model's folder (the final test evaluation measures it too)
 
 
@@ -227,7 +231,7 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
         policy, entries = before_training(cfg, run_dir, control, base, original, share, say)
         summary.update(entries)
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2))
-    return Training(with_model(cfg, policy), original, share, base)
+    return Training(with_model(cfg, policy), original, rl_synthetic_share(cfg, share), base)
 
 
 def after_training(cfg: RunConfig, run_dir: Path, learner_finished: bool, base: str,

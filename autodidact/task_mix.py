@@ -71,6 +71,12 @@ def synthetic_share(cfg: RunConfig, original: list[Task]) -> float:
     return 0.0 if original else 1.0
 
 
+def rl_synthetic_share(cfg: RunConfig, share: float) -> float:
+    """The self-made share of RL's draws: ``tasks.rl_synthetic_share``, or ``share`` (the
+    warm-start's, :func:`synthetic_share`) when it is -1."""
+    return share if cfg.tasks.rl_synthetic_share < 0 else cfg.tasks.rl_synthetic_share
+
+
 def warmstart_tasks(cfg: RunConfig, original: list[Task], synthetic: list[Task],
                     share: float) -> list[Task] | None:
     """Reference tasks for the warm-start in the training mixture (None: the env's own).

@@ -826,6 +826,11 @@ class TasksConfig:
     has training tasks, else synthetic only). Warm-start references follow the same mixture
     (how: ``warmstart_mixing``)."""
 
+    rl_synthetic_share: float = -1.0
+    """Share of self-made tasks among those RL draws, when it should differ from the
+    warm-start's (``synthetic_share``): -1 = the same; 0 = the warm-start mixes self-made
+    references in and RL trains on the env's own tasks alone."""
+
     warmstart_mixing: str = "add"
     """How self-made references join the warm-start when the share is between 0 and 1:
     ``add`` (the hand-written references the warm-start takes alone, ``warmstart.max_examples``
@@ -877,6 +882,8 @@ class TasksConfig:
                               "draws again could never show it was learned or forgotten")
         if self.synthetic_share != -1.0:
             in_range(self, "synthetic_share", 0.0, 1.0)
+        if self.rl_synthetic_share != -1.0:
+            in_range(self, "rl_synthetic_share", 0.0, 1.0)
         if self.reward not in ("auto", "state", "llm"):
             raise ConfigError(f"reward must be auto, state or llm, got {self.reward!r}")
         _positive(self, "grader_max_repeats")

@@ -96,6 +96,7 @@ ZERO_OK = {
     "explore.max_steps", "explore.max_entities", "explore.max_tasks", "explore.min_tasks",
     "explore.min_valid_fraction", "explore.dedup_jaccard", "explore.kind_target",  # 0: off
     "tasks.synthetic_share", "tasks.match_examples",  # 0: self-made tasks drawn alike
+    "tasks.rl_synthetic_share",  # 0: RL on hand-written tasks alone
     "tasks.grader_repetition_cap", "experience.min_similarity", "experience.share",
     "experience.update_every", "experience.dedup_similarity", "experience.warmstart_share",
     "judge.workers", "judge.temperature", "actor.num_actors",  # 0: a head node (multinode)

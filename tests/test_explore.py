@@ -15,7 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from autodidact.task_mix import TaskFeeder, synthetic_share, warmstart_tasks
+from autodidact.task_mix import (
+    TaskFeeder,
+    rl_synthetic_share,
+    synthetic_share,
+    warmstart_tasks,
+)
 from environments.base import VERIFY_REASONS, described_only, verify_task
 from environments.files import FilesEnv, make_world
 from learner.warmstart import pick_references
@@ -814,6 +819,15 @@ def test_added_self_made_references_keep_the_hand_written_ones():
     mixed = warmstart_tasks(cfg, originals(30), synthetics(20), 0.25)
     assert {t.task_id for t in mixed if t.source == "original"} == alone
     assert len(alone) == 10
+
+
+def test_rl_draws_its_own_share_when_one_is_set():
+    same = load_config(None, ["tasks.synthetic_share=0.25"])
+    assert rl_synthetic_share(same, 0.25) == 0.25
+    apart = load_config(None, ["tasks.synthetic_share=0.25", "tasks.rl_synthetic_share=0"])
+    assert rl_synthetic_share(apart, 0.25) == 0.0
+    with pytest.raises(ConfigError, match="rl_synthetic_share"):
+        load_config(None, ["tasks.rl_synthetic_share=1.5"])
 
 
 def test_warmstart_mixing_refuses_other_values():
