@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from helpers_procs import wait_for
 from helpers_replay import damage, mutate_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -79,13 +80,6 @@ class EnvServer(EnvServerProcess):
 
     def config(self, name: str, timeout_s: float = 20.0) -> EnvConfig:
         return EnvConfig(name=name, address=self.address, call_timeout_s=timeout_s)
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

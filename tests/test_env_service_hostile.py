@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import pytest
 import zmq
 from click.testing import CliRunner
+from helpers_procs import wait_for
 
 from autodidact.env_serve import EnvServerProcess, client_options
 from environments import FilesEnv, env_maker
@@ -40,13 +40,6 @@ MAX_SESSIONS = 4  # one worker's, and so the server's
 PER_CLIENT = 3
 FRAME = 64 * 1024  # --max-frame-bytes, the smallest it takes
 CLIENTS = ("honest", "thief", "flooder", "latecomer")
-
-
-def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers_procs import stop_group
 
 from autodidact.supervisor import die_with_parent
 from environments import (
@@ -86,14 +86,7 @@ class OpenEnvServer:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        stop_group(self.proc)
 
 
 @pytest.fixture(scope="module")

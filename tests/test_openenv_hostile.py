@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers_procs import stop_group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -82,14 +82,7 @@ class Hostile:
     def stop(self) -> None:
         if self.control is not None:
             self.control.close()
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        stop_group(self.proc)
 
 
 @pytest.fixture(scope="module")
