@@ -83,10 +83,14 @@ def share_change(pairs: list[dict]) -> dict | None:
               for p in pairs]
     if any(a is None or b is None for a, b in shares):
         return None
+    change = seed_change([b - a for a, b in shares])
+    if change["t_ci"] is not None:  # a share of groups without signal: lower is better, and
+        # "helps"/"hurts" read off the sign would say the opposite; the words say which way
+        low, high = change["t_ci"]
+        change["t_label"] = "fewer" if high < 0 else "more" if low > 0 else "no change"
     return {"a": [a for a, _ in shares], "b": [b for _, b in shares],
             "a_mean": sum(a for a, _ in shares) / len(shares),
-            "b_mean": sum(b for _, b in shares) / len(shares),
-            **seed_change([b - a for a, b in shares])}
+            "b_mean": sum(b for _, b in shares) / len(shares), **change}
 
 
 def main(argv: list[str] | None = None) -> dict:

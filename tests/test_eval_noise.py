@@ -137,3 +137,18 @@ def test_compare_arms_refuses_unmatched_or_unfinished_runs(tmp_path):
         main(["--a", str(a), str(a), "--b", str(a)])
     with pytest.raises(SystemExit, match="no per-task records of the rl stage on validation"):
         main(["--a", str(a), "--b", str(tmp_path / "never-ran")])
+
+
+def test_fewer_groups_without_signal_reads_as_fewer_not_as_hurts():
+    """The share of uninformative groups is better lower: its label names the direction."""
+    from bench.compare_arms import share_change
+
+    def pair(a: float, b: float) -> dict:
+        return {"a_learner": {"uninformative_share": a}, "b_learner": {"uninformative_share": b}}
+
+    fewer = share_change([pair(0.7, 0.5), pair(0.72, 0.49), pair(0.69, 0.52)])
+    assert fewer["t_ci"][1] < 0 and fewer["t_label"] == "fewer"
+    more = share_change([pair(0.5, 0.7), pair(0.49, 0.72), pair(0.52, 0.69)])
+    assert more["t_label"] == "more"
+    assert share_change([pair(0.5, 0.6), pair(0.6, 0.5), pair(0.55, 0.56)])["t_label"] == \
+        "no change"
