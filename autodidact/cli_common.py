@@ -40,7 +40,10 @@ LIBRARY_LOGGERS = ("vllm", "py.warnings", "transformers", "torch", "accelerate")
 def library_logs_to(path: Path) -> None:
     """Send the :data:`LIBRARY_LOGGERS` to ``path`` instead of the terminal, warnings included
     (a library's error still reaches the user: as the exception our code reports)."""
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # vLLM imported after this adds no handler
+    # vLLM configures its logging (a stdout handler) whenever it makes an engine, unless this
+    # says not to; its lines then reach the handler below. Children inherit it: a role's vLLM
+    # lines go to the role's log through its root logger; `vllm serve` sets it back.
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
     logging.captureWarnings(True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -184,6 +184,9 @@ def verify(config, sets, run_dir):
     for reason, ids in sorted(failed.items(), key=lambda kv: -len(kv[1])):
         more = ", ..." if len(ids) > SHOW_FAILED else ""
         click.echo(f"  {reason}: {len(ids)} ({', '.join(ids[:SHOW_FAILED])}{more})")
+    if any(reason.startswith("other_env:") for reason in failed):
+        click.echo(f"  tasks of another env than {cfg.env.name} are not verified: give theirs "
+                   "with -c or --set env.name=MODULE:NAME")
     if failed:
         sys.exit(1)
 

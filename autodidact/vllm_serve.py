@@ -62,7 +62,9 @@ class VLLMServer:
     def env(self) -> dict[str, str]:
         from inference.engines import cpu_engine_env
 
-        env = dict(os.environ)
+        # Its own log file takes vLLM's lines: the launcher's library_logs_to turned vLLM's
+        # logging off in its own process, not for the server's.
+        env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1"}
         if self.cpu:  # the API server runs its engine in a process of its own, as it should
             env.update(cpu_engine_env(self.kv_cache_gib, self.threads))
         return env

@@ -266,6 +266,7 @@ def test_verify_never_imports_what_a_task_of_another_env_names(run_dir, tmp_path
     assert res.exit_code == 1, res.output
     assert f"verified {len(good)}/{len(good) + 1} tasks" in res.output
     assert "other_env:'planted': 1 (syn/other)" in res.output
+    assert "give theirs with -c or --set env.name=MODULE:NAME" in res.output
     assert not marker.exists()
 
 
