@@ -55,7 +55,7 @@ from collections import Counter
 from pathlib import Path
 
 from metrics.jsonl import read_metrics
-from replay.store import Store
+from replay.store import EVICTED, EVICTED_STALE, Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -284,19 +284,31 @@ def audit(run_dir: Path) -> dict:
     try:
         with store.env.begin() as txn:
             index = store.load_index(txn)
+            evicted = store.get_meta(txn, EVICTED, 0)
+            evicted_stale = store.get_meta(txn, EVICTED_STALE, 0)
     finally:
         store.close()
     ckpt = torch.load(run_dir / "checkpoints" / "latest.pt", map_location="cpu",
                       weights_only=True)
     ledger = list(ckpt["consumed"])
     marked = {g for g, rec in index.items() if rec.consumed}
+    # Eviction (replay.max_groups) deletes groups and keeps only their count: an acknowledged
+    # group no longer stored was trained on (the ledger has it) and evicted, or evicted unused
+    # past the staleness bound, or lost. Evicted ids are not kept, so the audit is by count:
+    # "lost" is what the stale evictions cannot account for (exact when nothing was evicted).
+    gone = acked - index.keys()
+    unused_gone = gone - set(ledger)
     return {
         "acknowledged": len(acked), "stored": len(index), "consumed": len(ledger),
         "judged": sum(r.judged for r in index.values()),
         "in_flight_at_stop": sum(r.delivered and not r.consumed for r in index.values()),
-        "lost": len(acked - index.keys()),
+        "evicted": evicted, "evicted_stale": evicted_stale,
+        "evicted_after_training": len(gone & set(ledger)),
+        "lost": max(0, len(unused_gone) - evicted_stale),
         "duplicates": len(ledger) - len(set(ledger)),
-        "ledger_not_stored": len(set(ledger) - index.keys()),
+        # Trained on, not stored: evicted after training (consumed groups go first).
+        "ledger_not_stored": max(0, len(set(ledger) - index.keys())
+                                 - (evicted - evicted_stale)),
         # Marked consumed by replay but not trained per the checkpoint: skipped for good.
         "skipped": len(marked - set(ledger)),
         # In the checkpoint, not yet committed to replay (a kill between the two): the next
@@ -308,6 +320,31 @@ def audit(run_dir: Path) -> dict:
         "store_full": max((r.get("replay/store_full", 0)
                            for r in read_metrics(run_dir, "replay")), default=0),
     }
+
+
+def audit_again(run_dir: Path, json_path: str) -> int:
+    """The audit of a finished soak's run directory, into its soak.json (and ``json_path``)."""
+    path = run_dir / "soak.json"
+    report = {**json.loads(path.read_text()), **audit(run_dir)}
+    path.write_text(json.dumps(report, indent=1))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    ok = passed(report)
+    print({k: v for k, v in report.items() if k != "samples"})
+    print("soak: PASS" if ok else "soak: FAIL")
+    return 0 if ok else 1
+
+
+def passed(report: dict) -> bool:
+    """Nothing lost, trained twice or skipped, no orphan, the fallback where a checkpoint was
+    damaged; resources flat and the store at its capacity where they were asked for."""
+    resources, faults = report.get("resources"), report.get("faults", {})
+    max_groups = (resources or {}).get("store", {}).get("max_groups")
+    return not (report["lost"] or report["duplicates"] or report["skipped"]
+                or report["ledger_not_stored"] or faults.get("orphans")
+                or (faults.get("checkpoints_damaged") and not report["checkpoint_fallbacks"])
+                or (resources and not resources["flat"])
+                or (resources and max_groups and not resources["store"]["at_capacity"]))
 
 
 def main() -> int:
@@ -333,7 +370,12 @@ def main() -> int:
     parser.add_argument("--flat", type=float, default=0.10,
                         help="the growth allowed between the early and the late window")
     parser.add_argument("--json", default="", help="also write the report here")
+    parser.add_argument("--audit-only", action="store_true",
+                        help="audit --run-dir's finished soak again (its soak.json kept but "
+                             "for the audit's fields), no run")
     args = parser.parse_args()
+    if args.audit_only:
+        return audit_again(Path(args.run_dir).resolve(), args.json)
     args.faults = [f for f in args.faults.split(",") if f]
     unknown = set(args.faults) - set(FAULTS)
     if unknown:
@@ -367,12 +409,7 @@ def main() -> int:
     for key, value in report.items():
         if key != "samples":
             print(f"  {key:<{width}}  {value}")
-    resources = report.get("resources")
-    ok = not (report["lost"] or report["duplicates"] or report["skipped"]
-              or report["ledger_not_stored"] or faults["orphans"]
-              or ("checkpoint" in args.faults and not report["checkpoint_fallbacks"])
-              or (resources and not resources["flat"])
-              or (resources and args.max_groups and not resources["store"]["at_capacity"]))
+    ok = passed(report)
     print("soak: PASS" if ok else "soak: FAIL")
     return 0 if ok else 1
 

@@ -47,3 +47,17 @@ def test_the_store_must_reach_its_capacity_when_one_is_set():
     below = [sample(60 * m, 1000, groups=10 * m) for m in range(61)]
     assert not resource_growth(below, 60, 10, 0.1, 5000)["store"]["at_capacity"]
     assert resource_growth(below, 60, 10, 0.1, 600)["store"]["at_capacity"]
+
+
+def test_a_soak_passes_only_with_nothing_lost_and_resources_flat():
+    from bench.soak import passed
+
+    clean = {"lost": 0, "duplicates": 0, "skipped": 0, "ledger_not_stored": 0,
+             "checkpoint_fallbacks": 0, "faults": {},
+             "resources": {"flat": True, "store": {"max_groups": 5000, "at_capacity": True}}}
+    assert passed(clean)
+    assert not passed({**clean, "lost": 1})
+    assert not passed({**clean, "faults": {"checkpoints_damaged": 1}})  # no fallback seen
+    assert not passed({**clean, "resources": {"flat": False, "store": {}}})
+    assert not passed({**clean, "resources": {"flat": True, "store": {"max_groups": 5000,
+                                                                     "at_capacity": False}}})
