@@ -291,20 +291,24 @@ def audit(run_dir: Path) -> dict:
     ckpt = torch.load(run_dir / "checkpoints" / "latest.pt", map_location="cpu",
                       weights_only=True)
     ledger = list(ckpt["consumed"])
-    marked = {g for g, rec in index.items() if rec.consumed}
+    # Set aside as carrying no signal: marked consumed by replay, never meant for training.
+    marked = {g for g, rec in index.items() if rec.consumed and not rec.set_aside}
     # Eviction (replay.max_groups) deletes groups and keeps only their count: an acknowledged
-    # group no longer stored was trained on (the ledger has it) and evicted, or evicted unused
-    # past the staleness bound, or lost. Evicted ids are not kept, so the audit is by count:
-    # "lost" is what the stale evictions cannot account for (exact when nothing was evicted).
+    # group no longer stored was trained on (the ledger has it) and evicted, or evicted
+    # untrained (set aside as carrying no signal, or past the staleness bound), or lost.
+    # Evicted ids are not kept, so the audit is by count: "lost" is what the untrained
+    # evictions cannot account for (exact when nothing was evicted).
     gone = acked - index.keys()
     unused_gone = gone - set(ledger)
+    evicted_untrained = evicted - len(gone & set(ledger))
     return {
         "acknowledged": len(acked), "stored": len(index), "consumed": len(ledger),
         "judged": sum(r.judged for r in index.values()),
         "in_flight_at_stop": sum(r.delivered and not r.consumed for r in index.values()),
         "evicted": evicted, "evicted_stale": evicted_stale,
         "evicted_after_training": len(gone & set(ledger)),
-        "lost": max(0, len(unused_gone) - evicted_stale),
+        "evicted_untrained": evicted_untrained,
+        "lost": max(0, len(unused_gone) - evicted_untrained),
         "duplicates": len(ledger) - len(set(ledger)),
         # Trained on, not stored: evicted after training (consumed groups go first).
         "ledger_not_stored": max(0, len(set(ledger) - index.keys())
@@ -313,7 +317,8 @@ def audit(run_dir: Path) -> dict:
         "skipped": len(marked - set(ledger)),
         # In the checkpoint, not yet committed to replay (a kill between the two): the next
         # learner start commits them with its hello.
-        "ledger_uncommitted": len(set(ledger) - marked),
+        "ledger_uncommitted": len((set(ledger) & index.keys()) - marked),
+        "set_aside": sum(rec.set_aside for rec in index.values()),
         "learner_updates": int(ckpt["updates"]), "learner_version": int(ckpt["version"]),
         "checkpoint_fallbacks": (run_dir / "logs" / "learner.log").read_text(
             errors="replace").count("resuming from"),
