@@ -66,7 +66,7 @@ def start_run(run_dir: Path, args, resume: bool = False) -> subprocess.Popen:
     sets = [f"actor.num_actors={args.actors}", f"judge.workers={args.judges}",
             "eval.num_tasks=0", "learner.max_updates=1000000", "tracking.wandb=disabled",
             f"learner.max_minutes={args.minutes + 30}", "learner.checkpoint_every=5",
-            f"name=soak-{args.seed}", f"seed={args.seed}"]
+            f"name=soak-{args.seed}", f"seed={args.seed}", *args.sets]
     if args.map_size:
         sets.append(f"replay.map_size={args.map_size}")
     if args.max_groups:
@@ -107,14 +107,17 @@ def wait_for_rl(run_dir: Path, launcher: subprocess.Popen, timeout_s: float = 60
         time.sleep(1)
 
 
-def proc_resources(pid: int) -> tuple[int, int] | None:
-    """(resident KiB, open file descriptors) of ``pid``; None once it has gone."""
+def proc_resources(pid: int) -> dict | None:
+    """``pid``'s resident KiB (``rss_kib``; ``anon_kib`` of it its own heap and stacks, the rest
+    mapped files: LMDB's pages, libraries, which the kernel may drop) and open file
+    descriptors (``fds``); None once it has gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        rss = next(int(line.split()[1]) for line in status.splitlines()
-                   if line.startswith("VmRSS:"))
-        return rss, len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, StopIteration, ValueError):
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        return {"rss_kib": int(fields["VmRSS"].split()[0]),
+                "anon_kib": int(fields.get("RssAnon", "0 kB").split()[0]),
+                "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    except (OSError, KeyError, ValueError):
         return None
 
 
@@ -139,9 +142,8 @@ class Sampler:
         for role, pid in roles.items():
             got = proc_resources(pid)
             if got is not None:
-                sample["roles"][role] = {"rss_kib": got[0], "fds": got[1],
-                                         "since_restart_s": round(
-                                             t - self.restarted_at.get(role, -1e9), 1)}
+                sample["roles"][role] = {**got, "since_restart_s": round(
+                    t - self.restarted_at.get(role, -1e9), 1)}
         replay = [r for r in read_metrics(self.run_dir, "replay") if "replay/groups" in r]
         if replay:
             sample["store"] = {k: replay[-1].get(f"replay/{k}") for k in
@@ -154,7 +156,7 @@ def window_mean(samples: list[dict], role: str, key: str, window: tuple[float, f
     """Mean of ``key`` for ``role`` over the samples in ``window`` (seconds), leaving out
     those within 120 s of the role's restart."""
     vals = [s["roles"][role][key] for s in samples
-            if window[0] <= s["t"] < window[1] and role in s["roles"]
+            if window[0] <= s["t"] < window[1] and key in s["roles"].get(role, {})
             and s["roles"][role]["since_restart_s"] >= 120]
     return sum(vals) / len(vals) if vals else None
 
@@ -169,7 +171,7 @@ def resource_growth(samples: list[dict], minutes: float, settle_min: float,
     per_role: dict = {}
     for role in sorted({r for s in samples for r in s["roles"]}):
         per_role[role] = {}
-        for key in ("rss_kib", "fds"):
+        for key in ("rss_kib", "anon_kib", "fds"):
             a, b = window_mean(samples, role, key, early), window_mean(samples, role, key, late)
             per_role[role][key] = {"early": a, "late": b,
                                    "growth": None if not a or b is None else round(b / a - 1, 4)}
@@ -375,6 +377,9 @@ def main() -> int:
     parser.add_argument("--flat", type=float, default=0.10,
                         help="the growth allowed between the early and the late window")
     parser.add_argument("--json", default="", help="also write the report here")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more config value for the run (repeatable), e.g. "
+                             "experience.max_pool=1000 so the pool reaches its cap")
     parser.add_argument("--audit-only", action="store_true",
                         help="audit --run-dir's finished soak again (its soak.json kept but "
                              "for the audit's fields), no run")

@@ -17,8 +17,8 @@ def sample(t: float, rss: int, fds: int = 10, since_restart_s: float = 1e6,
 
 
 def test_this_process_resources_are_read_from_proc():
-    rss, fds = proc_resources(os.getpid())
-    assert rss > 10_000 and fds >= 3
+    got = proc_resources(os.getpid())
+    assert got["rss_kib"] > 10_000 and 0 < got["anon_kib"] <= got["rss_kib"] and got["fds"] >= 3
     assert proc_resources(2 ** 22 + 12345) is None  # no such process
 
 
