@@ -157,19 +157,18 @@ def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,
 
 
 def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_path: str,
-                    original: list[Task], share: float,
+                    original: list[Task], share: float, rl_share: float,
                     say: Say = show) -> tuple[str, dict]:
     """Everything between the base model and RL, in order: explore, seed the experience pool,
     evaluate the base model, warm-start on references of the task mixture, evaluate again
     (the evaluations unless ``eval.before_rl`` is false).
 
-    Returns the policy RL starts from and the summary entries ``synthetic_share``,
-    ``rl_synthetic_share``,
+    ``share`` is the warm-start's self-made share, ``rl_share`` RL's. Returns the policy RL
+    starts from and the summary entries ``synthetic_share``, ``rl_synthetic_share``,
     ``explore``, ``tasks`` (how many hand-written and self-made), ``experience_init``,
     ``success_base``, ``success_warm``. Raises :class:`NoSyntheticTasks` when the mixture
     needs synthetic tasks and none exist.
     """
-    rl_share = rl_synthetic_share(cfg, share)
     summary: dict = {"synthetic_share": share, "rl_synthetic_share": rl_share,
                      "eval_split": "validation"}
     needed = max(share, rl_share)
@@ -225,13 +224,15 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
         except ConfigError as exc:
             raise StartRefused(str(exc)) from None
     share = synthetic_share(cfg, original)
+    rl_share = rl_synthetic_share(cfg, share)
     if resume and "success_warm" in summary:
         policy = resumed_policy(cfg, run_dir, base)
     else:
-        policy, entries = before_training(cfg, run_dir, control, base, original, share, say)
+        policy, entries = before_training(cfg, run_dir, control, base, original, share,
+                                          rl_share, say)
         summary.update(entries)
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2))
-    return Training(with_model(cfg, policy), original, rl_synthetic_share(cfg, share), base)
+    return Training(with_model(cfg, policy), original, rl_share, base)
 
 
 def after_training(cfg: RunConfig, run_dir: Path, learner_finished: bool, base: str,

@@ -432,29 +432,25 @@ def task_env_name(task: Task) -> str:
     return spec if isinstance(spec, str) and spec else task.env
 
 
-def _of_run_env(task: Task, env_cfg: EnvConfig | None) -> bool:
-    # A plugin's "pkg.module:name" registers as "name", which Task.env holds.
-    return env_cfg is not None and task.env == env_cfg.name.rpartition(":")[2]
-
-
 def task_env_of_run(task: Task, env_cfg: EnvConfig | None) -> bool:
     """Whether ``task`` is of the run's env (``env_cfg``): :func:`task_env_maker` builds the
     run's env for it, never importing what its ``meta.env_spec`` names. A role that must not
     import code a stored task names (the experience worker) replays only such tasks."""
-    return _of_run_env(task, env_cfg)
+    # A plugin's "pkg.module:name" registers as "name", which Task.env holds.
+    return env_cfg is not None and task.env == env_cfg.name.rpartition(":")[2]
 
 
 def task_env_class(task: Task, env_cfg: EnvConfig | None = None) -> type[Environment]:
     """The class to replay ``task`` in: the run's (``env_cfg``, served or not) for a task of
     the env it names, else the class the task names (:func:`task_env_name`)."""
-    return env_class(env_cfg if _of_run_env(task, env_cfg) else task_env_name(task))
+    return env_class(env_cfg if task_env_of_run(task, env_cfg) else task_env_name(task))
 
 
 def task_env_maker(task: Task, env_cfg: EnvConfig | None = None) -> Callable[[], Environment]:
     """Fresh envs to replay ``task`` in: the run's (``env_cfg``: served or not, with its
     options) for a task of the env it names, else the class the task names, with its
     defaults."""
-    return env_maker(env_cfg) if _of_run_env(task, env_cfg) else env_class(task_env_name(task))
+    return env_maker(env_cfg) if task_env_of_run(task, env_cfg) else env_class(task_env_name(task))
 
 
 def call_all(calls: Sequence[tuple[Environment, str, tuple]]) -> list:
