@@ -71,7 +71,7 @@ import zmq
 from protocol import codec
 from protocol import env_wire as wire
 from protocol.errors import ConfigError, SchemaError
-from protocol.security import CurveKeys
+from protocol.security import CurveKeys, is_loopback_host
 from protocol.transport import LINGER_MS, Incoming, RouterServer
 
 log = logging.getLogger(__name__)
@@ -942,7 +942,7 @@ def _serve_openenv(spec: str, address: str, max_sessions: int, keys_dir: str,
     if keys_dir:  # OpenEnv clients speak plain HTTP and WebSocket: no CURVE there
         raise click.UsageError("--keys-dir does not apply to --openenv (plain HTTP); keep "
                                "the server on loopback or behind a TLS proxy")
-    if not _loopback_host(host) and not allow_plaintext_remote:
+    if not is_loopback_host(host) and not allow_plaintext_remote:
         raise click.UsageError(f"{address} leaves this machine unencrypted: bind 127.0.0.1 "
                                "or give --allow-plaintext-remote")
     try:
@@ -964,12 +964,6 @@ def _serve_openenv(spec: str, address: str, max_sessions: int, keys_dir: str,
                f"{max_sessions} sessions at most)", err=True)
     openenv_serve.serve_openenv(cls, sock, max_sessions)
     click.echo("env serve: stopped", err=True)
-
-
-def _loopback_host(host: str) -> bool:
-    from protocol.security import leaves_loopback
-
-    return not leaves_loopback(f"tcp://{host}:0")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

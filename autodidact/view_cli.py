@@ -23,9 +23,10 @@ import click
                    "token, printed once at start in the viewer's URL.")
 def view(run_dirs, host, port, allow_remote):
     """Serve a read-only web page over run directories, live while a run goes on."""
-    from autodidact.viewer.server import is_loopback, remote_refusal, serve
+    from autodidact.viewer.server import remote_refusal, serve
+    from protocol.security import is_loopback_host
 
-    if not (allow_remote or is_loopback(host)):
+    if not (allow_remote or is_loopback_host(host)):
         click.echo(remote_refusal(host), err=True)
         sys.exit(2)
     missing = [str(p) for p in run_dirs if not p.is_dir()]

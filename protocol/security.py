@@ -213,13 +213,21 @@ def leaves_loopback(address: str) -> bool:
         raise ConfigError(f"not a ZeroMQ address: {address!r} (e.g. tcp://127.0.0.1:5555)")
     if scheme in ("ipc", "inproc"):
         return False
-    host = rest.rsplit(";", 1)[-1].rsplit(":", 1)[0].strip("[]")  # connect may name a source
+    host = rest.rsplit(";", 1)[-1].rsplit(":", 1)[0]  # connect may name a source
+    return not is_loopback_host(host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is this machine
+    only: ``localhost`` or a loopback address (``127.0.0.0/8``, ``::1``). ``*``, ``0.0.0.0``,
+    ``::``, an interface or any other name can be reached from elsewhere."""
+    host = host.strip().strip("[]")
     if host.lower() == "localhost":
-        return False
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:  # *, an interface or a host name: assume it leaves
         return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def curve_for(security, *addresses: str | None, role: str | None = None) -> CurveKeys | None:

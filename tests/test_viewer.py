@@ -441,7 +441,7 @@ def test_the_scrubber_matches_every_encoding_and_mixes_of_them():
 
 def test_a_remote_host_is_refused_without_the_flag(tmp_path):
     from autodidact.cli import main
-    from autodidact.viewer.server import is_loopback
+    from protocol.security import is_loopback_host as is_loopback
 
     for host in ("0.0.0.0", "::", "192.168.1.7", "example.org"):
         result = CliRunner().invoke(main, ["view", "--run-dir", str(tmp_path), "--host", host])

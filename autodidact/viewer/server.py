@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
@@ -31,6 +30,7 @@ from starlette.staticfiles import StaticFiles
 
 from autodidact.viewer.data import RunView, Scrubber, page_params
 from autodidact.viewer.groups import Filters, ViewError
+from protocol.security import is_loopback_host
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -94,19 +94,6 @@ class Viewer:
                 view.warm()
             except Exception:  # the token view says what is missing when it is asked
                 log.exception("warming %s", view.path)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` serves this machine only: ``localhost`` or a loopback address
-    (``127.0.0.0/8``, ``::1``). Any other name or address, ``0.0.0.0`` and ``::`` included, can
-    be reached from elsewhere."""
-    host = host.strip().strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class TokenDoor:
@@ -301,7 +288,7 @@ def serve(run_dirs: list[Path], host: str = "127.0.0.1", port: int = DEFAULT_POR
     made here and printed once, in that URL."""
     import uvicorn
 
-    if not (allow_remote or is_loopback(host)):
+    if not (allow_remote or is_loopback_host(host)):
         raise RemoteRefused(remote_refusal(host))
     token = secrets.token_urlsafe(32) if allow_remote else None
     viewer = Viewer(run_views(run_dirs))
