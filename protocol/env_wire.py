@@ -58,6 +58,7 @@ from protocol.codec import message
 from protocol.config import TOOL_FORMATS
 from protocol.errors import SchemaError
 from protocol.messages import Task
+from protocol.run_dir import make_token_file
 
 # v2: EnvBatch. v3: a batch's replies come bundled (EnvAnswers); the client names a new session
 # (EnvOpen.session). v4: a step and the instructions name the call format the agent speaks;
@@ -559,13 +560,6 @@ def read_token(path: Path) -> str:
 
 def make_token(path: Path) -> str:
     """A new token at ``path`` (its directory made 0700), mode 0600, never replacing one."""
-    import secrets
-
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # made meanwhile by another process
-        return read_token(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(24))
+    make_token_file(path)
     return read_token(path)

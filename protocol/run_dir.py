@@ -354,16 +354,21 @@ def role_token(run_dir: Path, role: str, create: bool = False) -> str:
     to frames that carry it, when its socket has no CURVE keys to tell roles apart."""
     path = RunDir(run_dir).role_token(role)
     if create and not path.exists():
-        import secrets
-
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # made meanwhile by another process
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(24))
+        make_token_file(path)
     return path.read_text().strip() if path.exists() else ""
+
+
+def make_token_file(path: Path) -> None:
+    """A new random token at ``path``, mode 0600, never replacing one (another process may
+    make it meanwhile: its token stands)."""
+    import secrets
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(24))
 
 
 def single_writer_lock(store_dir: Path, lock_name: str, busy_message: str) -> int:
