@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import hmac
 import inspect
+import json
 import logging
 import math
 import os
@@ -624,7 +625,8 @@ class EnvBroker:
         worker.tail = collections.deque(maxlen=TAIL_LINES)
         worker.proc = subprocess.Popen(
             [sys.executable, "-m", "autodidact.env_serve", "worker", self.settings.spec,
-             self.back_address, worker.identity.decode(), str(self.settings.max_frame_bytes)],
+             self.back_address, worker.identity.decode(), str(self.settings.max_frame_bytes),
+             json.dumps(self.settings.options)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             preexec_fn=parent_death_preexec())
         worker.started_at = time.monotonic()
@@ -650,12 +652,13 @@ class EnvWorker:
     """The env instances of the sessions the broker routes here, one call at a time."""
 
     def __init__(self, spec: str, identity: str,
-                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES, options: dict | None = None):
         from environments import env_class
 
         self.cls = env_class(spec)
         self.identity = identity  # EnvOpened names it: where a session lives
         self.max_frame_bytes = max_frame_bytes  # the broker's, which the hello tells clients
+        self.options = options or {}  # the server's: an env's train_worlds may follow them
         self.sessions: dict = {}
 
     def reply_frame(self, frame: bytes) -> bytes:
@@ -678,7 +681,11 @@ class EnvWorker:
         from environments.remote import answer, raised_to_wire, served_facts
 
         if isinstance(msg, wire.EnvHello):
-            return served_facts(self.cls, self.max_frame_bytes)
+            try:  # an option may declare training worlds (files' explore_worlds)
+                worlds = self.cls(**self.options).train_worlds if self.options else None
+            except Exception as exc:  # options the constructor refuses
+                return raised_to_wire(exc)
+            return served_facts(self.cls, self.max_frame_bytes, worlds)
         if isinstance(msg, wire.EnvOpen):  # its options: the broker's (client_options)
             try:
                 self.sessions[msg.session] = self.cls(**msg.options)
@@ -694,13 +701,15 @@ class EnvWorker:
         return answer(env, msg)
 
 
-def run_worker(spec: str, address: str, identity: str, max_frame_bytes: str = "") -> None:
+def run_worker(spec: str, address: str, identity: str, max_frame_bytes: str = "",
+               options: str = "") -> None:
     """A worker's process: connect to the broker, say ready, answer until told to stop."""
     # SIGTERM (the broker stopping, or its death: the parent-death signal) ends the worker
     # even inside an env call that would not return for long; an env holds nothing durable.
     signal.signal(signal.SIGTERM, _exit_now)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the broker, which stops us
-    worker = EnvWorker(spec, identity, int(max_frame_bytes or wire.DEFAULT_MAX_FRAME_BYTES))
+    worker = EnvWorker(spec, identity, int(max_frame_bytes or wire.DEFAULT_MAX_FRAME_BYTES),
+                       json.loads(options or "{}"))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -967,4 +976,4 @@ def _serve_openenv(spec: str, address: str, max_sessions: int, keys_dir: str,
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    run_worker(*sys.argv[2:6])
+    run_worker(*sys.argv[2:7])

@@ -222,17 +222,22 @@ class FilesEnv(Environment):
     """A seeded file system with ``ls cd pwd cat mv cp rm mkdir touch grep``.
 
     ``num_worlds`` sets how many seeds the built-in tasks are drawn from; any integer seed is a
-    valid world for synthetic tasks.
+    valid world for synthetic tasks. ``explore_worlds`` declares the training worlds among the
+    first that many seeds as ``train_worlds``, so that self-questioning also makes tasks in
+    worlds no built-in task uses (0: only the built-in training tasks' worlds).
     """
 
     # what a client of the served env may choose: tasks() builds every world up to num_worlds
     # (200 take 0.4 s once), so a larger one is the server's to set (--set env.options...)
     client_options = {"num_worlds": range(1, 201), "holdout": HOLDOUTS}
 
-    def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "world"):
+    def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "world",
+                 explore_worlds: int = 0):
         super().__init__()
         self.num_worlds = num_worlds
         self.holdout = holdout
+        if explore_worlds:
+            self.train_worlds = training_worlds(explore_worlds, num_worlds, holdout)
         self.tree: dict = {}
         self.cwd: list[str] = []
 
@@ -761,6 +766,18 @@ def _split_of(seed: int, task_id: str, holdout: str) -> str:
     # "task": a stable sample of tasks, their worlds shared with training tasks (kept to show
     # what held-out tasks in seen worlds measure; decontamination matters most here)
     return world_split(zlib.crc32(task_id.encode()))
+
+
+def training_worlds(up_to: int, num_worlds: int = NUM_WORLDS,
+                    holdout: str = "world") -> tuple[int, ...]:
+    """The seeds below ``up_to`` no held-out task can use: the training worlds of
+    :func:`~environments.base.world_split` under hold-out by world; under hold-out by task,
+    the worlds past the built-in tasks' ``num_worlds``."""
+    if not isinstance(up_to, int) or up_to < 0:
+        raise ValueError(f"explore_worlds must be a whole number of seeds >= 0, not {up_to!r}")
+    if holdout == "world":
+        return tuple(s for s in range(up_to) if world_split(s) == "train")
+    return tuple(range(num_worlds, up_to))
 
 
 @functools.lru_cache(maxsize=8)

@@ -702,12 +702,15 @@ _CALLS: dict[type, Callable[[Environment, Any], Any]] = {
 
 
 def served_facts(cls: type[Environment],
-                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> wire.EnvServed:
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                 train_worlds=None) -> wire.EnvServed:
     """The hello a server of ``cls`` answers: its name and class-level facts, and the
-    largest frame it reads."""
+    largest frame it reads. ``train_worlds``: those of an env made with the server's options,
+    where they differ from the class's."""
+    worlds = cls.train_worlds if train_worlds is None else train_worlds
     return wire.EnvServed(wire.ENV_WIRE_VERSION, cls.name, list(cls.vocabulary()),
                           bool(cls.query_in_prompt), dict(cls.default_limits),
-                          [int(seed) for seed in cls.train_worlds], max_frame_bytes,
+                          [int(seed) for seed in worlds], max_frame_bytes,
                           {name: wire.describe_allowed(allowed)
                            for name, allowed in cls.client_options.items()})
 

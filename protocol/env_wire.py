@@ -124,7 +124,8 @@ class EnvServed:
     vocabulary: list[str]  # the class's vocabulary(): every word it can show, [] when open
     query_in_prompt: bool = True  # the class attribute of that name (see Environment)
     default_limits: dict = field(default_factory=dict)  # the class's default_limits
-    train_worlds: list[int] = field(default_factory=list)  # the class's train_worlds, listed
+    # train_worlds of an env made with the server's options (an option may declare them)
+    train_worlds: list[int] = field(default_factory=list)
     # the largest frame the server reads: a client splits its batches to stay under it
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     # the constructor options a client may choose (Environment.client_options), described:

@@ -293,6 +293,31 @@ def test_a_served_class_carries_its_training_worlds():
     assert _bind(link).train_worlds == (2, 3, 4)
 
 
+def test_files_explore_worlds_declares_training_worlds_no_built_in_task_uses():
+    env = FilesEnv(explore_worlds=200)
+    held_out = {t.seed for split in ("validation", "test") for t in env.tasks(split)}
+    seeds = [t.seed for t in seed_tasks(env)]
+    assert len(seeds) == 120 and max(seeds) > 190 and not set(seeds) & held_out
+    assert {t.seed for t in env.tasks("train")} < set(seeds)  # the built-in ones among them
+    assert FilesEnv().train_worlds == ()  # the default explores the built-in worlds only
+    by_task = FilesEnv(holdout="task", explore_worlds=60).train_worlds
+    assert by_task == tuple(range(50, 60))  # every built-in world holds held-out tasks
+    with pytest.raises(ValueError, match="explore_worlds"):
+        FilesEnv(explore_worlds=-1)
+
+
+def test_a_served_env_carries_the_training_worlds_of_the_servers_options():
+    from autodidact.env_serve import EnvWorker
+    from protocol import env_wire as wire
+
+    hello = wire.EnvHello(wire.ENV_WIRE_VERSION)
+    served = EnvWorker("files", "w0", options={"explore_worlds": 20}).answer(hello)
+    assert served.train_worlds == [s for s in range(20) if s % 5 < 3]
+    assert EnvWorker("files", "w0").answer(hello).train_worlds == []
+    refused = EnvWorker("files", "w0", options={"explore_worlds": -1}).answer(hello)
+    assert isinstance(refused, wire.EnvRaised) and "explore_worlds" in str(refused)
+
+
 def test_explorer_steps_phases_and_snapshots_replay():
     explorer = Explorer(FilesEnv, SMALL, seed=3)
     seeds = seed_tasks(explorer.env, 4)
