@@ -12,7 +12,8 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     chunk_tokens: int = 0,
     needed: torch.Tensor | None = None,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``out[b, t] = log p(x_t | x_<t)`` for every position, aligned with ``input_ids``.
 
     Position 0 has no context and is 0, as is every padding position (``attention_mask == 0``).
@@ -32,28 +33,52 @@ def token_logprobs(
     ``needed`` (``[B, L]``, with ``chunk_tokens > 0``): only these positions are scored, the
     rest are 0. The loss reads only the generated tokens, a few percent of a multi-turn
     trajectory; the output head and log-softmax at every other position are pure waste.
+
+    ``entropy``: also return ``H[b, t]``, the entropy (nats) of the distribution ``x_t`` was
+    scored under, ``[B, L]`` float32, 0 wherever ``out`` is 0 for want of scoring (position 0,
+    padding, and with the chunked head positions not ``needed``). It is read off the same
+    logits, detached: nothing of it is kept for the backward pass, and its float32
+    probabilities exist for :data:`ENTROPY_SLICE` positions (or one chunk) at a time.
     """
+    targets = input_ids[:, 1:]
     if chunk_tokens <= 0:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         # logits[:, t] predicts x_{t+1}: pair logits[:, :-1] with targets input_ids[:, 1:].
-        picked = _pick(logits[:, :-1], input_ids[:, 1:])
+        picked = _pick(logits[:, :-1], targets)
+        spread = _entropy(logits[:, :-1]) if entropy else None
     else:
         hidden = model.get_decoder()(input_ids=input_ids,
                                      attention_mask=attention_mask).last_hidden_state
-        targets = input_ids[:, 1:]
+        head = model.get_output_embeddings()
         if needed is None:
-            picked = _chunked_head(model.get_output_embeddings(), hidden[:, :-1], targets,
-                                   chunk_tokens)
+            picked, spread = _chunked_head(head, hidden[:, :-1], targets, chunk_tokens, entropy)
         else:
             where = needed[:, 1:].bool() & attention_mask[:, 1:].bool()
-            scored = _chunked_head(model.get_output_embeddings(), hidden[:, :-1][where][None],
-                                   targets[where][None], chunk_tokens)[0]
-            picked = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-            picked = picked.masked_scatter(where, scored)
-    zero = torch.zeros_like(input_ids[:, :1], dtype=torch.float32)
+            scored, scored_h = _chunked_head(head, hidden[:, :-1][where][None],
+                                             targets[where][None], chunk_tokens, entropy)
+            picked = _scatter(where, scored[0])
+            spread = _scatter(where, scored_h[0]) if entropy else None
+    out = _aligned(picked, attention_mask)
+    return (out, _aligned(spread, attention_mask)) if entropy else out
+
+
+def _aligned(picked: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]`` values of positions 1.. as ``[B, L]``: 0 at position 0 and on padding."""
+    zero = torch.zeros_like(attention_mask[:, :1], dtype=torch.float32)
     out = torch.cat([zero, picked], dim=1)
     # where, not multiply: a -inf log-prob at a padding position must not turn into NaN.
     return torch.where(attention_mask.bool(), out, torch.zeros_like(out))
+
+
+def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (one per true entry of ``where``) at their places in zeros shaped ``where``."""
+    out = torch.zeros(where.shape, dtype=torch.float32, device=values.device)
+    return out.masked_scatter(where, values.float())
+
+
+# Positions whose float32 probabilities the entropy holds at once when the logits are whole
+# (chunk_tokens=0): at SmolLM2's 49,152 words, 256 positions are 50 MB per temporary.
+ENTROPY_SLICE = 256
 
 
 def _pick(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -62,24 +87,50 @@ def _pick(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+@torch.no_grad()
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of ``softmax(logits)`` over the last axis, float32, shaped ``logits[..., 0]``;
+    detached, and ``ENTROPY_SLICE`` positions at a time, so it adds no ``[.., V]`` tensor of
+    the size of the logits, and none that autograd keeps."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    parts = []
+    for s in range(0, flat.shape[0], ENTROPY_SLICE):
+        logp = torch.log_softmax(flat[s:s + ENTROPY_SLICE].float(), dim=-1)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    joined = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    return joined.reshape(logits.shape[:-1])
+
+
 def _head_pick(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _pick(head(hidden), targets)
 
 
-def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor,
-                  chunk_tokens: int) -> torch.Tensor:
+def _head_pick_entropy(head, hidden: torch.Tensor,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden)
+    return _pick(logits, targets), _entropy(logits)
+
+
+def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``_pick(head(hidden), targets)`` over rows of ``[B, T]`` positions, ``chunk_tokens``
-    positions at a time (flattened over the batch, so short rows do not waste a chunk)."""
+    positions at a time (flattened over the batch, so short rows do not waste a chunk), and
+    with ``entropy`` each position's entropy from the same chunk's logits (detached), else
+    None."""
     b, t, h = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(b * t, h), targets.reshape(b * t)
     grad = torch.is_grad_enabled() and flat_hidden.requires_grad
+    work = _head_pick_entropy if entropy else _head_pick
     parts = []
     for s in range(0, b * t, chunk_tokens):
         piece = (flat_hidden[s:s + chunk_tokens], flat_targets[s:s + chunk_tokens])
-        parts.append(checkpoint(_head_pick, head, *piece, use_reentrant=False) if grad
-                     else _head_pick(head, *piece))
-    joined = torch.cat(parts) if parts else flat_hidden.new_zeros(0, dtype=torch.float32)
-    return joined.reshape(b, t)
+        done = checkpoint(work, head, *piece, use_reentrant=False) if grad \
+            else work(head, *piece)
+        parts.append(done if entropy else (done,))
+    columns = list(zip(*parts)) or [()] * (2 if entropy else 1)
+    joined = [torch.cat(c).reshape(b, t) if c else
+              flat_hidden.new_zeros((b, t), dtype=torch.float32) for c in columns]
+    return joined[0], (joined[1] if entropy else None)
 
 
 @torch.no_grad()

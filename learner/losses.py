@@ -107,7 +107,7 @@ def policy_loss(
     token_loss = pg_token
     kl_ref = None
     if ref_logprobs is not None:
-        kl_ref = _k3(ref_logprobs.detach().float() - logp)
+        kl_ref = k3(ref_logprobs.detach().float() - logp)
         token_loss = token_loss + kl_coef * kl_ref
 
     # where, not multiply: a dropped token's loss may be huge and must not leak in as inf·0.
@@ -137,7 +137,7 @@ def policy_loss(
 
     metrics = _metrics(
         loss=loss, pg=pg, keep=keep, valid=valid,
-        clipped=clipped > unclipped, dual=dual, iw=iw, kl_behaviour=_k3(logp - behaviour),
+        clipped=clipped > unclipped, dual=dual, iw=iw, kl_behaviour=k3(logp - behaviour),
         kl_ref=kl_ref, denominator=count if reduction == "sum" else None,
     )
     if guided is not None:
@@ -241,7 +241,7 @@ def _exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
 
 
-def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator ``e^q - q - 1`` of KL(p‖s) for ``q = log s - log p``, x ~ p."""
     q = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return torch.exp(q) - q - 1.0

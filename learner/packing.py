@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from learner.logprobs import _chunked_head, _pick, token_logprobs
+from learner.logprobs import _chunked_head, _entropy, _pick, token_logprobs
 
 LAYOUTS = ("padded", "packed", "shared_prefix")
 ATTENTION = "autodidact_packed"  # the name the attention function is registered under
@@ -305,25 +305,27 @@ def enable_packing(model) -> None:
 
 def layout_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     chunk_tokens: int = 0, needed: torch.Tensor | None = None,
-                    layout: str = "padded") -> torch.Tensor:
+                    layout: str = "padded", entropy: bool = False):
     """:func:`learner.logprobs.token_logprobs` of the right-padded rows ``input_ids``, run
-    in ``layout``: the same ``[B, L]`` values (up to float rounding) and gradients."""
+    in ``layout``: the same ``[B, L]`` values (up to float rounding) and gradients; with
+    ``entropy``, (log-probs, entropies) as it returns them."""
     if layout == "padded":
-        return token_logprobs(model, input_ids, attention_mask, chunk_tokens, needed)
+        return token_logprobs(model, input_ids, attention_mask, chunk_tokens, needed, entropy)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     lengths = _lengths(attention_mask).cpu().numpy()
     packed = pack_rows(input_ids.cpu().numpy(), lengths, share=layout == "shared_prefix")
     return packed_logprobs(model, packed.to(input_ids.device), input_ids, attention_mask,
-                           chunk_tokens, needed)
+                           chunk_tokens, needed, entropy)
 
 
 def packed_logprobs(model, packed: PackedRows, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor, chunk_tokens: int = 0,
-                    needed: torch.Tensor | None = None) -> torch.Tensor:
+                    needed: torch.Tensor | None = None, entropy: bool = False):
     """``out[b, t] = log p(x_t | x_<t)`` of the rows ``input_ids`` (``[B, L]``, right-padded),
     through one forward of their ``packed`` layout; 0 at position 0, on padding and, with
-    ``chunk_tokens > 0`` and ``needed``, wherever ``needed`` is 0."""
+    ``chunk_tokens > 0`` and ``needed``, wherever ``needed`` is 0. With ``entropy``, also each
+    scored position's entropy, placed alike (:func:`learner.logprobs.token_logprobs`)."""
     device = input_ids.device
     real = attention_mask[:, 1:].bool()
     if chunk_tokens > 0 and needed is not None:
@@ -338,15 +340,20 @@ def packed_logprobs(model, packed: PackedRows, input_ids: torch.Tensor,
               "attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
               LAYOUT_KWARG: packed.attention}
     if chunk_tokens <= 0:
-        logits = model(**kwargs).logits[0]
-        scored = _pick(logits.index_select(0, source), targets)
+        logits = model(**kwargs).logits[0].index_select(0, source)
+        scored = _pick(logits, targets)
+        spread = _entropy(logits) if entropy else None
     else:
         hidden = model.get_decoder()(**kwargs).last_hidden_state[0]
-        scored = _chunked_head(model.get_output_embeddings(),
-                               hidden.index_select(0, source)[None], targets[None],
-                               chunk_tokens)[0]
+        scored, spread = _chunked_head(model.get_output_embeddings(),
+                                       hidden.index_select(0, source)[None], targets[None],
+                                       chunk_tokens, entropy)
+        scored, spread = scored[0], (spread[0] if entropy else None)
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
-    return out.index_put((rows, cols), scored.float())
+    out = out.index_put((rows, cols), scored.float())
+    if not entropy:
+        return out
+    return out, torch.zeros_like(out).index_put((rows, cols), spread.float())
 
 
 def _lengths(attention_mask: torch.Tensor) -> torch.Tensor:

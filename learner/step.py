@@ -20,6 +20,11 @@ One update::
         backward(policy_loss summed)            # boosted clip on experience-guided rows
     then gradient /= tokens (or rows) of all ranks, optimizer step
 
+Besides the loss's own metrics, every update logs ``entropy`` (of π_θ at the trained tokens,
+read off the logits the loss already made), and every ``learner.diagnostics_every`` updates
+``kl_initial`` (KL to the initial policy, when no ``kl_coef`` penalty logs it as ``kl_ref``):
+what ``autodidact report`` reads to say why RL moved or stalled (autodidact/diagnosis.py).
+
 With several ranks each holds a :class:`PolicyStep` of its own on its share of the batch; DDP
 (or FSDP) averages their gradients (learner/distributed.py). A stand-in step (the scaling
 bench's fixed-cost one, bench/scale_actors.py) needs only the methods of :class:`Step`.
@@ -40,7 +45,7 @@ from learner.batching import build_batch, to_trajectories, token_budget_parts
 from learner.checkpoint import CheckpointError
 from learner.distributed import SINGLE, Ranks
 from learner.logprobs import prepare_for_training, token_logprobs
-from learner.losses import navigation_terms, policy_loss
+from learner.losses import k3, navigation_terms, policy_loss
 from learner.packing import check_packing, enable_packing, layout_logprobs, packed_budget_parts
 from protocol.role_config import LearnerSettings
 from protocol.weights import AdapterMeta
@@ -96,10 +101,11 @@ class PolicyStep:
         # With LoRA only the adapter trains and travels; the frozen base is also the KL
         # reference (adapters off), so no second copy of the model is kept. Without it, the
         # reference is a frozen copy of the initial policy, taken before anything is attached
-        # or switched on for training, and only when a KL penalty to it is asked for.
+        # or switched on for training, and only when a KL penalty to it, or the KL diagnostic
+        # (learner.diagnostics_every), is asked for.
         self.adapter = adapter_for(settings)
         reference = None
-        if cfg.kl_coef > 0 and self.adapter is None:
+        if self.adapter is None and (cfg.kl_coef > 0 or cfg.diagnostics_every):
             reference = copy.deepcopy(model).eval().requires_grad_(False)
         if self.adapter is not None:
             lora.attach(model, self.adapter, dropout=cfg.lora_dropout, init_seed=settings.seed)
@@ -132,7 +138,7 @@ class PolicyStep:
                                    experience=self.settings.experience_context)
         rows_from = batch  # on the CPU: where each row came from, for the token log
         batch = batch.to(self.device)
-        proximal, reference = self._fixed_logprobs(batch)
+        proximal, reference = self._fixed_logprobs(batch, self._diagnosing())
         scored = None
         if self.keeps_token_logprobs:  # the proximal log-probs, as the steps come to them
             scored = proximal if proximal is not None else \
@@ -171,6 +177,13 @@ class PolicyStep:
 
     # --- one update ---------------------------------------------------------------------------
 
+    def _diagnosing(self) -> bool:
+        """Whether this update measures the KL to the initial policy: every
+        ``diagnostics_every`` updates from the first (the scheduler counts them, and a
+        checkpoint keeps its count), unless the KL penalty measures it every update."""
+        every = self.cfg.diagnostics_every
+        return bool(every) and self.cfg.kl_coef == 0 and self.scheduler.last_epoch % every == 0
+
     def _split(self, rows: torch.Tensor, parts: int) -> list[torch.Tensor]:
         """``rows`` in ``parts`` slices; with several ranks always exactly ``parts`` (some may
         be empty), since every rank must take as many steps and backward passes as the rest."""
@@ -189,32 +202,42 @@ class PolicyStep:
         micro-batches of all ranks, known only after the last one. So the step is the one a
         single process would take on the whole minibatch, however its rows fell to ranks and
         micro-batches (a mean per part would weigh a short part's rows more). DDP averages
-        over ranks, hence the factor ``world`` back.
+        over ranks, hence the factor ``world`` back. The entropy and ``kl_initial`` are summed
+        over the trained tokens the same way, then divided by their count.
+
+        ``reference``: the reference's log-probs of the batch, for the KL penalty
+        (``kl_coef`` > 0) or, without one, for ``kl_initial`` alone.
         """
         self.optimizer.zero_grad(set_to_none=True)
         lengths = batch.lengths().cpu()  # sizes only: one read-back, not one per row
         parts = self._micro_batches(rows, lengths, batch)
         totals = dict.fromkeys(("loss", "pg_loss", "denominator", "tokens"), 0.0)
+        watched = dict.fromkeys(("trained", "entropy") + (
+            ("kl_initial",) if reference is not None and not self.cfg.kl_coef else ()), 0.0)
         seen = []
         for i, part in enumerate(parts):
             with self.ranks.sync_grads(self.model, sync=i == len(parts) - 1):
                 mb, index = self._micro(batch, part, lengths)
                 width = mb.input_ids.shape[1]  # trimmed to its longest row
                 with self._autocast():
-                    logprobs = self._logprobs(self.model, mb)
+                    logprobs, entropy = self._logprobs(self.model, mb, entropy=True)
                 # One step per batch: the proximal policy is this very forward pass, detached.
                 prox = logprobs.detach() if proximal is None else proximal[index][:, :width]
                 if scored is not None and proximal is None and len(part):
                     scored[index.to(scored.device), :width] = prox
                 ref = None if reference is None else reference[index][:, :width]
-                loss, m = self._loss(mb, logprobs, prox, ref, reduction="sum")
+                penalty_ref = ref if self.cfg.kl_coef > 0 else None  # else kl_initial's alone
+                loss, m = self._loss(mb, logprobs, prox, penalty_ref, reduction="sum")
                 loss.backward()
             totals = {k: totals[k] + m[k] for k in totals}
+            sums = _watched_sums(mb.action_mask, entropy, logprobs,
+                                 ref if "kl_initial" in watched else None)
+            watched = {k: watched[k] + sums[k] for k in watched}
             if len(part) or not seen:  # a blank micro-batch says nothing about the policy
                 seen.append(m)
         # The probe re-scores the last micro-batch: its own loss, as a mean, to compare with.
-        probe = (mb, m["loss"] / max(m["denominator"], 1.0), prox, ref)
-        totals = self.ranks.sum(totals)
+        probe = (mb, m["loss"] / max(m["denominator"], 1.0), prox, penalty_ref)
+        totals = self.ranks.sum({**totals, **{f"watched_{k}": v for k, v in watched.items()}})
         denominator = max(totals["denominator"], 1.0)
         for p in self.model.parameters():
             if p.grad is not None:
@@ -225,6 +248,9 @@ class PolicyStep:
         del m["denominator"]
         m.update(loss=totals["loss"] / denominator, pg_loss=totals["pg_loss"] / denominator,
                  tokens=totals["tokens"], grad_norm=grad_norm)
+        trained = max(totals.pop("watched_trained"), 1.0)
+        m.update({k[len("watched_"):]: v / trained for k, v in totals.items()
+                  if k.startswith("watched_")})
         return m, probe
 
     def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor,
@@ -263,30 +289,37 @@ class PolicyStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _logprobs(self, model, batch):
+    def _logprobs(self, model, batch, entropy: bool = False):
         """The log-probs of ``batch``'s rows under ``model``, ``[B, L]``, in the learner's
         layout (learner/packing.py); only the generated tokens are scored with the chunked
-        head."""
+        head. With ``entropy``, (log-probs, entropies) from the same logits
+        (:func:`learner.logprobs.token_logprobs`)."""
         if self.layout == "padded":
             return token_logprobs(model, batch.input_ids, batch.attention_mask,
-                                  self.cfg.logit_chunk_tokens, batch.action_mask)
+                                  self.cfg.logit_chunk_tokens, batch.action_mask, entropy)
         return layout_logprobs(model, batch.input_ids, batch.attention_mask,
-                               self.cfg.logit_chunk_tokens, batch.action_mask, self.layout)
+                               self.cfg.logit_chunk_tokens, batch.action_mask, self.layout,
+                               entropy)
 
     @torch.no_grad()
-    def _fixed_logprobs(self, batch):
-        """Proximal log-probs (only needed ahead with several minibatches) and the reference's."""
-        proximal = None
+    def _fixed_logprobs(self, batch, diagnose: bool = False):
+        """Proximal log-probs (only needed ahead with several minibatches) and the
+        reference's: for the KL penalty, or with ``diagnose`` for ``kl_initial``."""
+        proximal = reference = None
         with self._autocast():
             if self.cfg.minibatches > 1:
                 proximal = self._logprobs(self.model, batch)
-            reference = None
-            if self.reference is not None:
-                reference = self._logprobs(self.reference, batch)
-            elif self.adapter is not None and self.cfg.kl_coef > 0:
-                with lora.disabled(self.model):  # the base is the reference
-                    reference = self._logprobs(self.model, batch)
+            if self.cfg.kl_coef > 0 or diagnose:
+                reference = self._reference_logprobs(batch)
         return proximal, reference
+
+    def _reference_logprobs(self, batch):
+        """The batch under the initial policy: the frozen copy, or with LoRA the base with
+        its adapter off."""
+        if self.reference is not None:
+            return self._logprobs(self.reference, batch)
+        with lora.disabled(self.model):
+            return self._logprobs(self.model, batch)
 
     def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
         behaviour, clip_high, nav = navigation_terms(batch, proximal, self.cfg.clip_high,
@@ -369,6 +402,19 @@ def autocast_dtype(setting: str, device: torch.device,
                              and actors_low_precision):
         return torch.bfloat16
     return None
+
+
+@torch.no_grad()
+def _watched_sums(mask: torch.Tensor, entropy: torch.Tensor, logprobs: torch.Tensor,
+                  reference: torch.Tensor | None) -> dict[str, float]:
+    """A micro-batch's sums over its trained tokens (``mask``): how many (``trained``), their
+    entropy, and with ``reference`` their k3 estimate of KL(π_θ ‖ π_ref), as the KL penalty
+    computes it (learner/losses.py). One device→host transfer."""
+    mask = mask.float()
+    named = {"trained": mask.sum(), "entropy": (entropy * mask).sum()}
+    if reference is not None:
+        named["kl_initial"] = (k3(reference.float() - logprobs.detach().float()) * mask).sum()
+    return dict(zip(named, torch.stack(list(named.values())).tolist()))
 
 
 def _merge_metrics(ms: list[dict[str, float]]) -> dict[str, float]:

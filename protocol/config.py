@@ -435,6 +435,19 @@ class LearnerConfig:
     (how much the step lowered its own loss on that batch: > 0 means the policy moved the
     way the advantages asked) and ``learner/step_kl``. Costs one forward pass; 0 = off."""
 
+    diagnostics_every: int = 10
+    """Every n updates (from the first), log ``learner/kl_initial``: the mean k3 estimate of
+    KL(π_θ ‖ π_initial) over the batch's trained tokens, how far RL has moved the policy from
+    where it started (``autodidact report``'s "Why RL moved or stalled"). The initial policy
+    is the reference a ``kl_coef`` > 0 penalty uses: with LoRA the base with its adapter off
+    (no memory), else a frozen copy of the initial weights on the learner's device (one more
+    copy of the weights, no gradients or optimizer state: about a fifth more than AdamW's full
+    fine-tuning holds; 0 keeps it off for a model that only just fits). Its time is one no-grad
+    forward of the batch every n updates: about a third of an update's compute, so ~3% at 10,
+    which still gives a run of 40 updates 4 points to compare its first and last quarters
+    with. With ``kl_coef`` > 0 that KL is ``learner/kl_ref``, logged every update, and this
+    is not computed. 0 = off."""
+
     nproc: int = 1
     """Learner processes (one per GPU) that ``autodidact run`` starts through ``torchrun``;
     each draws its share of every batch from replay (``batch_groups`` must divide evenly).
@@ -564,6 +577,9 @@ class LearnerConfig:
         _at_most(self, "batch_groups", MAX_VERSION)
         if self.probe_every < 0:
             raise ConfigError(f"probe_every must be >= 0 (0 = off), got {self.probe_every}")
+        if self.diagnostics_every < 0:
+            raise ConfigError(f"diagnostics_every must be >= 0 (0 = off), "
+                              f"got {self.diagnostics_every}")
         if self.token_log_groups < 0:
             raise ConfigError(f"token_log_groups must be >= 0 (0 = off), "
                               f"got {self.token_log_groups}")

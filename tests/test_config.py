@@ -89,7 +89,8 @@ NUMERIC = _fields((int, float))
 # other one must refuse 0. A new numeric field goes here only if 0 means something for it.
 ZERO_OK = {
     "seed", "warmstart.steps", "eval.num_tasks", "learner.max_staleness",
-    "learner.warmup_updates", "learner.probe_every", "learner.kl_coef", "learner.alpha",
+    "learner.warmup_updates", "learner.probe_every", "learner.diagnostics_every",
+    "learner.kl_coef", "learner.alpha",
     "learner.alpha_min", "learner.alpha_decay_updates", "learner.alpha_cutoff_updates",
     "learner.clip_low", "learner.clip_high", "llm.max_retries", "llm.temperature",
     "explore.seeds", "explore.rounds", "explore.breadth_steps", "explore.depth_steps",
