@@ -7,9 +7,10 @@ Reads only files in the run directory: ``metrics.jsonl`` (every role's records),
 ``summary.json`` (held-out success before warm-start, after warm-start and after RL; restarts),
 ``config.yaml`` (shown with the Redis password redacted), and for the table of training tasks
 by origin ``replay.lmdb``, ``split.json`` and ``tasks.lmdb`` (:mod:`autodidact.task_origins`).
-Writes one PNG per plot, a ``report.md`` with the config, headline numbers and tasks by
-origin, and ``series.json`` with every plotted series (the raw points: plots of noisy
-per-record series draw a running mean over them).
+Writes one PNG per plot, a ``report.md`` with the config, headline numbers, why RL moved or
+stalled (the likely cause, :mod:`autodidact.diagnosis`, and the plots it is read from) and
+tasks by origin, and ``series.json`` with every plotted series (the raw points: plots of noisy
+per-record series draw a running mean over them) and each run's diagnosis.
 
 x-axes: ``update`` is the learner's update count (the ``step`` of its records); ``version`` the
 policy version an actor's groups were generated with; ``wall`` seconds since the run's first
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import click
 
-from autodidact import task_origins
+from autodidact import diagnosis, task_origins
 from metrics.intervals import format_rate
 from metrics.jsonl import read_metrics
 from protocol.config import redacted_config, url_password
@@ -37,7 +38,7 @@ from protocol.run_dir import HELD_OUT_STAGES, RunDir
 
 @dataclass
 class Line:
-    role: str
+    role: str  # a role of metrics.jsonl, or "heldout": the run's summary.json (Run.series)
     metric: str
     x: str  # "update" | "wall" | "version"
 
@@ -109,6 +110,39 @@ PLOTS = [
 ]
 
 
+# What "Why RL moved or stalled" shows (autodidact/diagnosis.py reads the same series): the
+# viewer's Run page draws these too.
+WHY_PLOTS = [
+    Plot("why_success", "Training-task success vs validation", [
+        Panel("success rate", [Line("actor", "actor/success_rate", "version"),
+                               Line("heldout", "heldout/avg", "version"),
+                               Line("heldout", "heldout/base_avg", "version")]),
+    ], "actor success on the training tasks (mean per policy version) beside the held-out "
+       "split's avg@k: after warm-start at version 0 and after RL at the last version "
+       "(`heldout/avg`), before warm-start at version 0 (`heldout/base_avg`)"),
+    Plot("why_signal", "Signal in the groups", [
+        Panel("informative share", [_u("learner/informative_share")]),
+        Panel("mean reward of the batch", [_u("learner/reward")]),
+    ], "the share of the groups each update saw whose rollouts did not all score the same "
+       "(trained groups with different outcomes, over the trained and the set-aside ones)"),
+    Plot("why_policy", "How the policy moved", [
+        Panel("entropy (nats/token)", [_u("learner/entropy")]),
+        Panel("KL (nats/token)", [_u("learner/kl_behaviour"), _u("learner/kl_initial"),
+                                  _u("learner/kl_ref")]),
+    ], "entropy of the policy at the trained tokens; k3 KL to the behaviour policy (every "
+       "update) and to the initial policy (`kl_initial` every `learner.diagnostics_every` "
+       "updates, or `kl_ref` every update under a KL penalty)"),
+    Plot("why_step", "The steps", [
+        Panel("grad norm", [_u("learner/grad_norm")]),
+        Panel("importance weight", [_u("learner/iw_mean"), _u("learner/iw_max")]),
+        Panel("fraction of tokens", [_u("learner/clip_fraction"),
+                                     _u("learner/iw_masked_fraction")]),
+        Panel("learning rate", [_u("learner/lr")]),
+    ], "grad norm before clipping, importance weights proximal/behaviour, the tokens the PPO "
+       "clip bound and those the weight cap dropped, and the learning rate"),
+]
+
+
 # --- one run ---------------------------------------------------------------------------------
 
 
@@ -139,13 +173,24 @@ class Run:
         run.config = redacted_config(run.config) if isinstance(run.config, dict) else {}
         times = [r["t"] for r in run.records if isinstance(r.get("t"), (int, float))]
         run.t0 = min(times) if times else 0.0
+        for r in run.records:  # derived, for the plots: the learner logs its parts
+            share = diagnosis.informative_share(r) if r.get("role") == "learner" else None
+            if share is not None:
+                r["learner/informative_share"] = share
         return run
+
+    def config_value(self, section: str, key: str):
+        value = (self.config.get(section) or {}).get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            else None
 
     def rows(self, role: str, metric: str) -> list[dict]:
         return [r for r in self.records if r.get("role") == role
                 and isinstance(r.get(metric), (int, float)) and not isinstance(r[metric], bool)]
 
     def series(self, line: Line) -> tuple[list, list]:
+        if line.role == "heldout":
+            return self._heldout(line.metric)
         rows = self.rows(line.role, line.metric)
         if line.x == "update":
             xs = [r.get("step", r.get("learner/updates")) for r in rows]
@@ -162,6 +207,18 @@ class Run:
         rows = sorted((r for r in rows if isinstance(r.get("t"), (int, float))),
                       key=lambda r: r["t"])
         return [r["t"] - self.t0 for r in rows], [r[line.metric] for r in rows]
+
+
+    def _heldout(self, metric: str) -> tuple[list, list]:
+        """Held-out avg@k on the policy-version axis: ``heldout/avg`` after warm-start
+        (version 0) and after RL (the last version), ``heldout/base_avg`` before warm-start
+        (version 0); what summary.json holds of them."""
+        final = headline(self)["version"] or 0
+        stages = (("warm", 0), ("rl", final)) if metric == "heldout/avg" else (("base", 0),)
+        pts = [(x, (self.summary.get(f"success_{stage}") or {}).get("avg"))
+               for stage, x in stages]
+        pts = [(x, y) for x, y in pts if isinstance(y, (int, float))]
+        return [x for x, _ in pts], [y for _, y in pts]
 
 
 def _secrets(path: Path, config: dict) -> list[str]:
@@ -245,6 +302,33 @@ def _window(n: int) -> int:
 XLABEL = {"update": "learner update", "wall": "wall time (s)", "version": "policy version"}
 
 
+def missing_reason(run: Run, line: Line) -> str:
+    """Why ``run`` has no ``line``: where the run's config or age explains it, that; else that
+    its metrics lack it."""
+    own = f"not in the metrics of run '{run.label}'"
+
+    def learner(key):
+        return run.config_value("learner", key)
+
+    if line.role == "heldout":
+        return f"run '{run.label}' has no such held-out evaluation in summary.json " \
+               "(eval.num_tasks=0, eval.before_rl=false, or the run did not get that far)"
+    if line.metric == "learner/kl_initial":
+        if learner("kl_coef"):
+            return f"run '{run.label}' has learner.kl_coef > 0: its KL to the initial policy " \
+                   "is `learner/kl_ref`, drawn beside it"
+        if learner("diagnostics_every") == 0:
+            return f"run '{run.label}' has learner.diagnostics_every=0 (off)"
+        if learner("diagnostics_every") is None:
+            return f"{own}: made before the learner logged it (learner.diagnostics_every)"
+    if line.metric == "learner/kl_ref" and not learner("kl_coef"):
+        return f"run '{run.label}' has no KL penalty (learner.kl_coef=0); " \
+               "`learner/kl_initial` is its KL to the initial policy"
+    if line.metric == "learner/entropy" and learner("diagnostics_every") is None:
+        return f"{own}: made before the learner logged it"
+    return own
+
+
 def draw_plot(plot: Plot, runs: list[Run], out_dir: Path, notes: list[str]) -> dict | None:
     """Draw ``plot`` for ``runs`` into ``out_dir/<name>.png``; its series, or None if none."""
     import matplotlib.pyplot as plt
@@ -254,8 +338,7 @@ def draw_plot(plot: Plot, runs: list[Run], out_dir: Path, notes: list[str]) -> d
     for panel_found in found:
         for line, run, xs, _ in panel_found:
             if not xs:
-                notes.append(f"`{line.metric}` (vs {line.x}): not in the metrics of run "
-                             f"'{run.label}'")
+                notes.append(f"`{line.metric}` (vs {line.x}): {missing_reason(run, line)}")
     panels = [(p, [f for f in pf if f[2]]) for p, pf in zip(plot.panels, found)]
     panels = [(p, pf) for p, pf in panels if pf]
     if not panels:
@@ -397,8 +480,26 @@ def origins_markdown(runs: list[Run], tables: list[dict]) -> list[str]:
     return out + [""]
 
 
+def why_markdown(runs: list[Run], diagnoses: list[diagnosis.Diagnosis],
+                 plots: list[dict]) -> list[str]:
+    """The "Why RL moved or stalled" section: each run's likely cause, and its plots."""
+    several = len(runs) > 1
+    out = ["## Why RL moved or stalled", "",
+           "The likely cause, read off the first and last quarter of the updates and the "
+           "validation after warm-start and after RL (`autodidact/diagnosis.py`; "
+           "docs/reports.md says how):", ""]
+    for run, d in zip(runs, diagnoses):
+        name = f"{run.label}: " if several else ""
+        out.append(f"- {name}**{d.cause}**: {d.reason}.")
+    out.append("")
+    for p in plots:
+        out += [f"### {p['title']}", "", p["about"] + ".", "", f"![{p['title']}]({p['file']})",
+                ""]
+    return out
+
+
 def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[str],
-             origins: list[dict] | None = None) -> str:
+             origins: list[dict] | None = None, why: list[str] | None = None) -> str:
     import yaml
 
     labels = [r.label for r in runs]
@@ -444,6 +545,7 @@ def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[
         ", ".join(f"{k} {v}" for k, v in h["restarts"].items()) or "none" for h in heads) + " |")
     row("finished (learner done)", _num, "finished")
     out.append("")
+    out += why or []
     if origins:
         out += origins_markdown(runs, origins)
     out += ["## Plots", ""]
@@ -503,16 +605,21 @@ def make_report(run_dirs: list[Path], labels: list[str] | None = None,
     held = draw_heldout(runs, out, notes)
     if held:
         plots.append(held)
+    why_plots = [p for p in (draw_plot(plot, runs, out, notes) for plot in WHY_PLOTS) if p]
     plots += [p for p in (draw_plot(plot, runs, out, notes) for plot in PLOTS) if p]
     heads = [headline(r) for r in runs]
     origins = [task_origins.run_origins(r.path) for r in runs]
+    diagnoses = [diagnosis.run_diagnosis(r.path, r.records, r.summary) for r in runs]
     secrets = [s for r in runs for s in r.secrets]
-    md = _scrub(markdown(runs, heads, plots, notes, origins), secrets)
+    md = _scrub(markdown(runs, heads, plots, notes, origins,
+                         why_markdown(runs, diagnoses, why_plots)), secrets)
     (out / "report.md").write_text(md)
     data = {"runs": [{"label": r.label, "dir": str(r.path)} for r in runs],
             "headline": {r.label: h for r, h in zip(runs, heads)},
+            "diagnosis": {r.label: d.to_json() for r, d in zip(runs, diagnoses)},
             "task_origins": {r.label: t for r, t in zip(runs, origins)},
-            "plots": {p["file"][:-4]: p for p in plots}, "missing": list(dict.fromkeys(notes))}
+            "plots": {p["file"][:-4]: p for p in why_plots + plots},
+            "missing": list(dict.fromkeys(notes))}
     (out / "series.json").write_text(_scrub(json.dumps(data, indent=1, default=str), secrets))
     return out
 

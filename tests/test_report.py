@@ -18,13 +18,14 @@ import pytest
 from click.testing import CliRunner
 from test_status import UPDATES, tiny_run
 
-from autodidact.report import PLOTS, report
+from autodidact.diagnosis import informative_share
+from autodidact.report import PLOTS, WHY_PLOTS, report
 from metrics.jsonl import read_metrics
 
 pytestmark = pytest.mark.slow
 
 PNG = b"\x89PNG\r\n\x1a\n"
-EXPECTED_PLOTS = {"heldout_success"} | {p.name for p in PLOTS}
+EXPECTED_PLOTS = {"heldout_success"} | {p.name for p in PLOTS + WHY_PLOTS}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,19 @@ def test_report_of_a_tiny_run(run_dir):
         assert f"]({plot['file']})" in md
     # the one series the launcher does not record is named, not invented
     assert any("held-out success vs wall time" in m for m in data["missing"])
+    # Why RL moved or stalled: the likely cause and the series it is read from
+    found = data["diagnosis"][label]
+    assert "## Why RL moved or stalled\n" in md
+    assert f"**{found['cause']}**: {found['reason']}." in md
+    (entropy,) = _series(data, "why_policy", "learner/entropy", label)
+    assert entropy["y"] == [r["learner/entropy"] for r in learner] and min(entropy["y"]) > 0
+    (share,) = _series(data, "why_signal", "learner/informative_share", label)
+    assert share["y"] == [informative_share(r) for r in learner]
+    (val,) = _series(data, "why_success", "heldout/avg", label)
+    assert val["x"] == [0, UPDATES] and val["y"] == [summary[f"success_{s}"]["avg"]
+                                                    for s in ("warm", "rl")]
+    # a series a run cannot have is named with the reason: no KL penalty, so no kl_ref
+    assert any("learner/kl_ref" in m and "kl_coef=0" in m for m in data["missing"])
     password = (run_dir / "redis" / "password").read_text().strip()
     assert len(password) > 8 and password in (run_dir / "config.yaml").read_text()
     assert password not in md and password not in (out / "series.json").read_text()

@@ -21,6 +21,7 @@ from helpers_replay import labels_for, make_group
 from starlette.testclient import TestClient
 from test_status import tiny_run
 
+from autodidact.diagnosis import run_diagnosis
 from autodidact.viewer.data import RunView
 from autodidact.viewer.server import Viewer, make_app, run_views
 from protocol import codec
@@ -68,6 +69,13 @@ def test_run_and_curves_of_a_real_run(client, run_dir):
     assert stages[0] == "base" and "rl" in stages
     assert all(len(h["ci"]) == 2 and h["ci"][0] <= h["avg"] <= h["ci"][1]
                for h in curves["heldout"])
+    # "Why RL moved or stalled" first, with the likely cause report.md names
+    # (tests/test_diagnosis_run.py checks the line itself on a run planted to say it)
+    why = [p for p in curves["plots"] if p["section"] == "why"]
+    assert why == curves["plots"][:len(why)] and {p["name"] for p in why} >= {
+        "why_success", "why_signal", "why_policy", "why_step"}
+    assert curves["diagnosis"]["line"] == run_diagnosis(run_dir).line
+    assert any("learner/kl_ref" in m for m in curves["missing"])  # no penalty, and it says so
 
 
 def test_groups_list_pages_and_filters(client, run_dir):

@@ -207,10 +207,17 @@ def test_run_page_shows_phase_and_drawn_charts(page, viewer):
             len(info["roles"])
         assert page.js("return document.querySelectorAll('#heldout tbody tr').length") >= 1
         assert "updated" in page.js("return document.querySelector('#last-updated').textContent")
-        plots = {p["name"] for p in _api(viewer, "/api/curves?runs=0")["runs"][0]["plots"]}
+        curves = _api(viewer, "/api/curves?runs=0")["runs"][0]
+        plots = {p["name"] for p in curves["plots"]}
         charts = page.js("return [...document.querySelectorAll('.chart')].map(c => [c.dataset"
                          ".plot, Number(c.dataset.points), !!c.querySelector('canvas')])")
         assert {c[0] for c in charts} == plots, charts
+        # "Why RL moved or stalled": the likely cause, and its charts under it
+        assert page.js("return document.querySelector('#why-line').textContent") == \
+            curves["diagnosis"]["line"]
+        why = page.js("return [...document.querySelectorAll('#why-charts .chart')]"
+                      ".map(c => c.dataset.plot)")
+        assert set(why) == {p["name"] for p in curves["plots"] if p["section"] == "why"}
         assert all(has_canvas for _, _, has_canvas in charts), charts
         # Drawn data: coloured pixels on a canvas (axes and grid are grey, lines are coloured).
         coloured = page.js("""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autodidact import report, status_cli, task_origins
+from autodidact import diagnosis, report, status_cli, task_origins
 from autodidact.task_mix import frontier_weight
 from autodidact.viewer.groups import GroupIndex, ViewError, origin_of
 from learner.advantages import composite_step_advantages, grpo_advantages
@@ -107,29 +107,21 @@ class RunView:
             return {}
 
     def curves(self) -> dict:
+        """Every plot of ``autodidact report`` that has a series: first those of "Why RL moved
+        or stalled" (``section`` "why"), then the rest; the likely cause (``diagnosis``), and
+        the series the why plots lack with the reason (``missing``)."""
         self.check()
         run = report.Run.load(self.path, self.label)
-        plots = []
-        for plot in report.PLOTS:
-            panels = []
-            for panel in plot.panels:
-                lines = []
-                for line in panel.lines:
-                    xs, ys = run.series(line)
-                    if xs:
-                        lines.append({"metric": line.metric, "x_axis": line.x,
-                                      "x": xs, "y": [_finite(y) for y in ys]})
-                if lines:
-                    panels.append({"ylabel": panel.ylabel, "log_y": panel.log_y,
-                                   "lines": lines})
-            if panels:
-                plots.append({"name": plot.name, "title": plot.title, "about": plot.about,
-                              "panels": panels})
+        missing: list[str] = []
+        plots = [_plot_json(run, plot, "why", missing) for plot in report.WHY_PLOTS] + \
+            [_plot_json(run, plot, "run") for plot in report.PLOTS]
         final = report.headline(run)["updates"] or 0
         heldout = [{"stage": stage, "x": x, **_interval(run.summary.get(f"success_{stage}"))}
                    for stage, x in (("base", 0), ("warm", 0), ("rl", final))
                    if run.summary.get(f"success_{stage}")]
-        return {"label": self.label, "plots": plots, "heldout": heldout}
+        found = diagnosis.run_diagnosis(self.path, run.records, run.summary)
+        return {"label": self.label, "plots": [p for p in plots if p], "heldout": heldout,
+                "diagnosis": found.to_json(), "missing": missing}
 
     # --- groups -------------------------------------------------------------------------------
 
@@ -447,6 +439,28 @@ class Scrubber:
             out.append("".join(chars))
             start = end
         return out
+
+
+def _plot_json(run: report.Run, plot: report.Plot, section: str,
+               missing: list[str] | None = None) -> dict | None:
+    """``plot``'s panels with the lines ``run`` has (None when it has none); a line it lacks
+    is named with its reason in ``missing``."""
+    panels = []
+    for panel in plot.panels:
+        lines = []
+        for line in panel.lines:
+            xs, ys = run.series(line)
+            if xs:
+                lines.append({"metric": line.metric, "x_axis": line.x,
+                              "x": xs, "y": [_finite(y) for y in ys]})
+            elif missing is not None:
+                missing.append(f"{line.metric}: {report.missing_reason(run, line)}")
+        if lines:
+            panels.append({"ylabel": panel.ylabel, "log_y": panel.log_y, "lines": lines})
+    if not panels:
+        return None
+    return {"name": plot.name, "title": plot.title, "about": plot.about, "section": section,
+            "panels": panels}
 
 
 def scrub(text: str, secrets: list[str]) -> str:

@@ -313,10 +313,11 @@
     return data.slice(1).reduce((n, col) => n + col.filter((v) => v !== null).length, 0);
   }
 
-  // One chart: `series` is [{label, color, dash, line}] over a panel's lines.
+  // One chart: `series` is [{label, color, dash, line}] over a panel's lines; drawn in
+  // `spec.parent` when the spec names one (the Run page's "why" charts), else in `container`.
   function makeChart(container, spec) {
     const holder = el("div", { class: "chart", "data-plot": spec.plot, "data-panel": spec.panel });
-    container.append(holder);
+    (spec.parent || container).append(holder);
     const data = alignLines(spec.series.map((s) => s.line));
     if (spec.logY) data.slice(1).forEach((col) => col.forEach((v, i) => { if (v !== null && v <= 0) col[i] = null; }));
     const xAxis = spec.series.length ? spec.series[0].line.x_axis : "update";
@@ -326,7 +327,7 @@
       width: chartWidth(holder),
       height: 220,
       scales: { x: { time: false }, y: spec.logY ? { distr: 3 } : {} },
-      axes: [{ label: xLabel }, {}],
+      axes: [{ label: xLabel }, { values: (u, ticks) => ticks.map(yTick), size: yAxisSize }],
       series: [{ label: xLabel }, ...spec.series.map((s) => ({
         label: s.label, stroke: s.color, width: 1.5, dash: s.dash, spanGaps: true,
         points: { size: 4 },
@@ -336,6 +337,18 @@
     holder.dataset.points = String(drawnPoints(data));
     app.charts.push({ chart, holder, key: spec.key, logY: spec.logY });
     return chart;
+  }
+
+  // uPlot rounds small ticks to "0" (a learning rate of 1e-4): those get an exponent.
+  function yTick(v) {
+    if (v === null || v === undefined) return "";
+    return v !== 0 && Math.abs(v) < 0.01 ? v.toExponential(1) : String(Number(v.toPrecision(6)));
+  }
+
+  // Wide enough for the longest tick label (uPlot's default of 50 px cuts "1.0e-4").
+  function yAxisSize(u, values) {
+    const longest = Math.max(0, ...(values || []).map((v) => String(v).length));
+    return Math.max(50, 12 + 7 * longest);
   }
 
   function chartWidth(holder) {
@@ -351,14 +364,16 @@
     for (const c of app.charts) c.chart.setSize({ width: chartWidth(c.holder), height: 220 });
   }
 
-  // The chart specs of one run's plots (run view): one chart per panel, a line per metric.
-  function runChartSpecs(curves) {
+  // The chart specs of one run's plots (run view): one chart per panel, a line per metric;
+  // those of "Why RL moved or stalled" (section "why") go in `whyParent` when given.
+  function runChartSpecs(curves, whyParent) {
     const specs = [];
     for (const plot of curves.plots || []) {
       (plot.panels || []).forEach((panel, p) => {
         const lines = panel.lines || [];
         specs.push({
           plot: plot.name, panel: p, logY: !!panel.log_y,
+          parent: plot.section === "why" ? whyParent : null,
           title: plot.panels.length > 1 ? `${plot.title}: ${panel.ylabel}` : plot.title,
           key: `${plot.name}/${p}/${lines.map((l) => `${l.metric}@${l.x_axis}`).join(",")}`,
           series: lines.map((raw, i) => {
@@ -401,6 +416,9 @@
   function drawCharts(container, specs) {
     destroyCharts();
     container.replaceChildren();
+    for (const parent of new Set(specs.map((s) => s.parent).filter(Boolean))) {
+      parent.replaceChildren();
+    }
     if (!specs.length) container.append(el("p", { class: "muted" }, "no metrics recorded yet"));
     for (const spec of specs) makeChart(container, spec);
   }
@@ -428,16 +446,31 @@
       api(`/api/curves?runs=${run}`)]);
     if (stale(gen)) return;
     const summary = el("section", { id: "run-summary" });
+    const why = el("section", { id: "why" });
     const charts = el("section", { id: "charts", class: "charts" });
+    charts.whyCharts = el("div", { id: "why-charts", class: "charts" });
     main().replaceChildren(
       el("div", { class: "title-row" }, el("h1", {}, info.label || runLabel(run)),
         el("span", { id: "last-updated", class: "muted" })),
-      summary, el("h2", {}, "Curves"), charts);
+      summary, el("h2", {}, "Why RL moved or stalled"), why, charts.whyCharts,
+      el("h2", {}, "Curves"), charts);
     const runCurves = firstCurves(curves);
     fillRunSummary(summary, info, runCurves);
-    drawCharts(charts, runChartSpecs(runCurves));
+    fillWhy(why, runCurves);
+    drawCharts(charts, runChartSpecs(runCurves, charts.whyCharts));
     stamp(info.finished);
-    if (!info.finished) startPolling(() => refreshRun(run, gen, summary, charts));
+    if (!info.finished) startPolling(() => refreshRun(run, gen, summary, charts, why));
+  }
+
+  // The likely cause (autodidact/diagnosis.py) and the series its charts lack, with why.
+  function fillWhy(section, curves) {
+    const d = curves.diagnosis || {};
+    const missing = curves.missing || [];
+    section.replaceChildren(
+      el("p", { id: "why-line", "data-cause": d.cause || "" },
+        el("strong", {}, d.cause || "unknown"), d.reason ? `: ${d.reason}` : ""),
+      missing.length ? el("ul", { class: "notes", id: "why-missing" },
+        missing.map((m) => el("li", {}, m))) : null);
   }
 
   function firstCurves(body) {
@@ -446,7 +479,7 @@
     return runs[0];
   }
 
-  async function refreshRun(run, gen, summary, charts) {
+  async function refreshRun(run, gen, summary, charts, why) {
     try {
       const [info, curves] = await Promise.all([api(`/api/run?run=${run}`),
         api(`/api/curves?runs=${run}`)]);
@@ -454,7 +487,8 @@
       clearError();
       const runCurves = firstCurves(curves);
       fillRunSummary(summary, info, runCurves);
-      updateCharts(charts, runChartSpecs(runCurves));
+      fillWhy(why, runCurves);
+      updateCharts(charts, runChartSpecs(runCurves, charts.whyCharts));
       stamp(info.finished);
       return !info.finished;
     } catch (err) {
@@ -915,8 +949,12 @@
     if (failed.length) showError(failed.join("\n"));
     const charts = el("section", { id: "charts", class: "charts" });
     const heldout = runs.flatMap((c) => (c.heldout || []).map((h) => ({ ...h, run: c.label })));
+    const causes = el("ul", { id: "why-lines" }, runs.map((c) => el("li", {},
+      `${c.label}: `, el("strong", {}, (c.diagnosis || {}).cause || "unknown"),
+      (c.diagnosis || {}).reason ? `: ${c.diagnosis.reason}` : "")));
     main().replaceChildren(el("h1", {}, "Compare runs"), boxes,
       el("h2", {}, "Held-out success"), heldoutTable(heldout, true),
+      el("h2", {}, "Why RL moved or stalled"), causes,
       el("h2", {}, "Curves"), charts);
     drawCharts(charts, compareChartSpecs(runs));
   }
