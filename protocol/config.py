@@ -441,12 +441,12 @@ class LearnerConfig:
     where it started (``autodidact report``'s "Why RL moved or stalled"). The initial policy
     is the reference a ``kl_coef`` > 0 penalty uses: with LoRA the base with its adapter off
     (no memory), else a frozen copy of the initial weights on the learner's device (one more
-    copy of the weights, no gradients or optimizer state: about a fifth more than AdamW's full
-    fine-tuning holds; 0 keeps it off for a model that only just fits). Its time is one no-grad
-    forward of the batch every n updates: about a third of an update's compute, so ~3% at 10,
-    which still gives a run of 40 updates 4 points to compare its first and last quarters
-    with. With ``kl_coef`` > 0 that KL is ``learner/kl_ref``, logged every update, and this
-    is not computed. 0 = off."""
+    copy of the weights, no gradients or optimizer state: a quarter more than full
+    fine-tuning with AdamW holds in float32; 0 keeps it off for a model that only just fits).
+    Its time is one no-grad forward of the batch every n updates, a forward being about a
+    third of an update's forward and backward: an estimated 3% at 10, which still gives a run
+    of 40 updates a point in each quarter it compares. With ``kl_coef`` > 0 that KL is
+    ``learner/kl_ref``, logged every update, and this is not computed. 0 = off."""
 
     nproc: int = 1
     """Learner processes (one per GPU) that ``autodidact run`` starts through ``torchrun``;
