@@ -311,7 +311,9 @@ def test_two_ranks_step_as_one_rank_on_the_whole_batch(two_ranks, scenario, mode
     want = update_rows(tmp_path)
     assert len(got) == len(want) == UPDATES
     for g, w in zip(got, want):
-        for name in ("loss", "pg_loss", "grad_norm", "tokens", "groups"):
+        # entropy and kl_initial (learner/step.py) are summed over ranks' tokens, as the loss
+        kl = ("kl_initial",) if "learner/kl_initial" in w else ()
+        for name in ("loss", "pg_loss", "grad_norm", "tokens", "groups", "entropy") + kl:
             assert g[f"learner/{name}"] == pytest.approx(w[f"learner/{name}"], rel=1e-5,
                                                          abs=1e-7), name
     assert_states_close(rank_result(two_ranks, scenario, 0)["state"],
