@@ -8,6 +8,8 @@
         groups = rollout(tasks, n per task)        # one batched generate per turn
         push groups to replay (retried until acknowledged), keep rolling meanwhile
         heartbeat, metrics
+        actor-0 only, every eval.probe_every versions: the validation probe (actor/probe.py),
+        rolled out and logged, never pushed
 
 A group's admission slot stays claimed until replay acknowledges it; until then the group also
 waits in the actor's outbox on disk (actor/outbox.py), so an actor restarted after a crash
@@ -35,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from actor.outbox import Outbox
+from actor.probe import ValidationProbe
 from environments.base import env_maker
 from episodes.reward import OutcomeReward
 from episodes.rollout import make_codec, rollout, settings_of, start_episodes, to_groups
@@ -71,13 +74,14 @@ def task_outcomes(episodes) -> dict[str, tuple[int, int]]:
 class Actor:
     """Built from its settings and what it rolls out with: ``backend`` (the engine),
     ``weights`` (follows the learner's versions), ``navigator`` (retrieves experience; None
-    when self-navigating is off) and ``reward``. It owns them, and its replay client, from
-    here on: :meth:`close` releases them all."""
+    when self-navigating is off), ``reward`` and ``probe`` (the validation probe, actor-0's
+    alone; None for the others and with ``eval.probe_every=0``). It owns them, and its replay
+    client, from here on: :meth:`close` releases them all."""
 
     def __init__(self, settings: ActorSettings, run_dir: Path, control: ControlPlane,
                  replay: ReplayClient, backend: InferenceBackend, weights: WeightSubscriber,
                  actor_id: str, *, navigator: Navigator | None = None,
-                 reward: OutcomeReward | None = None):
+                 reward: OutcomeReward | None = None, probe: ValidationProbe | None = None):
         self.settings = settings
         self.control = control
         self.replay = replay
@@ -91,6 +95,7 @@ class Actor:
         self._seed = actor_seed(settings.seed, actor_id)
         self.navigator = navigator
         self._navigation: dict[str, float] = {}
+        self.probe = probe
         self.metrics = MetricsWriter(run_dir, "actor", actor_id)
         self.outbox = Outbox(run_dir, actor_id)
         self.tokens = RateMeter()
@@ -110,7 +115,7 @@ class Actor:
             return
         self._closed = True
         for part in (self.replay, self.backend, self.weights, self.metrics, self.outbox,
-                     self.navigator):
+                     self.navigator, self.probe):
             if part is not None:
                 part.close()
 
@@ -146,6 +151,7 @@ class Actor:
         self.maybe_load_weights()
         while not self._stop.is_set():
             self.drain_acks(0.0)
+            self.maybe_probe()
             tasks = self.take_tasks()
             if not tasks:
                 continue
@@ -165,6 +171,27 @@ class Actor:
                                        waiting="env_failed", env_failed=dict(self.env_failed))
                 self._stop.wait(ENV_FAILED_WAIT_S)
         self.drain_acks(5.0, until_empty=True)
+
+    def maybe_probe(self) -> dict | None:
+        """The validation probe, when one is due at the version generating now: its rollouts
+        are only counted (no replay, outbox, curriculum counts or navigator) and no weights
+        load during it, so one probe is one version. Returns its record, else None."""
+        if self.probe is None:
+            return None
+        self.maybe_load_weights()  # the newest announced version, not the last roll's
+        if not self.probe.due(self.backend.version):
+            return None
+        ac = self.settings.actor
+        params = SamplingParams(temperature=ac.temperature, top_p=ac.top_p,
+                                max_new_tokens=ac.max_action_tokens,
+                                stop_token_ids=(self.codec.eoa_id,), logprobs_mode="raw")
+        with self._beating():
+            found = self.probe.run(self.backend, self.codec, self.make_env, self.rollout,
+                                   params, ac.groups_in_flight * ac.group_size)
+        log.info("%s validation probe at v%d: %.1f%% of %d tasks", self.actor_id,
+                 found["eval/version"], 100 * found["eval/probe_success"],
+                 found["eval/probe_tasks"])
+        return found
 
     def _give_back(self, dropped: int) -> None:
         """The slots of groups dropped because the env failed them: no group will use them."""

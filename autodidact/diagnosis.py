@@ -1,8 +1,9 @@
 """Why RL moved or stalled: one line naming the likely cause, with the numbers behind it.
 
-:func:`diagnose` is a pure function of a run's metrics records (``metrics.jsonl``) and its
-validation points (after warm-start and after RL, from ``summary.json`` and the per-task
-records); :func:`run_diagnosis` gathers those from a run directory. ``autodidact report``
+:func:`diagnose` is a pure function of a run's metrics records (``metrics.jsonl``, the
+validation probe's among them) and its validation points (after warm-start and after RL, from
+``summary.json`` and the per-task records); :func:`run_diagnosis` gathers those from a run
+directory. ``autodidact report``
 (its "Why RL moved or stalled" section) and the viewer's Run page show the same line.
 
 It compares the first and the last quarter of the learner's updates, and reads, in this order:
@@ -13,7 +14,10 @@ It compares the first and the last quarter of the learner's updates, and reads, 
 2. when **training success rose** (actor success on training tasks, by policy version; the
    batch reward where actors logged none) by at least :data:`RISE`: **overfitting the training
    tasks** if there is a validation after RL (it did not beat, or step 1 would have said so),
-   else **learning**, said to be on the training tasks alone;
+   or if the validation probe (``eval.probe_every``: the same validation tasks every few
+   versions, at the actors' sampling settings) did not rise by :data:`RISE` over the same
+   quarters of the policy versions; else **learning**: with the probe rising too, or said to
+   be on the training tasks alone without either;
 3. otherwise, **no signal** when fewer than :data:`NO_SIGNAL_SHARE` of the groups the learner
    saw were informative (their rollouts did not all score the same, so every advantage was
    zero);
@@ -48,7 +52,12 @@ MIN_UPDATES = 8
 # least 5 points between the first and last quarter. A rule of thumb, not a significance
 # test: on 200-update files runs (16 groups of 8 a batch) the means of two halves of one
 # quarter differ by 2 to 12 points, so a smaller rise is noise as often as not; validation,
-# read first, has an interval and decides "learning" without it.
+# read first, has an interval and decides "learning" without it. The validation probe's rise is
+# held to the same bar, over the same quarters: training success carried over if validation
+# rose as far as training success had to. A quarter of a 200-version run probed every 10
+# versions on 32 tasks averages 160 rollouts of the same tasks (about ±8 points alone), so a
+# probe under the bar is "not shown to rise", which with a rise in training is what overfitting
+# looks like from here.
 RISE = 0.05
 # "Most groups uninformative": fewer than half carried any signal. Below that, most of the
 # rollouts the actors make teach nothing; with learner.skip_uninformative the learner still
@@ -159,6 +168,32 @@ def training_success(records: list[dict]) -> list[tuple[int, float]]:
     return [(v, sum(xs) / len(xs)) for v, xs in sorted(by_version.items())]
 
 
+def probe_success(records: list[dict]) -> list[tuple[int, float]]:
+    """The validation probe's success (``eval/probe_success``, actor/probe.py) by policy
+    version; the mean where a version was probed twice (an actor restarted there)."""
+    by_version: dict[int, list[float]] = {}
+    for r in records:
+        v, rate = r.get("eval/version"), _num(r.get("eval/probe_success"))
+        if r.get("role") == "eval" and rate is not None and _num(v) is not None:
+            by_version.setdefault(int(v), []).append(rate)
+    return [(v, sum(xs) / len(xs)) for v, xs in sorted(by_version.items())]
+
+
+def probe_quarters(probe: list[tuple[int, float]],
+                   versions: list[int]) -> tuple[float, float] | None:
+    """Mean probe success over the policy versions of the first and of the last quarter of
+    ``versions`` (training success's), so both series are read over the same quarters; None
+    when either quarter holds no probe (too few, or a run without one)."""
+    if len(versions) < 2:
+        return None
+    q = max(1, len(versions) // 4)
+    first = [y for v, y in probe if v <= versions[q - 1]]
+    last = [y for v, y in probe if v >= versions[-q]]
+    if not first or not last:
+        return None
+    return sum(first) / len(first), sum(last) / len(last)
+
+
 def quarters(values: list[float]) -> tuple[float, float] | None:
     """Means of the first and the last quarter of ``values`` (at least one value each)."""
     if not values:
@@ -214,11 +249,7 @@ def diagnose(records: list[dict], validation: Validation | None = None) -> Diagn
         flat = "" if rise >= RISE else "; validation rose while training success stayed flat"
         return Diagnosis("learning", said + flat, numbers)
     if rise >= RISE:
-        if validation is None or validation.rl is None:
-            return Diagnosis("learning", f"{said}; on the training tasks alone (no validation "
-                             "after RL to show it carries over)", numbers)
-        return Diagnosis("overfitting the training tasks", f"{said}; training success rose "
-                         "but validation after RL does not beat after warm-start", numbers)
+        return _training_rose(numbers, validation, said)
     share = numbers["informative share"]
     if share < NO_SIGNAL_SHARE:
         return Diagnosis("no signal", f"only {share:.0%} of groups informative (rollouts that "
@@ -230,6 +261,25 @@ def diagnose(records: list[dict], validation: Validation | None = None) -> Diagn
                          f"stayed flat; {said}", numbers)
     return Diagnosis("stalled, cause unclear", f"training success flat, signal in "
                      f"{share:.0%} of groups, no drift; {said}", numbers)
+
+
+def _training_rose(numbers: dict, validation: Validation | None, said: str) -> Diagnosis:
+    """Training success rose and validation after RL, where there is one, did not beat: which
+    validation shows it did not carry over (the end point, the probe, both), or that it did."""
+    probe = numbers["validation probe"]
+    behind = []
+    if validation is not None and validation.rl is not None:
+        behind.append("validation after RL does not beat after warm-start")
+    if probe is not None and probe[1] - probe[0] < RISE:
+        behind.append(f"the validation probe did not rise by {RISE * 100:.0f} points over the "
+                      "same quarters")
+    if behind:
+        return Diagnosis("overfitting the training tasks", f"{said}; training success rose "
+                         f"but {' and '.join(behind)}", numbers)
+    if probe is not None:
+        return Diagnosis("learning", f"{said}; the validation probe rose with it", numbers)
+    return Diagnosis("learning", f"{said}; on the training tasks alone (no validation after RL "
+                     "nor validation probe to show it carries over)", numbers)
 
 
 def _too_early(records: list[dict], n: int) -> Diagnosis:
@@ -249,7 +299,8 @@ def _too_early(records: list[dict], n: int) -> Diagnosis:
 
 def _numbers(records, rows, validation) -> dict:
     """Every number the causes are read from: first/last quarter pairs, and shares."""
-    success = [rate for _, rate in training_success(records)]
+    by_version = training_success(records)
+    success = [rate for _, rate in by_version]
     train = quarters(success) or _quarter_series(rows, "learner/reward")
     seen = [(informative_share(r), r) for r in rows]
     informative = sum((r["learner/groups"] - r["learner/degenerate_groups"])
@@ -268,6 +319,8 @@ def _numbers(records, rows, validation) -> dict:
         or _quarter_series(rows, "learner/kl_ref"),
         "grad_norm": _quarter_series(rows, "learner/grad_norm"),
         "entropy": _quarter_series(rows, "learner/entropy"),
+        "validation probe": probe_quarters(probe_success(records),
+                                           [v for v, _ in by_version]),
     }
     if validation is not None:
         numbers["validation"] = {"warm": validation.warm, "rl": validation.rl,
@@ -294,6 +347,9 @@ def _evidence(numbers: dict, validation: Validation | None) -> str:
         else "batch reward"
     parts = [f"{what} {train[0]:.0%} → {train[1]:.0%} (first vs last quarter of "
              f"{numbers['updates']} updates)"]
+    if numbers["validation probe"] is not None:
+        first, last = numbers["validation probe"]
+        parts.append(f"validation probe {first:.0%} → {last:.0%} (same quarters)")
     if validation is not None:
         parts.append(validation.words())
     return ", ".join(parts)

@@ -115,11 +115,15 @@ PLOTS = [
 WHY_PLOTS = [
     Plot("why_success", "Training-task success vs validation", [
         Panel("success rate", [Line("actor", "actor/success_rate", "version"),
+                               Line("eval", "eval/probe_success", "version"),
                                Line("heldout", "heldout/avg", "version"),
                                Line("heldout", "heldout/base_avg", "version")]),
-    ], "actor success on the training tasks (mean per policy version) beside the held-out "
-       "split's avg@k: after warm-start at version 0 and after RL at the last version "
-       "(`heldout/avg`), before warm-start at version 0 (`heldout/base_avg`)"),
+    ], "actor success on the training tasks (mean per policy version) beside validation: the "
+       "validation probe every `eval.probe_every` versions (`eval/probe_success`: the same "
+       "`eval.probe_tasks` validation tasks each time, one rollout each at the actors' "
+       "sampling settings), and the held-out split's avg@k after warm-start at version 0 and "
+       "after RL at the last version (`heldout/avg`), before warm-start at version 0 "
+       "(`heldout/base_avg`)"),
     Plot("why_signal", "Signal in the groups", [
         Panel("informative share", [_u("learner/informative_share")]),
         Panel("mean reward of the batch", [_u("learner/reward")]),
@@ -313,6 +317,8 @@ def missing_reason(run: Run, line: Line) -> str:
     if line.role == "heldout":
         return f"run '{run.label}' has no such held-out evaluation in summary.json " \
                "(eval.num_tasks=0, eval.before_rl=false, or the run did not get that far)"
+    if line.metric == "eval/probe_success":
+        return _probe_missing(run, own)
     if line.metric == "learner/kl_initial":
         if learner("kl_coef"):
             return f"run '{run.label}' has learner.kl_coef > 0: its KL to the initial policy " \
@@ -327,6 +333,16 @@ def missing_reason(run: Run, line: Line) -> str:
     if line.metric == "learner/entropy" and learner("diagnostics_every") is None:
         return f"{own}: made before the learner logged it"
     return own
+
+
+def _probe_missing(run: Run, own: str) -> str:
+    """Why a run has no validation probe: off, made before it existed, or not yet probed."""
+    every = run.config_value("eval", "probe_every")
+    if every == 0:
+        return f"run '{run.label}': eval.probe_every is 0 (the validation probe is off)"
+    if every is None:
+        return f"{own}: made before the validation probe (eval.probe_every)"
+    return f"{own}: actor-0 has not probed yet (eval.probe_every={every})"
 
 
 def draw_plot(plot: Plot, runs: list[Run], out_dir: Path, notes: list[str]) -> dict | None:
@@ -485,7 +501,8 @@ def why_markdown(runs: list[Run], diagnoses: list[diagnosis.Diagnosis],
     """The "Why RL moved or stalled" section: each run's likely cause, and its plots."""
     several = len(runs) > 1
     out = ["## Why RL moved or stalled", "",
-           "The likely cause, read off the first and last quarter of the updates and the "
+           "The likely cause, read off the first and last quarter of the updates, the "
+           "validation probe over the same quarters (where `eval.probe_every` > 0) and the "
            "validation after warm-start and after RL (`autodidact/diagnosis.py`; "
            "docs/reports.md says how):", ""]
     for run, d in zip(runs, diagnoses):

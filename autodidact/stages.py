@@ -211,13 +211,17 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
     before training (:func:`before_training`, their entries added to ``summary`` and written
     to summary.json). Raises :class:`NoSyntheticTasks` as ``before_training`` does, and
     :class:`StartRefused` first where ``env.max_context`` cannot hold an episode past its
-    first call (:func:`autodidact.resolve.check_context`)."""
+    first call (:func:`autodidact.resolve.check_context`), or where ``eval.probe_every`` asks
+    to probe an env without validation tasks."""
     from environments.base import env_maker
 
     base = prepare_model(cfg, run_dir)
     env = env_maker(cfg.env)()
     write_split(run_dir, env)
     original = env.tasks("train")
+    if cfg.eval.probe_every and not env.tasks("validation"):
+        raise StartRefused(f"eval.probe_every={cfg.eval.probe_every}: env {env.name} has no "
+                           f"validation tasks to probe; set eval.probe_every=0")
     for task in (original or env.tasks("validation"))[:1]:
         try:  # a context too short for one call: refused now, not truncated in every episode
             check_context(cfg, base, task)

@@ -59,11 +59,27 @@ def build_actor(cfg: RunConfig, run_dir: Path, control: ControlPlane, replay: Re
         weights = WeightSubscriber.for_run(cfg, control, actor_id)
         undo.callback(weights.close)
         navigator = make_navigator(cfg, actor_seed(cfg.seed, actor_id))
+        if navigator is not None:
+            undo.callback(navigator.close)
+        probe = build_probe(cfg, run_dir, actor_id)
+        if probe is not None:
+            undo.callback(probe.close)
         actor = (actor_class or Actor)(
             actor_settings(cfg), run_dir, control, replay, backend, weights, actor_id,
-            navigator=navigator, reward=outcome_reward(cfg), **extra)
+            navigator=navigator, reward=outcome_reward(cfg), probe=probe, **extra)
         undo.pop_all()
     return actor
+
+
+def build_probe(cfg: RunConfig, run_dir: Path, actor_id: str):
+    """The validation probe of actor ``actor_id``: actor-0's alone (one actor pays for it
+    however many run), None for the others and with ``eval.probe_every=0``."""
+    from actor.probe import PROBE_ACTOR, ValidationProbe
+    from episodes.evaluate import probe_tasks
+
+    if not cfg.eval.probe_every or actor_id != PROBE_ACTOR:
+        return None
+    return ValidationProbe(probe_tasks(cfg), cfg.eval.probe_every, run_dir, actor_id, cfg.seed)
 
 
 def build_learner(cfg: RunConfig, run_dir: Path, control: ControlPlane, replay: ReplayClient,

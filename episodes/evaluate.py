@@ -57,6 +57,14 @@ def select_tasks(cfg: RunConfig, split: str = "validation", limit: int = 0,
     return tasks
 
 
+def probe_tasks(cfg: RunConfig, env: Environment | None = None) -> list[Task]:
+    """The validation probe's fixed sample (``eval.probe_tasks``, actor/probe.py): drawn from
+    the validation split, never test, with the run's seed as :func:`select_tasks` draws the
+    held-out evaluation's, so every probe of a run, and every actor that makes one, rolls
+    out the same tasks."""
+    return select_tasks(cfg, "validation", cfg.eval.probe_tasks, env)
+
+
 def task_category(task: Task) -> str:
     """The category a task is reported under: the env's own, else the env's name."""
     return task.meta.get("category", task.env)

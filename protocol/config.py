@@ -665,11 +665,39 @@ class EvalConfig:
     split too (``autodidact run --final-test``). Off, a run never looks at test; the summary
     records whether it did (``looked_at_test``)."""
 
+    probe_every: int = 0
+    """The validation probe during RL: every this many policy versions (at versions 0, n,
+    2n, ..., or the first version past each that it loads when it skips some), actor-0 (one
+    actor, however many run) rolls out the probe's ``probe_tasks`` validation tasks, one
+    rollout each at the actor's own sampling settings, without experience, and logs
+    ``eval/probe_success`` by policy version (report, viewer, diagnosis: beside training-task
+    success). Its rollouts
+    are never pushed to replay, so never trained on, judged or mined for experience.
+    0 = off (the learner's ``learner.probe_every`` is another thing: its step gain).
+
+    Cost: ``probe_tasks`` rollouts every ``probe_every`` versions, on actor-0 alone, which
+    pauses its own groups meanwhile (the learner does not wait for it). The default job makes
+    16 groups of 8 rollouts a version between 2 actors, 64 rollouts per actor: at 10 and 32
+    tasks, 32 of actor-0's 640 rollouts per 10 versions (5%; 2.5% of the run's). Off by
+    default: the runs of docs/results were made without it, and actor-0's pauses change the
+    timing, hence the groups, of an async run, so a default run stays the run that measured
+    them. Refused with ``actor.num_actors=0`` (no actor-0 on this machine)."""
+
+    probe_tasks: int = 32
+    """How many validation tasks the probe rolls out: drawn once from the validation split
+    with the run's seed, as the held-out evaluation draws its own (the same tasks at every
+    probe; all of the split's when it holds fewer), never a test task. At one rollout each,
+    one probe of 32 tasks reads success to about ±17 points (95%); a quarter of a 200-version
+    run at ``probe_every=10`` holds 5 probes, 160 rollouts of the same tasks, about ±8."""
+
     def check(self):
         if self.num_tasks < 0:
             raise ConfigError(f"num_tasks must be >= 0, got {self.num_tasks}")
         _positive(self, "k")
         _positive(self, "temperature")
+        if self.probe_every < 0:
+            raise ConfigError(f"probe_every must be >= 0 (0 = off), got {self.probe_every}")
+        _positive(self, "probe_tasks")
 
 
 @dataclass
@@ -1162,6 +1190,9 @@ class RunConfig:
             raise ConfigError(f"actor.max_action_tokens ({self.actor.max_action_tokens}) must "
                               f"be < env.max_context ({self.env.max_context}): no action fits")
         self._check_env_link()
+        if self.eval.probe_every and self.actor.num_actors == 0:
+            raise ConfigError("eval.probe_every runs the validation probe on actor-0, which "
+                              "actor.num_actors=0 does not start here; set eval.probe_every=0")
         if self.env.context_summary == "llm" and self.env.context == "summary" \
                 and not self.llm.url:
             raise ConfigError("env.context_summary=llm needs llm.url (an OpenAI-compatible "

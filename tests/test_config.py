@@ -105,6 +105,7 @@ ZERO_OK = {
     "actor.vllm_max_model_len",  # 0: the model's own
     "learner.lora_rank", "learner.lora_dropout",  # 0: full fine-tuning; no dropout
     "learner.token_log_groups",  # 0: no token log
+    "eval.probe_every",  # 0: no validation probe
 }
 
 
@@ -188,6 +189,16 @@ def test_no_action_fits_is_refused(tmp_path):
     _refused("actor.max_action_tokens", 384, tmp_path)  # == env.max_context by default
     with pytest.raises(ConfigError, match="env.max_context"):
         _load({"env": {"max_context": 16}}, tmp_path)
+
+
+def test_a_validation_probe_without_actor_0_is_refused(tmp_path):
+    """The probe runs on actor-0 alone: a head that starts no actors could never probe."""
+    with pytest.raises(ConfigError, match="eval.probe_every.*actor.num_actors=0"):
+        _load({"eval": {"probe_every": 5}, "actor": {"num_actors": 0}}, tmp_path)
+    assert _load({"eval": {"probe_every": 5}, "actor": {"num_actors": 1}},
+                 tmp_path).eval.probe_every == 5
+    assert _load({"eval": {"probe_every": 0}, "actor": {"num_actors": 0}},
+                 tmp_path).actor.num_actors == 0
 
 
 def _wrong_type(hint):

@@ -178,3 +178,76 @@ def test_run_validation_pairs_the_per_task_records(tmp_path):
     alone = run_validation(tmp_path, summary)
     assert alone.low is None and alone.rose()  # +50 points, no interval
     assert run_validation(tmp_path, {}) is None
+
+
+# --- the validation probe (eval.probe_every) ----------------------------------------------------
+
+
+def probed(records: list[dict], success=(0.5, 0.5), every: int = 4,
+           versions: range | None = None) -> list[dict]:
+    """``records`` with a validation probe every ``every`` versions over ``versions`` (those of
+    the actors' records by default), its success going linearly from the first value to the
+    second, as actor-0 logs it (role eval, eval/version)."""
+    seen = sorted({r["actor/version"] for r in records if r["role"] == "actor"})
+    versions = [v for v in (versions or range(seen[0], seen[-1] + 1)) if v % every == 0]
+    span = max(versions[-1] - versions[0], 1)
+    return records + [{"role": "eval", "id": "actor-0", "step": v, "eval/version": v,
+                       "eval/probe_tasks": 32, "eval/probe_success":
+                       success[0] + (success[1] - success[0]) * (v - versions[0]) / span}
+                      for v in versions]
+
+
+def test_training_success_rising_while_the_probe_stays_flat_is_overfitting():
+    # no validation after RL (a run still going): before the probe this said "learning"
+    found = diagnose(probed(planted(success=(0.4, 0.7)), success=(0.3, 0.31)))
+    assert found.cause == "overfitting the training tasks", found.line
+    assert "validation probe did not rise by 5 points over the same quarters" in found.reason
+    assert "validation probe 30% → 31% (same quarters)" in found.reason
+    falling = diagnose(probed(planted(success=(0.4, 0.7)), success=(0.4, 0.2)),
+                       Validation(0.5, None))
+    assert falling.cause == "overfitting the training tasks", falling.line
+
+
+def test_the_probe_rising_with_training_success_is_learning():
+    found = diagnose(probed(planted(success=(0.4, 0.7)), success=(0.3, 0.5)))
+    assert found.cause == "learning" and "probe rose with it" in found.reason, found.line
+    assert "training tasks alone" not in found.reason
+
+
+def test_the_end_point_still_decides_overfitting_beside_a_rising_probe():
+    # validation after RL has the interval: a probe that rose does not overrule it ...
+    found = diagnose(probed(planted(success=(0.4, 0.7)), success=(0.3, 0.5)), FLAT_VALIDATION)
+    assert found.cause == "overfitting the training tasks", found.line
+    assert "validation after RL does not beat" in found.reason
+    assert "probe did not rise" not in found.reason
+    # ... both are named when both stayed behind; and a risen end point is learning
+    both = diagnose(probed(planted(success=(0.4, 0.7)), success=(0.3, 0.3)), FLAT_VALIDATION)
+    assert "does not beat after warm-start and the validation probe" in both.reason, both.line
+    risen = diagnose(probed(planted(success=(0.4, 0.7)), success=(0.3, 0.3)),
+                     RISEN_VALIDATION)
+    assert risen.cause == "learning", risen.line
+
+
+def test_the_probe_is_read_over_training_success_quarters_or_not_at_all():
+    records = planted(n=40, success=(0.4, 0.7))  # versions 0..39: quarters 0-9 and 30-39
+    # high only between the quarters: the same in both, so flat
+    middle = probed(records, success=(0.3, 0.3))
+    for r in middle:
+        if r["role"] == "eval" and 10 <= r["eval/version"] < 30:
+            r["eval/probe_success"] = 0.9
+    found = diagnose(middle)
+    assert found.numbers["validation probe"] == pytest.approx((0.3, 0.3)), found.line
+    assert found.cause == "overfitting the training tasks", found.line
+    # probes in the first quarter alone say nothing of the last: not read
+    early = diagnose(probed(records, success=(0.3, 0.3), versions=range(0, 10)))
+    assert early.numbers["validation probe"] is None
+    assert early.cause == "learning" and "training tasks alone" in early.reason, early.line
+
+
+def test_a_version_probed_twice_counts_once_at_its_mean():
+    records = [{"role": "eval", "eval/version": 4, "eval/probe_success": 0.25},
+               {"role": "eval", "eval/version": 4, "eval/probe_success": 0.75},
+               {"role": "eval", "eval/version": 0, "eval/probe_success": 0.1},
+               {"role": "eval", "step": 0, "eval/success_avg": 0.9},  # a stage evaluation
+               {"role": "actor", "actor/version": 8, "eval/probe_success": 1.0}]
+    assert diagnosis.probe_success(records) == [(0, 0.1), (4, 0.5)]

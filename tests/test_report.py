@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_status import UPDATES, tiny_run
+from test_status import PROBE_EVERY, UPDATES, tiny_run
 
 from autodidact.diagnosis import informative_share
-from autodidact.report import PLOTS, WHY_PLOTS, report
+from autodidact.report import PLOTS, WHY_PLOTS, Line, Run, missing_reason, report
 from metrics.jsonl import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -96,11 +96,31 @@ def test_report_of_a_tiny_run(run_dir):
     (val,) = _series(data, "why_success", "heldout/avg", label)
     assert val["x"] == [0, UPDATES] and val["y"] == [summary[f"success_{s}"]["avg"]
                                                     for s in ("warm", "rl")]
+    # the validation probe: actor-0 probed at version 0, then once in each later block of
+    # PROBE_EVERY versions it reached, and the plot draws every probe beside training success
+    probes = [r for r in read_metrics(run_dir, "eval") if "eval/probe_success" in r]
+    versions = [r["eval/version"] for r in probes]
+    assert versions[0] == 0 and len(versions) >= 2, versions
+    assert [v // PROBE_EVERY for v in versions] == sorted({v // PROBE_EVERY for v in versions})
+    assert all(r["id"] == "actor-0" and r["eval/probe_tasks"] == 4 for r in probes)
+    (probe,) = _series(data, "why_success", "eval/probe_success", label, "version")
+    assert probe["x"] == versions and probe["y"] == [r["eval/probe_success"] for r in probes]
+    assert not any("eval/probe_success" in m for m in data["missing"])
     # a series a run cannot have is named with the reason: no KL penalty, so no kl_ref
     assert any("learner/kl_ref" in m and "kl_coef=0" in m for m in data["missing"])
     password = (run_dir / "redis" / "password").read_text().strip()
     assert len(password) > 8 and password in (run_dir / "config.yaml").read_text()
     assert password not in md and password not in (out / "series.json").read_text()
+
+
+def test_a_run_without_the_probe_says_why():
+    line = Line("eval", "eval/probe_success", "version")
+    off = Run(Path("off"), "off", config={"eval": {"probe_every": 0}})
+    assert "eval.probe_every is 0" in missing_reason(off, line)
+    older = Run(Path("older"), "older", config={"eval": {"num_tasks": 2}})
+    assert "made before the validation probe" in missing_reason(older, line)
+    on = Run(Path("on"), "on", config={"eval": {"probe_every": 4}})
+    assert "not probed yet" in missing_reason(on, line)
 
 
 def _variant(run_dir: Path, dest: Path) -> Path:

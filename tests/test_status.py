@@ -28,11 +28,14 @@ QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
 UPDATES = 12
 # The smallest job that still has every role and every stage's numbers: no warm-start steps
 # (the "after warm-start" evaluation is then of the base model), 2 held-out tasks, batches of
-# 2 groups of 4 rollouts, one actor, one judge, no experience extractor. About 20 s alone on
-# 2 cores; about 45 s when other jobs share them.
+# 2 groups of 4 rollouts, one actor, one judge, no experience extractor; the validation probe
+# on 4 tasks every 4 versions (PROBE_EVERY). About 20 s alone on 2 cores; about 45 s when
+# other jobs share them.
+PROBE_EVERY = 4
 TINY_SETS = ["name=tinystatus", "warmstart.steps=0", "eval.num_tasks=2", "eval.k=1",
              "eval.greedy=false", "learner.batch_groups=2", "actor.group_size=4",
              "actor.num_actors=1", "experience.enabled=false", "learner.probe_every=0",
+             f"eval.probe_every={PROBE_EVERY}", "eval.probe_tasks=4",
              "tracking.wandb=offline", "tracking.group=tinygroup"]
 
 _RUNS: dict[str, dict] = {}

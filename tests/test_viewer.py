@@ -24,6 +24,7 @@ from test_status import tiny_run
 from autodidact.diagnosis import run_diagnosis
 from autodidact.viewer.data import RunView
 from autodidact.viewer.server import Viewer, make_app, run_views
+from metrics.jsonl import read_metrics
 from protocol import codec
 from protocol.config import ReplayConfig
 from protocol.run_dir import RunDir
@@ -76,6 +77,13 @@ def test_run_and_curves_of_a_real_run(client, run_dir):
         "why_success", "why_signal", "why_policy", "why_step"}
     assert curves["diagnosis"]["line"] == run_diagnosis(run_dir).line
     assert any("learner/kl_ref" in m for m in curves["missing"])  # no penalty, and it says so
+    # the validation probe (eval.probe_every on the tiny run) beside training-task success
+    success = {line["metric"]: line for panel in plots["why_success"]["panels"]
+               for line in panel["lines"]}
+    probes = [r for r in read_metrics(run_dir, "eval") if "eval/probe_success" in r]
+    assert success["eval/probe_success"]["x"] == [r["eval/version"] for r in probes]
+    assert success["eval/probe_success"]["y"] == [r["eval/probe_success"] for r in probes]
+    assert success["eval/probe_success"]["x_axis"] == success["actor/success_rate"]["x_axis"]
 
 
 def test_groups_list_pages_and_filters(client, run_dir):
