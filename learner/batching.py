@@ -108,6 +108,7 @@ def build_batch(
     alpha: float = 0.1,
     max_len: int | None = None,
     experience: str = "discard",
+    advantage_std: str = "group",
 ) -> tuple[TrainBatch, dict]:
     """Stack the trajectories of ``groups`` (in order) into a :class:`TrainBatch`.
 
@@ -127,6 +128,10 @@ def build_batch(
     experience included); with ``experience="discard"`` each row's injected experience is then
     cut out of its tokens and its advantages alike (:func:`strip_experience`), so the policy is
     trained to act without the advice. ``"keep"`` trains with the experience in context.
+
+    ``advantage_std`` (``learner.advantage_std``): whether the outcome advantages, plain or
+    the composite's outcome part, are divided by their group's std (``group``) or only
+    centred (``none``, Dr. GRPO; :func:`grpo_advantages`).
 
     ``max_len`` cuts longer rows to their first ``max_len`` tokens (counted in ``truncated``);
     it applies after stripping.
@@ -153,11 +158,12 @@ def build_batch(
         if advantages is not None:
             per_traj = _given_advantages(group, advantages[gi])
         elif label_map is not None and group.group_id in label_map:
-            per_traj = _composite_token_advantages(group, label_map[group.group_id], alpha)
+            per_traj = _composite_token_advantages(group, label_map[group.group_id], alpha,
+                                                   advantage_std)
         else:
             if label_map is not None:
                 stats["unlabelled_groups"] += 1
-            per_traj = _grpo_token_advantages(group)
+            per_traj = _grpo_token_advantages(group, advantage_std)
         for ti, (traj, adv) in enumerate(zip(group.trajectories, per_traj)):
             generated = max(int(traj.action_mask.sum()), 1)
             for (lo, hi), part in split_contexts(traj):
@@ -311,12 +317,13 @@ def _generated(traj: Trajectory) -> np.ndarray:
     return traj.action_mask.astype(np.float32)
 
 
-def _grpo_token_advantages(group: Group) -> list[np.ndarray]:
-    adv = grpo_advantages([t.reward for t in group.trajectories])
+def _grpo_token_advantages(group: Group, std: str = "group") -> list[np.ndarray]:
+    adv = grpo_advantages([t.reward for t in group.trajectories], std=std)
     return [a * _generated(t) for t, a in zip(group.trajectories, adv)]
 
 
-def _composite_token_advantages(group: Group, labels: StepLabels, alpha: float) -> list[np.ndarray]:
+def _composite_token_advantages(group: Group, labels: StepLabels, alpha: float,
+                                std: str = "group") -> list[np.ndarray]:
     trajs = group.trajectories
     if len(labels.labels) != len(trajs):
         raise ValueError(
@@ -327,7 +334,8 @@ def _composite_token_advantages(group: Group, labels: StepLabels, alpha: float) 
             raise ValueError(
                 f"group {group.group_id} trajectory {i}: {len(row)} labels for {len(t.steps)} steps"
             )
-    step_adv = composite_step_advantages(labels.labels, [t.reward for t in trajs], alpha)
+    step_adv = composite_step_advantages(labels.labels, [t.reward for t in trajs], alpha,
+                                         std=std)
     out = []
     for t, adv in zip(trajs, step_adv):
         tok = np.zeros(len(t.tokens), dtype=np.float32)

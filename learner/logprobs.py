@@ -13,6 +13,7 @@ def token_logprobs(
     chunk_tokens: int = 0,
     needed: torch.Tensor | None = None,
     entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``out[b, t] = log p(x_t | x_<t)`` for every position, aligned with ``input_ids``.
 
@@ -39,23 +40,39 @@ def token_logprobs(
     padding, and with the chunked head positions not ``needed``). It is read off the same
     logits, detached: nothing of it is kept for the backward pass, and its float32
     probabilities exist for :data:`ENTROPY_SLICE` positions (or one chunk) at a time.
+
+    ``entropy_grad`` (implies ``entropy``): the entropy carries gradient, for a loss term
+    (``learner.entropy_coef``). Its values are the same, but only at ``needed`` positions
+    when ``needed`` is given (0 elsewhere, whole logits too). Memory: with the chunked head
+    nothing more is kept (each chunk's entropy is recomputed in the backward pass with its
+    log-probs); with whole logits the logits of the scored positions are kept, and the
+    softmax is recomputed from them :data:`ENTROPY_SLICE` positions at a time.
     """
+    entropy = entropy or entropy_grad
     targets = input_ids[:, 1:]
     if chunk_tokens <= 0:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         # logits[:, t] predicts x_{t+1}: pair logits[:, :-1] with targets input_ids[:, 1:].
         picked = _pick(logits[:, :-1], targets)
-        spread = _entropy(logits[:, :-1]) if entropy else None
+        spread = None
+        if entropy_grad:
+            where = attention_mask[:, 1:].bool()
+            spread = _entropy_grad(logits[:, :-1], where if needed is None
+                                   else where & needed[:, 1:].bool())
+        elif entropy:
+            spread = _entropy(logits[:, :-1])
     else:
         hidden = model.get_decoder()(input_ids=input_ids,
                                      attention_mask=attention_mask).last_hidden_state
         head = model.get_output_embeddings()
         if needed is None:
-            picked, spread = _chunked_head(head, hidden[:, :-1], targets, chunk_tokens, entropy)
+            picked, spread = _chunked_head(head, hidden[:, :-1], targets, chunk_tokens, entropy,
+                                           entropy_grad)
         else:
             where = needed[:, 1:].bool() & attention_mask[:, 1:].bool()
             scored, scored_h = _chunked_head(head, hidden[:, :-1][where][None],
-                                             targets[where][None], chunk_tokens, entropy)
+                                             targets[where][None], chunk_tokens, entropy,
+                                             entropy_grad)
             picked = _scatter(where, scored[0])
             spread = _scatter(where, scored_h[0]) if entropy else None
     out = _aligned(picked, attention_mask)
@@ -93,12 +110,32 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     detached, and ``ENTROPY_SLICE`` positions at a time, so it adds no ``[.., V]`` tensor of
     the size of the logits, and none that autograd keeps."""
     flat = logits.detach().reshape(-1, logits.shape[-1])
-    parts = []
-    for s in range(0, flat.shape[0], ENTROPY_SLICE):
-        logp = torch.log_softmax(flat[s:s + ENTROPY_SLICE].float(), dim=-1)
-        parts.append(-(logp.exp() * logp).sum(-1))
-    joined = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
-    return joined.reshape(logits.shape[:-1])
+    return _sliced_entropy(flat, checkpointed=False).reshape(logits.shape[:-1])
+
+
+def _entropy_grad(logits: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`_entropy` with gradient, at the positions ``where`` (``logits.shape[:-1]``, 0
+    elsewhere), or everywhere. Each slice runs under activation checkpointing: autograd
+    keeps the slice of logits it reads, never its float32 softmax."""
+    if where is None:
+        flat = logits.reshape(-1, logits.shape[-1])
+        return _sliced_entropy(flat, checkpointed=True).reshape(logits.shape[:-1])
+    # Only the positions asked for: the rows autograd keeps are these, not all the logits.
+    return _scatter(where, _sliced_entropy(logits[where], checkpointed=True))
+
+
+def _sliced_entropy(flat: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+    """The entropy of each row of ``flat [N, V]``, ``ENTROPY_SLICE`` rows at a time."""
+    grad = checkpointed and torch.is_grad_enabled() and flat.requires_grad
+    parts = [checkpoint(_softmax_entropy, flat[s:s + ENTROPY_SLICE], use_reentrant=False)
+             if grad else _softmax_entropy(flat[s:s + ENTROPY_SLICE])
+             for s in range(0, flat.shape[0], ENTROPY_SLICE)]
+    return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+
+
+def _softmax_entropy(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def _head_pick(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -111,16 +148,27 @@ def _head_pick_entropy(head, hidden: torch.Tensor,
     return _pick(logits, targets), _entropy(logits)
 
 
+def _head_pick_entropy_grad(head, hidden: torch.Tensor,
+                            targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_head_pick_entropy` with the entropy's gradient: run under the chunk's own
+    checkpoint, which already bounds what it keeps to one chunk."""
+    logits = head(hidden)
+    return _pick(logits, targets), _sliced_entropy(logits, checkpointed=False)
+
+
 def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  entropy: bool = False, entropy_grad: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``_pick(head(hidden), targets)`` over rows of ``[B, T]`` positions, ``chunk_tokens``
     positions at a time (flattened over the batch, so short rows do not waste a chunk), and
-    with ``entropy`` each position's entropy from the same chunk's logits (detached), else
-    None."""
+    with ``entropy`` each position's entropy from the same chunk's logits (detached, or with
+    ``entropy_grad`` with gradient), else None."""
     b, t, h = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(b * t, h), targets.reshape(b * t)
     grad = torch.is_grad_enabled() and flat_hidden.requires_grad
-    work = _head_pick_entropy if entropy else _head_pick
+    entropy = entropy or entropy_grad
+    work = _head_pick_entropy_grad if entropy_grad else \
+        _head_pick_entropy if entropy else _head_pick
     parts = []
     for s in range(0, b * t, chunk_tokens):
         piece = (flat_hidden[s:s + chunk_tokens], flat_targets[s:s + chunk_tokens])

@@ -10,6 +10,9 @@ from learner.batching import TrainBatch
 # overflow to inf, and inf·0 in the backward pass of an unselected branch is NaN.
 _MAX_LOG_RATIO = 20.0
 
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
 
 def policy_loss(
     logprobs: torch.Tensor,
@@ -28,6 +31,10 @@ def policy_loss(
     reduction: str = "mean",
     guided: torch.Tensor | None = None,
     row_weight: torch.Tensor | None = None,
+    ratio_level: str = "token",
+    kl_estimator: str = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled clipped surrogate, token-mean over the trained tokens.
 
@@ -42,7 +49,7 @@ def policy_loss(
         w      = exp(log π_prox - log π_b)      (detached)           off-policy correction
         keep   = mask ∧ (w ≤ iw_cap)                                 drop too-stale tokens
         kl     = exp(q) - q - 1,  q = log π_ref - log π_θ            k3 estimator of KL(π_θ‖π_ref)
-        ℓ      = w·s + kl_coef·kl
+        ℓ      = w·s + kl_coef·kl - entropy_coef·H                  H: entropy of π_θ at the token
 
         loss   = Σ keep·ℓ / Σ keep          (or / num_tokens when given)        token-mean
         loss   = mean_i [Σ_t keep·ℓ / Σ_t keep]  over rows i with kept tokens   seq-mean-token-mean
@@ -62,7 +69,27 @@ def policy_loss(
     which pushes the sampled tokens down on net and raises entropy; on small policies that
     drift can compound into a collapse, which the per-sequence mean avoids.
 
-    The KL term is not importance-weighted: it is a regulariser, not an estimate of the return.
+    ``ratio_level="sequence"`` (GSPO, Zheng et al. 2025) takes one ratio and one importance
+    weight per row, the geometric means of its tokens' over ``mask``::
+
+        log s_i = mean_t (log π_θ - log π_prox)     log w_i = mean_t (log π_prox - log π_b)
+
+    and uses them, detached, in place of every token's, with the token's own gradient: ``r_t =
+    sg[s_i]·π_θ(t)/sg[π_θ(t)]`` (GSPO-token), whose value is ``s_i`` and whose gradient is
+    ``s_i·∇log π_θ(t)``. With one advantage along the row this is GSPO's sequence objective
+    exactly; with step advantages (composite) each token keeps its own. The clip then decides
+    per sequence, and ``iw_cap`` drops whole rows. A row is a trajectory's generated tokens in
+    one context (a trajectory whose context was rebuilt is one sequence per context): rows are
+    never split across micro-batches or ranks, so every layout computes the same ``s_i``.
+
+    ``kl_estimator`` names the penalty's estimator of KL(π_θ‖π_ref) on the sampled tokens
+    (:func:`kl_estimate`: k1, k2 or k3); the ``kl_ref`` metric is k3 whatever it is, and a
+    penalty with another logs its own mean as ``kl_penalty``. ``entropy`` (``[B, L]``, with
+    gradient) is π_θ's entropy at each token; with ``entropy_coef`` > 0 the loss subtracts
+    ``entropy_coef`` times its aggregate over the kept tokens, raising the entropy.
+
+    The KL and entropy terms are not importance-weighted: they are regularisers, not
+    estimates of the return.
     ``proximal_logprobs=None`` means ``π_prox = π_b`` (plain PPO, ``w = 1``). ``dual_clip`` /
     ``iw_cap`` set to ``None`` disable those parts. ``num_tokens`` overrides the denominator so
     that micro-batches of one batch add up to the token-mean of the whole batch.
@@ -89,10 +116,11 @@ def policy_loss(
     logp = logprobs.float()
     valid = mask.detach() > 0
 
-    iw = _exp_log_ratio(proximal - behaviour)
+    log_iw, log_ratio = _log_ratios(logp, proximal, behaviour, valid, ratio_level)
+    iw = _exp_log_ratio(log_iw)
     keep = valid & (iw <= iw_cap) if iw_cap is not None else valid
 
-    ratio = _exp_log_ratio(logp - proximal)
+    ratio = _exp_log_ratio(log_ratio)
     unclipped = -ratio * adv
     clipped = -_clip_ratio(ratio, clip_low, clip_high) * adv
     surrogate = torch.maximum(unclipped, clipped)  # -min(rA, clip(r)A)
@@ -104,11 +132,8 @@ def policy_loss(
         dual = torch.zeros_like(valid)
 
     pg_token = iw * surrogate
-    token_loss = pg_token
-    kl_ref = None
-    if ref_logprobs is not None:
-        kl_ref = k3(ref_logprobs.detach().float() - logp)
-        token_loss = token_loss + kl_coef * kl_ref
+    token_loss, kl_ref, penalty = _regularised(pg_token, logp, ref_logprobs, kl_coef,
+                                               kl_estimator, entropy, entropy_coef)
 
     # where, not multiply: a dropped token's loss may be huge and must not leak in as inf·0.
     if reduction not in ("mean", "sum"):
@@ -140,6 +165,8 @@ def policy_loss(
         clipped=clipped > unclipped, dual=dual, iw=iw, kl_behaviour=k3(logp - behaviour),
         kl_ref=kl_ref, denominator=count if reduction == "sum" else None,
     )
+    if penalty is not None:
+        metrics["kl_penalty"] = _kept_mean(penalty, keep)
     if guided is not None:
         metrics.update(_by_row_kind(guided, valid, keep, clipped > unclipped))
     return loss, metrics
@@ -237,6 +264,54 @@ def _clip_ratio(ratio: torch.Tensor, clip_low: float, clip_high: float | torch.T
     return torch.minimum(ratio.clamp(min=1.0 - float(clip_low)), upper)
 
 
+def _log_ratios(logp: torch.Tensor, proximal: torch.Tensor, behaviour: torch.Tensor,
+                valid: torch.Tensor, level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log w, log r)``: the log importance weight ``log π_prox - log π_b`` (detached) and
+    the log ratio ``log π_θ - log π_prox``, per token, or with ``level="sequence"`` each
+    row's mean over ``valid`` in every token's place, the ratio keeping each token's own
+    gradient (:func:`policy_loss`)."""
+    log_iw, log_ratio = proximal - behaviour, logp - proximal
+    if level == "token":
+        return log_iw, log_ratio
+    if level != "sequence":
+        raise ValueError(f"ratio_level must be token or sequence, not {level!r}")
+    # GSPO-token: the value is the row's mean, the gradient the token's own log-prob's.
+    own = logp - logp.detach()
+    return _row_mean(log_iw, valid), _row_mean(log_ratio.detach(), valid) + own
+
+
+def _row_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each row's mean of ``x`` over ``valid``, broadcast back to ``[B, L]`` (0 on a row
+    without a valid token). ``where``, not multiply: a padding value may be anything."""
+    total = torch.where(valid, x, torch.zeros_like(x)).sum(dim=-1, keepdim=True)
+    return (total / valid.sum(dim=-1, keepdim=True).clamp(min=1)).expand_as(x)
+
+
+def _regularised(pg_token: torch.Tensor, logp: torch.Tensor, ref_logprobs, kl_coef: float,
+                 kl_estimator: str, entropy, entropy_coef: float):
+    """``(ℓ, kl_ref, penalty)``: the per-token loss ``pg + kl_coef·kl - entropy_coef·H``,
+    k3's KL to the reference (None without one) and, under another estimator, the penalty's
+    own estimate (else None)."""
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, not {kl_estimator!r}")
+    token_loss, kl_ref, penalty = pg_token, None, None
+    if ref_logprobs is not None:
+        q = ref_logprobs.detach().float() - logp
+        kl_ref = k3(q)
+        penalty = None if kl_estimator == "k3" else kl_estimate(q, kl_estimator)
+        token_loss = token_loss + kl_coef * (kl_ref if penalty is None else penalty)
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError("entropy_coef needs the entropy of each token (with gradient)")
+        token_loss = token_loss - entropy_coef * entropy.float()
+    return token_loss, kl_ref, penalty
+
+
+@torch.no_grad()
+def _kept_mean(x: torch.Tensor, keep: torch.Tensor) -> float:
+    return float(torch.where(keep, x, torch.zeros_like(x)).sum() / keep.sum().clamp(min=1))
+
+
 def _exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
 
@@ -245,6 +320,27 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator ``e^q - q - 1`` of KL(p‖s) for ``q = log s - log p``, x ~ p."""
     q = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return torch.exp(q) - q - 1.0
+
+
+def kl_estimate(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Schulman's estimators of KL(p‖s) per sample x ~ p, for ``q = log s - log p``:
+
+    * ``k1 = -q``: unbiased, but negative on about half the samples (high variance);
+    * ``k2 = q²/2``: biased (low when p and s are close), never negative;
+    * ``k3 = e^q - q - 1``: unbiased and never negative.
+
+    As a loss term (p = π_θ, s = π_ref, samples from π_θ) their gradients differ more than
+    their values: ``∇k1 = ∇log π_θ``, zero in expectation (no pull towards π_ref at all);
+    ``∇k2 = (log π_θ - log π_ref)·∇log π_θ``, in expectation the gradient of KL(π_θ‖π_ref);
+    ``∇k3 = (1 - π_ref/π_θ)·∇log π_θ``, in expectation that of KL(π_ref‖π_θ)."""
+    q = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    if estimator == "k1":
+        return -q
+    if estimator == "k2":
+        return 0.5 * q * q
+    if estimator == "k3":
+        return k3(q)
+    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, not {estimator!r}")
 
 
 @torch.no_grad()

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from learner.logprobs import _chunked_head, _entropy, _pick, token_logprobs
+from learner.logprobs import _chunked_head, _entropy, _entropy_grad, _pick, token_logprobs
 
 LAYOUTS = ("padded", "packed", "shared_prefix")
 ATTENTION = "autodidact_packed"  # the name the attention function is registered under
@@ -305,27 +305,31 @@ def enable_packing(model) -> None:
 
 def layout_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     chunk_tokens: int = 0, needed: torch.Tensor | None = None,
-                    layout: str = "padded", entropy: bool = False):
+                    layout: str = "padded", entropy: bool = False, entropy_grad: bool = False):
     """:func:`learner.logprobs.token_logprobs` of the right-padded rows ``input_ids``, run
     in ``layout``: the same ``[B, L]`` values (up to float rounding) and gradients; with
-    ``entropy``, (log-probs, entropies) as it returns them."""
+    ``entropy`` (or ``entropy_grad``), (log-probs, entropies) as it returns them."""
     if layout == "padded":
-        return token_logprobs(model, input_ids, attention_mask, chunk_tokens, needed, entropy)
+        return token_logprobs(model, input_ids, attention_mask, chunk_tokens, needed, entropy,
+                              entropy_grad)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     lengths = _lengths(attention_mask).cpu().numpy()
     packed = pack_rows(input_ids.cpu().numpy(), lengths, share=layout == "shared_prefix")
     return packed_logprobs(model, packed.to(input_ids.device), input_ids, attention_mask,
-                           chunk_tokens, needed, entropy)
+                           chunk_tokens, needed, entropy, entropy_grad)
 
 
 def packed_logprobs(model, packed: PackedRows, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor, chunk_tokens: int = 0,
-                    needed: torch.Tensor | None = None, entropy: bool = False):
+                    needed: torch.Tensor | None = None, entropy: bool = False,
+                    entropy_grad: bool = False):
     """``out[b, t] = log p(x_t | x_<t)`` of the rows ``input_ids`` (``[B, L]``, right-padded),
     through one forward of their ``packed`` layout; 0 at position 0, on padding and, with
     ``chunk_tokens > 0`` and ``needed``, wherever ``needed`` is 0. With ``entropy``, also each
-    scored position's entropy, placed alike (:func:`learner.logprobs.token_logprobs`)."""
+    scored position's entropy, placed alike (:func:`learner.logprobs.token_logprobs`; with
+    ``entropy_grad``, with gradient, and at ``needed`` positions only)."""
+    entropy = entropy or entropy_grad
     device = input_ids.device
     real = attention_mask[:, 1:].bool()
     if chunk_tokens > 0 and needed is not None:
@@ -342,12 +346,16 @@ def packed_logprobs(model, packed: PackedRows, input_ids: torch.Tensor,
     if chunk_tokens <= 0:
         logits = model(**kwargs).logits[0].index_select(0, source)
         scored = _pick(logits, targets)
-        spread = _entropy(logits) if entropy else None
+        spread = None
+        if entropy_grad:
+            spread = _entropy_grad(logits, None if needed is None else needed[rows, cols].bool())
+        elif entropy:
+            spread = _entropy(logits)
     else:
         hidden = model.get_decoder()(**kwargs).last_hidden_state[0]
         scored, spread = _chunked_head(model.get_output_embeddings(),
                                        hidden.index_select(0, source)[None], targets[None],
-                                       chunk_tokens, entropy)
+                                       chunk_tokens, entropy, entropy_grad)
         scored, spread = scored[0], (spread[0] if entropy else None)
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
     out = out.index_put((rows, cols), scored.float())

@@ -20,6 +20,11 @@ One update::
         backward(policy_loss summed)            # boosted clip on experience-guided rows
     then gradient /= tokens (or rows) of all ranks, optimizer step
 
+The loss's controls (``learner.ratio_level``, ``kl_estimator``, ``entropy_coef``) are passed
+to :func:`learner.losses.policy_loss`, ``advantage_std`` to ``build_batch``, and the learning
+rate follows ``lr_schedule`` (:func:`lr_factor`) through a scheduler whose count every
+checkpoint keeps.
+
 Besides the loss's own metrics, every update logs ``entropy`` (of π_θ at the trained tokens,
 read off the logits the loss already made), and every ``learner.diagnostics_every`` updates
 ``kl_initial`` (KL to the initial policy, when no ``kl_coef`` penalty logs it as ``kl_ref``):
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from pathlib import Path
 from typing import Protocol
 
@@ -117,9 +123,10 @@ class PolicyStep:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr,
                                            betas=(0.9, 0.99), weight_decay=0.0)
-        warmup = max(cfg.warmup_updates, 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        # A function, not a callable object: LambdaLR's state then holds only its count, and
+        # the schedule is always the one this run's config names.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(
+            cfg.lr_schedule, cfg.warmup_updates, settings.max_updates, cfg.lr_min_ratio))
         self.reference = None if reference is None else ranks.wrap_frozen(reference,
                                                                           cfg.parallel)
         # The token log (learner/token_log.py) is rank 0's: it keeps what this rank scored.
@@ -135,7 +142,8 @@ class PolicyStep:
         """One update: one optimizer step per minibatch; with ``probe`` the last one's
         micro-batch is scored again after it (``step_gain``, ``step_kl``)."""
         batch, stats = build_batch(groups, self.pad_id, labels=labels, alpha=alpha,
-                                   experience=self.settings.experience_context)
+                                   experience=self.settings.experience_context,
+                                   advantage_std=self.cfg.advantage_std)
         rows_from = batch  # on the CPU: where each row came from, for the token log
         batch = batch.to(self.device)
         proximal, reference = self._fixed_logprobs(batch, self._diagnosing())
@@ -219,15 +227,17 @@ class PolicyStep:
             with self.ranks.sync_grads(self.model, sync=i == len(parts) - 1):
                 mb, index = self._micro(batch, part, lengths)
                 width = mb.input_ids.shape[1]  # trimmed to its longest row
-                with self._autocast():
-                    logprobs, entropy = self._logprobs(self.model, mb, entropy=True)
+                with self._autocast():  # the entropy with gradient only for its loss term
+                    logprobs, entropy = self._logprobs(self.model, mb, entropy=True,
+                                                       entropy_grad=self.cfg.entropy_coef > 0)
                 # One step per batch: the proximal policy is this very forward pass, detached.
                 prox = logprobs.detach() if proximal is None else proximal[index][:, :width]
                 if scored is not None and proximal is None and len(part):
                     scored[index.to(scored.device), :width] = prox
                 ref = None if reference is None else reference[index][:, :width]
                 penalty_ref = ref if self.cfg.kl_coef > 0 else None  # else kl_initial's alone
-                loss, m = self._loss(mb, logprobs, prox, penalty_ref, reduction="sum")
+                loss, m = self._loss(mb, logprobs, prox, penalty_ref, reduction="sum",
+                                     entropy=entropy)
                 loss.backward()
             totals = {k: totals[k] + m[k] for k in totals}
             sums = _watched_sums(mb.action_mask, entropy, logprobs,
@@ -289,17 +299,18 @@ class PolicyStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _logprobs(self, model, batch, entropy: bool = False):
+    def _logprobs(self, model, batch, entropy: bool = False, entropy_grad: bool = False):
         """The log-probs of ``batch``'s rows under ``model``, ``[B, L]``, in the learner's
         layout (learner/packing.py); only the generated tokens are scored with the chunked
         head. With ``entropy``, (log-probs, entropies) from the same logits
-        (:func:`learner.logprobs.token_logprobs`)."""
+        (:func:`learner.logprobs.token_logprobs`), with gradient under ``entropy_grad``."""
         if self.layout == "padded":
             return token_logprobs(model, batch.input_ids, batch.attention_mask,
-                                  self.cfg.logit_chunk_tokens, batch.action_mask, entropy)
+                                  self.cfg.logit_chunk_tokens, batch.action_mask, entropy,
+                                  entropy_grad)
         return layout_logprobs(model, batch.input_ids, batch.attention_mask,
                                self.cfg.logit_chunk_tokens, batch.action_mask, self.layout,
-                               entropy)
+                               entropy, entropy_grad)
 
     @torch.no_grad()
     def _fixed_logprobs(self, batch, diagnose: bool = False):
@@ -321,18 +332,31 @@ class PolicyStep:
         with lora.disabled(self.model):
             return self._logprobs(self.model, batch)
 
-    def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean"):
-        behaviour, clip_high, nav = navigation_terms(batch, proximal, self.cfg.clip_high,
-                                                     self.settings.guided_clip_high,
-                                                     self.cfg.iw_cap)
+    def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean",
+              entropy=None):
+        cfg = self.cfg
+        clip_low, clip_high, guided_high = self._clip_range()
+        behaviour, clip_high, nav = navigation_terms(batch, proximal, clip_high, guided_high,
+                                                     cfg.iw_cap)
         loss, m = policy_loss(
             logprobs, proximal, behaviour, batch.advantages, batch.action_mask,
-            clip_low=self.cfg.clip_low, clip_high=clip_high,
-            dual_clip=self.cfg.dual_clip, iw_cap=self.cfg.iw_cap,
-            aggregation=self.cfg.loss_aggregation, kl_coef=self.cfg.kl_coef,
+            clip_low=clip_low, clip_high=clip_high,
+            dual_clip=cfg.dual_clip, iw_cap=cfg.iw_cap,
+            aggregation=cfg.loss_aggregation, kl_coef=cfg.kl_coef,
             ref_logprobs=reference, reduction=reduction, guided=batch.guided,
-            row_weight=batch.row_weight)
+            row_weight=batch.row_weight, ratio_level=cfg.ratio_level,
+            kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef)
         return loss, {**m, **nav}
+
+    def _clip_range(self) -> tuple[float, float, float]:
+        """``(low, high, high on experience-guided rows)`` at the loss's ratio level: at
+        sequence level GSPO's own range, the guided rows' widened in proportion as
+        ``experience.clip_high`` widens ``clip_high`` at token level."""
+        cfg, guided = self.cfg, self.settings.guided_clip_high
+        if cfg.ratio_level == "token":
+            return cfg.clip_low, cfg.clip_high, guided
+        widening = guided / cfg.clip_high if cfg.clip_high > 0 else 1.0  # 0: no range to scale
+        return cfg.seq_clip_low, cfg.seq_clip_high, cfg.seq_clip_high * widening
 
     @torch.no_grad()
     def _probe(self, batch, loss_before: float, proximal, reference) -> dict[str, float]:
@@ -342,13 +366,38 @@ class PolicyStep:
         A training-reward curve answers this too, but over a few dozen small batches it is
         mostly sampling noise; the loss on the batch the step was taken on is not.
         """
-        with self._autocast():
-            after = self._logprobs(self.model, batch)
-        loss_after, _ = self._loss(batch, after, proximal, reference)
+        entropy = None
+        with self._autocast():  # the entropy only where the loss has a term for it
+            if self.cfg.entropy_coef > 0:
+                after, entropy = self._logprobs(self.model, batch, entropy=True)
+            else:
+                after = self._logprobs(self.model, batch)
+        loss_after, _ = self._loss(batch, after, proximal, reference, entropy=entropy)
         mask = batch.action_mask.float()
         log_ratio = proximal - after  # KL(before || after), k1 estimate on the sampled tokens
         return {"step_gain": loss_before - float(loss_after),
                 "step_kl": float((log_ratio * mask).sum() / mask.sum().clamp(min=1))}
+
+
+def lr_factor(schedule: str, warmup_updates: int, max_updates: int, floor: float):
+    """The learning rate's multiplier as a function of the updates taken before this one
+    (``k``, what LambdaLR passes): a linear warm-up to 1 at update ``warmup - 1`` (over
+    ``warmup_updates``, at least 1), then 1 (``constant``), or a ``cosine`` or ``linear``
+    decay reaching ``floor`` at update ``max_updates - 1``, the last, and staying there
+    (a run resumed with a larger budget)."""
+    if schedule not in ("constant", "cosine", "linear"):
+        raise ValueError(f"lr schedule must be constant, cosine or linear, not {schedule!r}")
+    warmup = max(warmup_updates, 1)
+    span = max(max_updates - warmup, 1)
+
+    def factor(step: int) -> float:
+        if schedule == "constant" or step < warmup:
+            return min(1.0, (step + 1) / warmup)
+        done = min((step + 1 - warmup) / span, 1.0)
+        left = 0.5 * (1.0 + math.cos(math.pi * done)) if schedule == "cosine" else 1.0 - done
+        return floor + (1.0 - floor) * left
+
+    return factor
 
 
 def pad_token_id(model) -> int:

@@ -397,11 +397,73 @@ class LearnerConfig:
     kl_coef: float = 0.0
     """KL penalty to the frozen initial policy (0 = off, no reference copy kept)."""
 
+    kl_estimator: str = "k3"
+    """The penalty's estimator of KL(π_θ ‖ π_ref) per sampled token, with ``q = log π_ref -
+    log π_θ`` (Schulman's): ``k3`` ``e^q - q - 1`` (default), ``k2`` ``q²/2``, ``k1`` ``-q``.
+    As loss terms their gradients differ more than their values (learner/losses.py,
+    ``kl_estimate``): in expectation k2's is the gradient of KL(π_θ‖π_ref), k3's that of
+    KL(π_ref‖π_θ), and k1's is zero, so k1 pulls towards π_ref by noise alone. k3 is the
+    default: never negative, unbiased, low variance, GRPO's choice, and the penalty every
+    earlier run had. Needs ``kl_coef`` > 0 (it names the penalty's estimator). The
+    diagnostics stay k3 whatever it is (``learner/kl_ref``, ``kl_initial``,
+    ``kl_behaviour``); under k1 or k2 the penalty's own mean is ``learner/kl_penalty``."""
+
+    ratio_level: str = "token"
+    """``token`` (default) or ``sequence``: the level of the ratio to the proximal policy and
+    of the importance weight to the behaviour policy (learner/losses.py). ``sequence`` is
+    GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its tokens',
+    clipped to ``[1 - seq_clip_low, 1 + seq_clip_high]``, and one behaviour weight per
+    sequence, likewise a geometric mean, capped by ``iw_cap`` (a sequence over it is dropped
+    whole). A sequence is a row the learner trains: a trajectory's generated tokens in one
+    context, every turn of it (a trajectory whose context was rebuilt, ``env.context``, is
+    one sequence per context); rows are never split between micro-batches or ranks, so
+    every layout computes the same. With composite step advantages each token keeps its own
+    advantage and gradient (GSPO-token). It addresses per-token ratios whose noise adds up
+    over long responses, and models whose routing (MoE) moves between versions. With
+    ``minibatches=1`` the ratio is 1 at the step and only the behaviour weight changes.
+    ``token`` is the default: every run in docs/results was made with it."""
+
+    seq_clip_low: float = 3e-4
+    """The ratio clip below 1 under ``ratio_level=sequence``, GSPO's published value. A
+    sequence's ratio is a geometric mean over its tokens and moves far less than a token's;
+    ``clip_low``'s 0.2 would practically never bind on it. Unused at token level."""
+
+    seq_clip_high: float = 4e-4
+    """The ratio clip above 1 under ``ratio_level=sequence``, GSPO's published value (see
+    ``seq_clip_low``). Experience-guided rows get it scaled as ``experience.clip_high``
+    scales ``clip_high`` (0.6 / 0.28 by default): the same relative widening as at token
+    level. Unused at token level."""
+
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus: the loss subtracts ``entropy_coef`` times the entropy of
+    π_θ at the trained tokens, aggregated as the loss is (``loss_aggregation``), with its
+    gradient, so the step raises the entropy. 0 (off) by default: the runs in docs/results
+    were made without it, and clip-higher (``clip_high`` 0.28) already lets low-probability
+    tokens with a positive advantage rise, against entropy collapse, without a term that
+    also flattens the distributions of tokens that carry no signal; ``learner/entropy`` logs
+    the entropy every update, to watch before reaching for this. Its cost: with whole logits
+    the logits of the trained tokens are kept for the backward pass; with
+    ``logit_chunk_tokens`` nothing more (each chunk's entropy is recomputed with it)."""
+
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
 
     warmup_updates: int = 10
-    """Linear learning-rate warm-up over the first updates (then constant)."""
+    """Linear learning-rate warm-up over the first updates (then ``lr_schedule``)."""
+
+    lr_schedule: str = "constant"
+    """The learning rate after the warm-up: ``constant`` (default), or a ``cosine`` or
+    ``linear`` decay from ``lr`` to ``lr_min_ratio·lr`` at the run's last update
+    (``max_updates``, or the command's ``--max-updates``), where it stays. The scheduler's
+    count is in every checkpoint, so a resumed run goes on down the schedule from where it
+    stopped. ``constant`` is the default: a run that ``max_minutes`` stops early would stop
+    partway down a decay timed for updates it never reaches, and every run in docs/results
+    was made with it. Refused when the warm-up leaves no update to decay over."""
+
+    lr_min_ratio: float = 0.0
+    """Where a decaying ``lr_schedule`` ends, as a fraction of ``lr``, in [0, 1]: 0 by
+    default, where transformers' cosine and linear schedules end. Refused above 0 with the
+    constant schedule, which never reaches it."""
 
     minibatches: int = 1
     """Optimizer steps per batch, each on a slice of its rows, all against the proximal
@@ -501,6 +563,18 @@ class LearnerConfig:
     when the actors sample in low precision (``actor.samples_in_low_precision``), else none, so
     on-policy importance weights stay 1. A bf16 learner behind fp32 actors measured
     ``kl_behaviour`` 0.023 against 0.0001, and a step twice as slow (docs/results/gpu_check.md)."""
+
+    advantage_std: str = "group"
+    """``group`` (default): outcome advantages are ``(R - mean) / (std + 1e-6)`` within each
+    group (GRPO); ``none``: ``R - mean`` alone (Dr. GRPO, Liu et al. 2025). It applies to the
+    outcome advantages and to the outcome part of composite ones (the judges' process reward
+    stays z-scored: its scale is the labels' ±1). What changes is the weight of groups whose
+    rewards barely differ: divided by the std, a group of one success among 8, or of partial
+    credits 0.50 and 0.52, gets advantages of order 1 like a group split half and half;
+    without, the push scales with the spread (one success among 8: +0.875 and -0.125; 0.50
+    against 0.52: ±0.01). The step's scale changes too: binary rewards split half and half
+    give ±1 with the std and ±0.5 without, so the same ``lr`` takes a smaller step. ``group``
+    is the default: every run in docs/results was made with it."""
 
     advantage: str = "composite"
     """``composite``: step-level advantages from the judges' GOOD/BAD labels plus the outcome
@@ -608,6 +682,34 @@ class LearnerConfig:
                                   f"globs (no commas), got {self.lora_targets!r}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        self._check_loss_controls()
+
+    def _check_loss_controls(self):
+        """The loss's and the schedule's choices (issue 54's controls), and the combinations
+        in which one of them would do nothing."""
+        for name, kinds in (("ratio_level", ("token", "sequence")),
+                            ("kl_estimator", ("k1", "k2", "k3")),
+                            ("advantage_std", ("group", "none")),
+                            ("lr_schedule", ("constant", "cosine", "linear"))):
+            if getattr(self, name) not in kinds:
+                raise ConfigError(f"{name} must be {', '.join(kinds[:-1])} or {kinds[-1]}, "
+                                  f"got {getattr(self, name)!r}")
+        for name in ("seq_clip_low", "seq_clip_high", "lr_min_ratio"):
+            in_range(self, name, 0.0, 1.0)
+        if not self.entropy_coef >= 0:  # NaN too
+            raise ConfigError(f"entropy_coef must be >= 0 (0 = off), got {self.entropy_coef}")
+        if self.kl_estimator != "k3" and self.kl_coef == 0:
+            raise ConfigError(f"kl_estimator={self.kl_estimator} estimates the KL penalty, "
+                              f"which kl_coef=0 turns off: set kl_coef > 0 or leave it at k3")
+        if self.lr_schedule == "constant" and self.lr_min_ratio:
+            raise ConfigError("lr_min_ratio is where a decaying schedule ends, and "
+                              "lr_schedule=constant never decays: set lr_schedule=cosine or "
+                              "linear, or lr_min_ratio=0")
+        # The warm-up takes at least one update (learner/step.py, lr_factor).
+        if self.lr_schedule != "constant" and max(self.warmup_updates, 1) >= self.max_updates:
+            raise ConfigError(f"lr_schedule={self.lr_schedule} decays after warmup_updates "
+                              f"({self.warmup_updates}, at least 1) until max_updates "
+                              f"({self.max_updates}): set max_updates above warmup_updates")
 
     def alpha_at(self, update: int) -> float:
         """``α`` at learner update ``update``: cosine decay, then 0 past the cut-off."""

@@ -106,6 +106,9 @@ ZERO_OK = {
     "learner.lora_rank", "learner.lora_dropout",  # 0: full fine-tuning; no dropout
     "learner.token_log_groups",  # 0: no token log
     "eval.probe_every",  # 0: no validation probe
+    "learner.entropy_coef",  # 0: no entropy bonus
+    "learner.lr_min_ratio",  # 0: a decay all the way down
+    "learner.seq_clip_low", "learner.seq_clip_high",  # 0: no room that side, as clip_low/high
 }
 
 

@@ -130,11 +130,15 @@ class RunView:
         group, labels, rec = self._read_group(group_id)
         cfg = self.config.learner
         label_rows = labels.labels if labels else None
-        outcome_adv = grpo_advantages([t.reward for t in group.trajectories])
+        # As the learner computed them: centred, and divided by the group's std unless
+        # learner.advantage_std=none.
+        outcome_adv = grpo_advantages([t.reward for t in group.trajectories],
+                                      std=cfg.advantage_std)
         if label_rows is not None and cfg.advantage == "composite":
             alpha = cfg.alpha_at(max(rec.max_version, 0))
             step_adv = composite_step_advantages(label_rows, [t.reward for t in
-                                                              group.trajectories], alpha)
+                                                              group.trajectories], alpha,
+                                                 std=cfg.advantage_std)
             how = f"composite (judge labels, alpha {alpha:.3g}, plus outcome)"
         else:
             step_adv = [np.full(len(t.steps), a) for t, a in zip(group.trajectories,
