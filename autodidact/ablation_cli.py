@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
+from autodidact.cli_common import invoked_as, parse_seeds
 from autodidact.experiments.arms import (
     ARMS,
     DEFAULT_BUDGET,
@@ -32,16 +32,6 @@ from autodidact.experiments.page import (
     table,
     write_outputs,
 )
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise click.BadParameter("give at least one seed, each once")
-    return seeds
 
 
 def check_sets(sets: list[str]) -> None:
@@ -119,8 +109,7 @@ def ablation(config, sets, seeds, arms, nav_sets, llm_judge, k, updates, quick, 
     Finished cells are recorded in the doc's json (committed beside the doc), so the same
     command on a fresh checkout goes on where the last one stopped.
     """
-    command = "autodidact ablation " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["ablation"] \
-        else "autodidact ablation"
+    command = invoked_as("ablation")
     if from_json:
         rewrite(doc or default_doc(out, quick), command.strip())
         return

@@ -47,6 +47,7 @@ LAZY_COMMANDS = {
     "node": "autodidact.node_cli:node",
     "report": "autodidact.report:report",
     "status": "autodidact.status_cli:status",
+    "sweep": "autodidact.sweep_cli:sweep",
     "tasks": "autodidact.tasks_cli:tasks",
     "view": "autodidact.view_cli:view",
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,6 +21,24 @@ from protocol.errors import ConfigError
 
 CONFIG_HELP = "YAML config file (default: embedded defaults, as in configs/default.yaml)."
 SET_HELP = "Override one config value, e.g. --set replay.max_groups=1000 (repeatable)."
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise click.BadParameter("give at least one seed, each once")
+    return seeds
+
+
+def invoked_as(command: str) -> str:
+    """``autodidact COMMAND ARGS``, as this process was started (the line a result records);
+    ``autodidact COMMAND`` alone when started otherwise (a test's CliRunner)."""
+    if sys.argv[1:2] != [command]:
+        return f"autodidact {command}"
+    return " ".join(["autodidact", command, *(shlex.quote(a) for a in sys.argv[2:])])
 
 
 def setup_logging(verbose: bool) -> None:

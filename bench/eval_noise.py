@@ -19,65 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
-from autodidact.experiments.page import mean_std
-from autodidact.heldout import read_records
-from metrics.intervals import (
-    effect_label,
-    format_diff,
-    format_rate,
-    paired_interval,
-    rate_interval,
-)
-
-
-def successes(path: Path) -> dict[str, list[bool]]:
-    """``{task_id: [solved?] * k}`` from an ``autodidact eval`` per-task JSONL."""
-    try:
-        rows = read_records(path)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    return {task: [r >= 1.0 for r in rewards] for task, rewards in rows.items()}
-
-
-def _sampling_var(solved: list[bool]) -> float:
-    """Unbiased variance of one task's success rate over its k samples."""
-    k = len(solved)
-    p = sum(solved) / k
-    return p * (1 - p) / (k - 1) if k > 1 else float("nan")
-
-
-def noise(rows: dict[str, list[bool]]) -> dict:
-    """avg@k with its standard error across tasks and its sampling standard error."""
-    rates = [sum(s) / len(s) for s in rows.values()]
-    avg, sd = mean_std(rates)
-    n = len(rates)
-    return {"tasks": n, "k": len(next(iter(rows.values()))), "avg": avg,
-            "ci": list(rate_interval(list(rows.values()))),
-            "se_tasks": sd / math.sqrt(n),
-            "se_sampling": math.sqrt(sum(_sampling_var(s) for s in rows.values())) / n}
-
-
-def paired(a: dict[str, list[bool]], b: dict[str, list[bool]]) -> dict:
-    """B - A on the tasks both evaluated: the difference with its paired 95% interval and the
-    label read off it, its standard error across tasks (paired by task) and its sampling
-    standard error (the two evaluations' samples apart)."""
-    try:
-        interval = paired_interval(a, b)
-    except ValueError as exc:
-        raise SystemExit(f"{exc}: evaluate both with the same config (seed, "
-                         "eval.num_tasks) so they draw the same tasks") from None
-    common = sorted(set(a) & set(b))
-    diffs = [sum(b[t]) / len(b[t]) - sum(a[t]) / len(a[t]) for t in common]
-    n = len(common)
-    sampling = sum(_sampling_var(a[t]) + _sampling_var(b[t]) for t in common)
-    return {"tasks": n, "diff": interval["diff"], "ci": [interval["low"], interval["high"]],
-            "label": effect_label(interval["low"], interval["high"]),
-            "se_paired": mean_std(diffs)[1] / math.sqrt(n),
-            "se_sampling": math.sqrt(sampling) / n,
-            "tasks_that_differ": sum(d != 0 for d in diffs)}
+from autodidact.experiments.pairing import noise, paired, successes
+from metrics.intervals import format_diff, format_rate
 
 
 def show(name: str, stats: dict) -> str:

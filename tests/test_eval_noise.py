@@ -103,7 +103,8 @@ def test_two_arms_compared_per_seed_and_over_seeds(tmp_path):
 
 
 def test_compare_arms_reads_each_learners_updates_and_uninformative_share(tmp_path):
-    from bench.compare_arms import learner_totals, main
+    from autodidact.experiments.pairing import learner_totals
+    from bench.compare_arms import main
     from protocol.run_dir import RunDir
 
     a = run_with_records(tmp_path, "a", {"t1": [1, 0]})
@@ -141,7 +142,7 @@ def test_compare_arms_refuses_unmatched_or_unfinished_runs(tmp_path):
 
 def test_fewer_groups_without_signal_reads_as_fewer_not_as_hurts():
     """The share of uninformative groups is better lower: its label names the direction."""
-    from bench.compare_arms import share_change
+    from autodidact.experiments.pairing import share_change
 
     def pair(a: float, b: float) -> dict:
         return {"a_learner": {"uninformative_share": a}, "b_learner": {"uninformative_share": b}}

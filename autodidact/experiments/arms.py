@@ -156,12 +156,12 @@ def held_out_outcomes(run_dir: Path, summary: dict, split: str | None = None) ->
     split = split or (summary.get("success_rl") or summary.get("success_warm") or {}).get(
         "split")
     records = run_records(run_dir, split) if split else {}
-    kept = {ours: {task: _compact(rewards) for task, rewards in records[theirs].items()}
+    kept = {ours: {task: compact(rewards) for task, rewards in records[theirs].items()}
             for ours, theirs in RECORD_STAGES.items() if theirs in records}
     return {"split": split, **kept} if kept else {}
 
 
-def _compact(rewards: list[float]) -> str:
+def compact(rewards: list[float]) -> str:
     """One task's samples as ``"solved/k"``: all a bootstrap needs, a line of the doc's json."""
     return f"{sum(r >= 1.0 for r in rewards)}/{len(rewards)}"
 
