@@ -102,6 +102,9 @@ class Embedder:
 
     def _remember(self, texts: list[str], vecs: np.ndarray) -> None:
         for text, vec in zip(texts, vecs):
+            # A copy: a row of ``vecs`` is a view that keeps the whole batch's matrix alive,
+            # so a cache of rows from many batches held every batch it ever saw a text of.
+            vec = vec.copy()
             vec.setflags(write=False)  # shared by every caller that asks for this text
             self._cache[text] = vec
 

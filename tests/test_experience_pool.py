@@ -272,3 +272,23 @@ def test_embedder_missing_model_and_cheap_import(tmp_path):
             "assert not {'torch', 'sentence_transformers'} & set(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+
+class _CountingModel:
+    """A stand-in SentenceTransformer: the cache under test never looks inside the vectors."""
+
+    def encode(self, texts, **_):
+        return np.random.default_rng(len(texts)).normal(size=(len(texts), 384))
+
+
+def test_the_embedders_cache_holds_its_rows_and_no_batch_behind_them():
+    # The soak of the default job saw the experience worker grow by 160 MB with its pool
+    # full: each cached row was a view keeping its whole batch (hundreds of rows) alive.
+    embedder = Embedder(cache_size=100)
+    embedder._model, embedder._dim = _CountingModel(), 384
+    for batch in range(50):
+        embedder.encode([f"text {batch} {i}" for i in range(400)] + ["asked every time"])
+    cached = list(embedder._cache.values())
+    assert len(cached) == 100 and all(v.base is None for v in cached)
+    held = sum(v.nbytes for v in cached)
+    assert held == 100 * 384 * 4  # what the cache holds is its own rows, nothing more
