@@ -252,6 +252,9 @@ class ExperiencePool:
         if not fresh:
             return counts
         self.refresh()  # dedup against what other writers stored meanwhile
+        if len(self._exps) >= self.max_pool:  # the log only grows: nothing more can go in,
+            counts["pool_full"] += len(fresh)  # so the lessons are not embedded to find out
+            return counts
         vecs = self._embed([e.when_to_use for e in fresh] + [e.content for e in fresh])
         w, c = vecs[: len(fresh)], vecs[len(fresh) :]
         keep = self._novel(fresh, w, c)

@@ -153,7 +153,7 @@ def test_add_rejects_duplicates_invalid_and_overflow(make_pool):
     assert (counts["added"], counts["duplicate"]) == (1, 1)
 
 
-def test_add_fills_id_and_time_and_respects_max_pool(make_pool):
+def test_add_fills_id_and_time_and_respects_max_pool(make_pool, monkeypatch):
     pool = make_pool(max_pool=2)
     loose = Experience(exp_id="", when_to_use="rename a file", content="use mv")
     counts = pool.add([loose, exp(*MKDIR), exp("show the contents of a file", "use cat")])
@@ -161,6 +161,10 @@ def test_add_fills_id_and_time_and_respects_max_pool(make_pool):
     stored = pool.get(experience_id("rename a file", "use mv"))
     assert stored is not None and stored.created_at > 0 and loose.created_at == 0
     assert pool.stats() == {"size": 2, "corrupt": 0, "kind/success": 2}
+    # Full: what comes next is refused without being embedded (the log never shrinks).
+    calls = []
+    monkeypatch.setattr(pool.embedder, "encode", calls.append)  # the session's embedder
+    assert pool.add([exp("list a folder", "use ls")])["pool_full"] == 1 and not calls
 
 
 # --- sharing and durability ---
