@@ -38,7 +38,10 @@ from protocol.transport import free_tcp_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-EXAMPLES = int(os.environ.get("HOSTILE_EXAMPLES", "2000"))
+# 1,000 scripted sessions (each several hostile replies: thousands of replies), the issue's
+# "thousands"; 2,000 until the suite ran over its time (half of this test's 24 s alone). More:
+# HOSTILE_EXAMPLES=N.
+EXAMPLES = int(os.environ.get("HOSTILE_EXAMPLES", "1000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
