@@ -38,6 +38,11 @@ from replay.store import Store, read_stats
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 QUICK = Path(__file__).resolve().parents[1] / "configs" / "quick.yaml"
+# quick.yaml's 30 updates until the suite ran over its time: 20 still show RL learning by a wide
+# margin (test_rl_moved_the_policy_towards_its_better_rollouts), and the module took 100 CPU-s
+# alone instead of 117.
+UPDATES = 20
+RESUMED = 2  # further updates of the resumed run
 
 
 def run_cli(run_dir: Path, *extra: str, timeout: int = 600,
@@ -45,7 +50,7 @@ def run_cli(run_dir: Path, *extra: str, timeout: int = 600,
     """``autodidact run`` to completion; ``meanwhile(run_dir)`` runs in a thread alongside.
     The timeout is for a hang: the run takes minutes in the loaded suite, not ten."""
     # Guidance sooner and from similar tasks too: with the defaults (first extraction after 10
-    # updates, same-task lessons only) 30 updates may end before a guided group is trained,
+    # updates, same-task lessons only) a short run may end before a guided group is trained,
     # and this run is here to exercise that path.
     args = ["run", "--run-dir", str(run_dir), "-c", str(QUICK), "--set", "name=itest",
             "--set", "experience.update_every=3", "--set", "experience.min_similarity=0.5"]
@@ -87,7 +92,8 @@ def finished_run(tmp_path_factory, quick_warm_start):
     run_dir = quick_warm_start(tmp_path_factory.mktemp("run"))
     # Redis is SIGKILLed a third of the way in: the launcher restarts it and every role
     # rides out the gap on its client's back-off (test_roles_rode_out_a_redis_kill).
-    proc = run_cli(run_dir, "--max-updates", "30", meanwhile=kill_redis_mid_training)
+    proc = run_cli(run_dir, "--max-updates", str(UPDATES),
+                   meanwhile=lambda d: kill_redis_mid_training(d, after_updates=UPDATES // 3))
     return run_dir, proc
 
 
@@ -105,14 +111,14 @@ def test_roles_rode_out_a_redis_kill(finished_run):
     assert summary["restarts"]["redis"] == 1
     # Reconnected, not crashed and restarted by the supervisor.
     assert not any(n for role, n in summary["restarts"].items() if role != "redis"), summary
-    assert summary["learner"]["learner/updates"] == 30
+    assert summary["learner"]["learner/updates"] == UPDATES
 
 
 def test_groups_flowed_and_versions_moved(finished_run):
     run_dir, _ = finished_run
     stats = read_stats(run_dir)
-    assert stats["groups"] >= 30 * 8  # at least what 30 updates of 8 groups consumed
-    assert stats["consumed"] >= 30 * 8 - 8  # the last checkpoint's ledger was committed
+    assert stats["groups"] >= UPDATES * 8  # at least what the updates of 8 groups consumed
+    assert stats["consumed"] >= UPDATES * 8 - 8  # the last checkpoint's ledger was committed
     groups = stored_groups(run_dir)
     versions = {int(v) for g in groups for t in g.trajectories
                 for v, m in zip(t.versions, t.action_mask) if m}
@@ -124,8 +130,8 @@ def test_actors_acknowledged_new_weights(finished_run):
     run_dir, _ = finished_run
     with EmbeddedRedis(run_dir) as url:  # the run's Redis data survives in its AOF
         control = ControlPlane.connect(url, default_prefix("itest"))
-        assert control.get_version() == 30
-        acked = [v for v in range(1, 31) if control.version_acks(v)]
+        assert control.get_version() == UPDATES
+        acked = [v for v in range(1, UPDATES + 1) if control.version_acks(v)]
         assert len(acked) >= 3, acked
         assert control.version_acks(acked[-1]) <= {"actor-0", "actor-1"}
 
@@ -133,7 +139,7 @@ def test_actors_acknowledged_new_weights(finished_run):
 def test_learner_metrics_finite_and_learning(finished_run):
     run_dir, _ = finished_run
     rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
-    assert len(rows) == 30
+    assert len(rows) == UPDATES
     for r in rows:
         for key in ("learner/loss", "learner/grad_norm", "learner/iw_mean", "learner/tokens_per_s"):
             assert r[key] is not None and math.isfinite(r[key]), (key, r)
@@ -142,8 +148,9 @@ def test_learner_metrics_finite_and_learning(finished_run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["success_rl"]["avg"] > summary["success_base"]["avg"]
     # Each step lowered the loss on the batch it was taken on (re-scored after the step). The
-    # training-reward curve of 30 batches of 32 rollouts is too noisy to show this reliably:
-    # first-5 vs last-5 means failed about one run in four while held-out success rose.
+    # training-reward curve of 20 to 30 batches of 32 rollouts is too noisy to show this
+    # reliably: first-5 vs last-5 means failed about one run in four while held-out success
+    # rose.
     gains = [r["learner/step_gain"] for r in rows]
     assert sum(g > 0 for g in gains) >= 0.9 * len(gains), gains
     assert all(r["learner/step_kl"] < 0.5 for r in rows), [r["learner/step_kl"] for r in rows]
@@ -155,10 +162,11 @@ def test_rl_moved_the_policy_towards_its_better_rollouts(finished_run):
     below it, by more than the same contrast with the two shuffled within groups."""
     run_dir, _ = finished_run
     contrast = reward_contrast(run_dir)
-    # z: the contrast in standard deviations of its shuffled copies. This module's run measured
-    # 12.9 and 10.1 (contrast 0.47 and 0.46 nats/token; shuffled 0.09 ± 0.03, 0.14 ± 0.03)
-    # and 11.9 after its resume; z > 4 is far in the tail of what a policy that moved as far,
-    # but not towards reward, would show, and far below what these runs show.
+    # z: the contrast in standard deviations of its shuffled copies. This module's run of 30
+    # updates measured 12.9 and 10.1 (contrast 0.47 and 0.46 nats/token; shuffled 0.09 ± 0.03,
+    # 0.14 ± 0.03) and 11.9 after its resume; of 20, 8.1 and 11.4 (contrast 0.26 and 0.38;
+    # shuffled 0.07 ± 0.02, 0.10 ± 0.02). z > 4 is far in the tail of what a policy that moved
+    # as far, but not towards reward, would show, and far below what these runs show.
     assert contrast.z() > 4, str(contrast)
 
 
@@ -222,16 +230,16 @@ def test_the_run_evaluates_on_validation_and_never_looks_at_test_unasked(finishe
 def test_the_report_says_why_rl_moved_and_it_is_not_no_signal(finished_run, tmp_path):
     """The likely-cause line of `autodidact report` (autodidact/diagnosis.py) on a run that
     learned: not "no signal" (tests/test_diagnosis_run.py plants that one). A run of this
-    module's shape measured training success 17% -> 33% over the quarters, 65% of its groups
-    informative, validation +8.8 points (95% -2.5 to +20.0, 40 tasks): "overfitting the
-    training tasks", the interval being that wide. Also the learner's diagnostics, logged on
-    the way: the entropy every update, the KL to the initial policy every 10th from the
-    first, 0 there."""
+    module's shape (of 30 updates then) measured training success 17% -> 33% over the
+    quarters, 65% of its groups informative, validation +8.8 points (95% -2.5 to +20.0, 40
+    tasks): "overfitting the training tasks", the interval being that wide. Also the
+    learner's diagnostics, logged on the way: the entropy every update, the KL to the initial
+    policy every 10th from the first, 0 there."""
     run_dir, _ = finished_run
     rows = [r for r in read_metrics(run_dir, "learner") if "learner/loss" in r]
     assert all(r["learner/entropy"] > 0 for r in rows)
     kl = {r["step"]: r["learner/kl_initial"] for r in rows if "learner/kl_initial" in r}
-    assert sorted(kl) == [1, 11, 21] and abs(kl[1]) < 1e-6 < min(kl[11], kl[21])
+    assert sorted(kl) == [1, 11] and abs(kl[1]) < 1e-6 < kl[11]
     result = CliRunner().invoke(report, [str(run_dir), "--out", str(tmp_path)])
     assert result.exit_code == 0, (result.output, result.exception)
     found = json.loads((tmp_path / "series.json").read_text())["diagnosis"][run_dir.name]
@@ -244,13 +252,13 @@ def test_resume_continues_version_step_and_ledger(finished_run):
     before = torch.load(run_dir / "checkpoints/latest.pt", weights_only=True)
     # No evaluation and no experience role: this test reads the learner's checkpoint alone
     # (the run's own evaluations and pool were read above).
-    run_cli(run_dir, "--resume", "--max-updates", "34", "--set", "eval.num_tasks=0",
-            "--set", "experience.enabled=false")
+    run_cli(run_dir, "--resume", "--max-updates", str(UPDATES + RESUMED),
+            "--set", "eval.num_tasks=0", "--set", "experience.enabled=false")
     after = torch.load(run_dir / "checkpoints/latest.pt", weights_only=True)
-    assert (before["updates"], after["updates"]) == (30, 34)
-    assert after["version"] == before["version"] + 4
+    assert (before["updates"], after["updates"]) == (UPDATES, UPDATES + RESUMED)
+    assert after["version"] == before["version"] + RESUMED
     assert after["consumed"][:len(before["consumed"])] == before["consumed"]
     new = after["consumed"][len(before["consumed"]):]
-    assert len(new) == 4 * 8 and not set(new) & set(before["consumed"])
+    assert len(new) == RESUMED * 8 and not set(new) & set(before["consumed"])
     steps = [s["step"] for s in after["optimizer"]["state"].values()]
-    assert all(int(s) == 34 for s in steps)
+    assert all(int(s) == UPDATES + RESUMED for s in steps)

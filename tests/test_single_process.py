@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "configs" / "quick.yaml"  # default.yaml with a short warm-start and RL phase
-UPDATES = 15  # half test_run_integration's: what is under test here is the wiring
+UPDATES = 15  # fewer than test_run_integration's 20: what is under test here is the wiring
 TEST_IDS = {t.task_id for t in FilesEnv().tasks("test")}
 LIBRARY_THREADS = ("tqdm_monitor",)  # tqdm's progress-bar monitor (model loading), not ours
 
@@ -140,7 +140,7 @@ def test_rl_moved_the_policy_towards_its_better_rollouts(finished):
     contrast = reward_contrast(run_dir)
     # z: the contrast in standard deviations of its shuffled copies. This module's run of 30
     # updates measured 10.5 to 10.6 in four runs (contrast 0.58 to 0.63 nats/token; shuffled
-    # 0.12 ± 0.04 to 0.05); of 15 updates (test_run_integration keeps the 30), 7.8 (contrast
+    # 0.12 ± 0.04 to 0.05); of 15 updates (test_run_integration runs 20), 7.8 (contrast
     # 0.25, shuffled 0.03 ± 0.03). z > 4 is far in the tail of what a policy that moved as
     # far, but not towards reward, would show, and below what these runs show.
     assert contrast.z() > 4, str(contrast)
