@@ -221,6 +221,10 @@ def multinode_run(request, tmp_path_factory):
             "run", "--run-dir", str(head_dir), "-c", str(QUICK), *sets,
             "--max-updates", str(UPDATES),
             "--set", "actor.num_actors=0",
+            # One learner thread: with no actor of its own the head's learner would take both
+            # cores (learner.torch_threads=auto), but its "other host" is this machine, whose
+            # cores the node's actors share (two threads there ran its 6 updates 17 CPU-s).
+            "--set", "learner.torch_threads=1",
             "--set", f"redis.bind={HEAD_IP}:{REDIS_PORT}",
             "--set", f"replay.address=tcp://{HEAD_IP}:{REPLAY_PORT}",
             "--set", f"weights.address=tcp://{HEAD_IP}:{WEIGHTS_PORT}",
