@@ -380,8 +380,10 @@ def test_token_budget_micro_batches_equal_the_unsplit_step(model, tmp_path, cont
         return scored(model, input_ids, *args)
 
     monkeypatch.setattr(step_module, "token_logprobs", recording)
+    # diagnostics_every=0: the KL-to-initial diagnostic scores the whole batch in one
+    # no-grad forward (as the kl_coef reference does), outside the micro-batch budget
     packed = one_rank(model, tmp_path / "packed", control, loss_aggregation=aggregation,
-                      micro_batch_tokens=60)
+                      micro_batch_tokens=60, diagnostics_every=0)
     assert len(shapes) > 2 * UPDATES  # several micro-batches per update...
     assert all(rows * width <= 60 or rows == 1 for rows, width in shapes)  # ...within budget
     assert len({width for _, width in shapes}) > 1  # each trimmed to its own longest row
