@@ -8,7 +8,7 @@ Layout (``P`` is the prefix, ``autodidact:<run name>`` by default)::
     P:weights               string encoded WeightsAnnouncement of the current version
     P:hb:<role>:<id>        string heartbeat JSON, expires after the heartbeat TTL
     P:counters              hash   named integer counters for metrics (``actor/groups``, ...)
-    P:acks:<version>        set    actor ids that loaded weights ``version``
+    P:acks:<version>        set    actor ids that loaded weights ``version`` (expires)
     P:admission             hash   the staleness bound's own counters: ``admitted``, ``stale``
                                    and ``ready`` (present only once they were initialised)
     P:claims                hash   groups each actor was admitted for that replay has not acked
@@ -140,6 +140,9 @@ return n
 # A restarted embedded server is back within a second or two; an external one may take longer.
 # Capped exponential back-off with jitter, ~40 s in all, rides out either without every role
 # crashing (and being restarted) at once.
+# How long a version's acks are kept: whoever asks which actors loaded a version asks within
+# minutes of its publication (the fault and multi-node checks); the soak found them unbounded.
+ACKS_TTL_S = 3600
 RECONNECT_RETRIES = 25
 RECONNECT_CAP_S = 2.0
 
@@ -258,8 +261,10 @@ class ControlPlane:
             return -1
 
     def ack_version(self, version: int, member: str) -> None:
-        """Record that ``member`` (an actor id) has loaded ``version``."""
-        self.r.sadd(self.keys.acks(version), member)
+        """Record that ``member`` (an actor id) has loaded ``version``, for ACKS_TTL_S: a set
+        per version kept for good grew Redis with every update of a long run."""
+        key = self.keys.acks(version)
+        self.r.pipeline(transaction=False).sadd(key, member).expire(key, ACKS_TTL_S).execute()
 
     def version_acks(self, version: int) -> set[str]:
         return {m.decode() for m in self.r.smembers(self.keys.acks(version))}

@@ -31,6 +31,8 @@ def test_version_and_acks(control):
     control.ack_version(7, "actor-1")
     assert control.version_acks(7) == {"actor-0", "actor-1"}
     assert control.version_acks(8) == set()
+    # kept for an hour, not for the run's life: one set per version grew Redis in the soak
+    assert 0 < control.r.ttl(control.keys.acks(7)) <= 3600
 
 
 def test_heartbeats_expire(control):
