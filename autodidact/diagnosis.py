@@ -158,25 +158,26 @@ def updates(records: list[dict]) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def training_success(records: list[dict]) -> list[tuple[int, float]]:
-    """Actor success on training tasks, the mean of its records per policy version."""
+def _mean_by_version(records: list[dict], role: str, version_key: str,
+                     rate_key: str) -> list[tuple[int, float]]:
+    """``role``'s ``rate_key`` by policy version (``version_key``), the mean per version."""
     by_version: dict[int, list[float]] = {}
     for r in records:
-        v, rate = r.get("actor/version"), _num(r.get("actor/success_rate"))
-        if r.get("role") == "actor" and rate is not None and _num(v) is not None:
+        v, rate = r.get(version_key), _num(r.get(rate_key))
+        if r.get("role") == role and rate is not None and _num(v) is not None:
             by_version.setdefault(int(v), []).append(rate)
     return [(v, sum(xs) / len(xs)) for v, xs in sorted(by_version.items())]
+
+
+def training_success(records: list[dict]) -> list[tuple[int, float]]:
+    """Actor success on training tasks, the mean of its records per policy version."""
+    return _mean_by_version(records, "actor", "actor/version", "actor/success_rate")
 
 
 def probe_success(records: list[dict]) -> list[tuple[int, float]]:
     """The validation probe's success (``eval/probe_success``, actor/probe.py) by policy
     version; the mean where a version was probed twice (an actor restarted there)."""
-    by_version: dict[int, list[float]] = {}
-    for r in records:
-        v, rate = r.get("eval/version"), _num(r.get("eval/probe_success"))
-        if r.get("role") == "eval" and rate is not None and _num(v) is not None:
-            by_version.setdefault(int(v), []).append(rate)
-    return [(v, sum(xs) / len(xs)) for v, xs in sorted(by_version.items())]
+    return _mean_by_version(records, "eval", "eval/version", "eval/probe_success")
 
 
 def probe_quarters(probe: list[tuple[int, float]],
