@@ -317,20 +317,33 @@ class PolicyStep:
         """Proximal log-probs (only needed ahead with several minibatches) and the
         reference's: for the KL penalty, or with ``diagnose`` for ``kl_initial``."""
         proximal = reference = None
-        with self._autocast():
-            if self.cfg.minibatches > 1:
-                proximal = self._logprobs(self.model, batch)
-            if self.cfg.kl_coef > 0 or diagnose:
-                reference = self._reference_logprobs(batch)
+        if self.cfg.minibatches > 1:
+            proximal = self._scored_in_parts(batch, self.model)
+        if self.cfg.kl_coef > 0 or diagnose:
+            if self.reference is not None:
+                reference = self._scored_in_parts(batch, self.reference)
+            else:  # LoRA: the initial policy is the base with its adapter off
+                with lora.disabled(self.model):
+                    reference = self._scored_in_parts(batch, self.model)
         return proximal, reference
 
-    def _reference_logprobs(self, batch):
-        """The batch under the initial policy: the frozen copy, or with LoRA the base with
-        its adapter off."""
-        if self.reference is not None:
-            return self._logprobs(self.reference, batch)
-        with lora.disabled(self.model):
-            return self._logprobs(self.model, batch)
+    def _scored_in_parts(self, batch, model) -> torch.Tensor:
+        """``batch``'s log-probs under ``model``, ``[B, L]``, scored in the micro-batches a
+        step takes (``micro_batch_tokens`` or ``accumulation``): a forward without gradient
+        over the whole batch would hold every row's activations at once, past the budget
+        the step keeps to. Every rank runs as many forwards as the rank that needs most."""
+        rows = torch.arange(len(batch.input_ids))
+        lengths = batch.lengths().cpu()
+        out = None
+        for part in self._micro_batches(rows, lengths, batch):
+            mb, index = self._micro(batch, part, lengths)
+            with self._autocast():
+                logprobs = self._logprobs(model, mb)
+            if out is None:
+                out = logprobs.new_zeros(batch.input_ids.shape[:2])
+            if len(part):  # a blank micro-batch only keeps the ranks in step
+                out[index.to(out.device), :logprobs.shape[1]] = logprobs
+        return out
 
     def _loss(self, batch, logprobs, proximal, reference, reduction: str = "mean",
               entropy=None):

@@ -130,6 +130,43 @@ class ModelConfig:
 CONTEXT_MODES = ("linear", "window", "truncate", "summary", "self")
 
 
+# The Task.meta key naming the member of an env mix a task is of (``env.mix``;
+# environments/mixed.py sets it on every task of a mix).
+TASK_ENV_MEMBER = "env_member"
+
+
+@dataclass
+class EnvMember:
+    """One env of a mix (``env.mix``): its own name, options, address and sampling weight.
+    The rest of the env section (``max_turns``, ``max_context``, ``context``,
+    ``call_timeout_s``, ``keys_dir``) holds for every member alike."""
+
+    name: str = ""
+    """Environment registry name of this member, as ``env.name`` takes it (a built-in, or a
+    plugin's ``pkg.module:name``); with ``address``, the name that server serves."""
+
+    id: str = ""
+    """The member's own label: every task of it has an id starting ``<id>/`` (so ids of two
+    envs never collide) and carries it in ``Task.meta["env_member"]``, and per-env results
+    are reported under it. Empty: the registered name (the part of ``name`` after any
+    ``:``). Two members of one env need ids of their own. No ``/`` or spaces."""
+
+    options: dict = field(default_factory=dict)
+    """Keyword arguments for this member's constructor (as ``env.options``)."""
+
+    address: str = ""
+    """ZeroMQ address of an env server that serves this member (as ``env.address``); empty:
+    in process."""
+
+    weight: float = 1.0
+    """How often the feeder draws this member's training tasks, against the other members'
+    weights: each env gets ``weight / sum of weights`` of RL's draws, whatever its number of
+    tasks. Above 0."""
+
+    def member_id(self) -> str:
+        return self.id or self.name.rpartition(":")[2]
+
+
 @dataclass
 class EnvConfig:
     name: str = "files"
@@ -199,6 +236,22 @@ class EnvConfig:
     the server admits only the client keys in its ``authorized/``. Empty: plaintext, which
     ``env.address`` may use off this machine only with ``security.allow_plaintext_remote``."""
 
+    mix: list[EnvMember] = field(default_factory=list)
+    """Several envs in one run (docs/environments.md#several-envs-in-one-run): one
+    ``EnvMember`` each (``name``, ``id``, ``options``, ``address``, ``weight``). Set, the run's
+    env is their mixture (environments/mixed.py): its tasks are every member's, each reset,
+    step and check goes to the member of the episode's task, held-out results are reported
+    per member, and ``name``, ``options`` and ``address`` above are not read. Empty (the
+    default): the one env ``name`` names."""
+
+    def members(self) -> list[tuple[str, EnvConfig, float]]:
+        """(id, the member's own EnvConfig, weight) of each env of ``mix``, in order; [] for
+        a run of one env. A member's config is this section with its name, options and
+        address, and no mix."""
+        return [(m.member_id(), dataclasses.replace(self, name=m.name, options=dict(m.options),
+                                                    address=m.address, mix=[]), m.weight)
+                for m in self.mix]
+
     def check(self):
         _positive(self, "max_turns")
         _positive(self, "max_context")
@@ -215,6 +268,33 @@ class EnvConfig:
         if self.address and self.address.partition("://")[0] not in ("tcp", "ipc"):
             raise ConfigError(f"address must be a ZeroMQ tcp:// or ipc:// address, got "
                               f"{self.address!r}")
+        self._check_mix()
+
+    def _check_mix(self):
+        if not self.mix:
+            return
+        if self.address:
+            raise ConfigError(f"address: with mix, each member names its own address (mix[i]."
+                              f"address), not the env section; got address {self.address!r}")
+        seen: dict[str, int] = {}
+        for i, m in enumerate(self.mix):
+            where = f"mix[{i}]"
+            if not m.name or m.name.strip() != m.name:
+                raise ConfigError(f"{where}.name: the member's environment name is empty or "
+                                  f"padded ({m.name!r})")
+            mid = m.member_id()
+            if not mid or "/" in mid or any(c.isspace() for c in mid):
+                raise ConfigError(f"{where}.id: {mid!r} cannot label tasks: give an id without "
+                                  f"'/' or spaces")
+            if mid in seen:
+                raise ConfigError(f"{where}.id: {mid!r} is also mix[{seen[mid]}]'s: give each "
+                                  f"member of one env an id of its own (mix[{i}].id=...)")
+            seen[mid] = i
+            if not (isinstance(m.weight, float) and math.isfinite(m.weight) and m.weight > 0):
+                raise ConfigError(f"{where}.weight must be > 0, got {m.weight!r}")
+            if m.address and m.address.partition("://")[0] not in ("tcp", "ipc"):
+                raise ConfigError(f"{where}.address must be a ZeroMQ tcp:// or ipc:// address, "
+                                  f"got {m.address!r}")
 
 
 # How a model may write a tool call; ``environments.call_formats`` parses each (a test keeps
@@ -531,7 +611,9 @@ class LearnerConfig:
     this budget, and each micro-batch is trimmed to its longest row, so short episodes stop
     paying for a long one's padding. With ``packed`` / ``shared_prefix``, the tokens the
     packed sequence holds (a shared prefix counted once). The step is the same as with one
-    micro-batch (up to float rounding)."""
+    micro-batch (up to float rounding). The forwards without gradient (the reference's, for
+    ``kl_coef`` and ``kl_initial``; the proximal one with several ``minibatches``) keep to the
+    same micro-batches."""
 
     logit_chunk_tokens: int = 0
     """Positions whose vocabulary logits the learner and the warm-start compute at once
@@ -1306,13 +1388,19 @@ class RunConfig:
 
     def _check_env_link(self):
         """An env server off this machine is reached with CURVE keys (``env.keys_dir``), or
-        in plaintext only where the config says plaintext may leave it."""
+        in plaintext only where the config says plaintext may leave it (every member's of a
+        mix too)."""
+        env = self.env
+        for address in [env.address, *(m.address for m in env.mix)]:
+            self._check_env_address(address)
+
+    def _check_env_address(self, address: str):
         from protocol.security import leaves_loopback
 
         env = self.env
-        if env.address and not env.keys_dir and leaves_loopback(env.address) \
+        if address and not env.keys_dir and leaves_loopback(address) \
                 and not self.security.allow_plaintext_remote:
-            raise ConfigError(f"env.address {env.address} leaves this machine but env.keys_dir "
+            raise ConfigError(f"env.address {address} leaves this machine but env.keys_dir "
                               "is empty: make keys with `autodidact keys generate --out DIR`, "
                               "serve with --keys-dir and --set env.keys_dir=DIR (or --set "
                               "security.allow_plaintext_remote=true to send plaintext)")
@@ -1384,7 +1472,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    values = dataclasses.asdict(cfg)
+    if isinstance(cfg, RunConfig) and not cfg.env.mix:  # a run of one env: as before mixes
+        values["env"].pop("mix")
+    return values
 
 
 def with_values(cfg: RunConfig, values: Mapping[str, Any]) -> RunConfig:

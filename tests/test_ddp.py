@@ -364,14 +364,17 @@ def test_accumulation_equals_the_unsplit_step(model, tmp_path, control, aggregat
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(("aggregation", "kl_coef"), [
+    ("token-mean", 0.0), ("seq-mean-token-mean", 0.0), ("token-mean", 0.1)])
 def test_token_budget_micro_batches_equal_the_unsplit_step(model, tmp_path, control,
-                                                           aggregation, monkeypatch):
+                                                           aggregation, kl_coef, monkeypatch):
     """Rows packed by length into micro-batches of at most 60 padded tokens, each trimmed to
-    its longest row: more backward passes, the same step."""
+    its longest row: more backward passes, the same step. The reference's forward (the KL
+    penalty's, and ``kl_initial``'s on the diagnosed updates) keeps to the budget too."""
     import learner.step as step_module
 
-    whole = one_rank(model, tmp_path / "one", control, loss_aggregation=aggregation)
+    whole = one_rank(model, tmp_path / "one", control, loss_aggregation=aggregation,
+                     diagnostics_every=1, kl_coef=kl_coef)
     shapes = []
     scored = step_module.token_logprobs
 
@@ -380,16 +383,18 @@ def test_token_budget_micro_batches_equal_the_unsplit_step(model, tmp_path, cont
         return scored(model, input_ids, *args)
 
     monkeypatch.setattr(step_module, "token_logprobs", recording)
-    # diagnostics_every=0: the KL-to-initial diagnostic scores the whole batch in one
-    # no-grad forward (as the kl_coef reference does), outside the micro-batch budget
     packed = one_rank(model, tmp_path / "packed", control, loss_aggregation=aggregation,
-                      micro_batch_tokens=60, diagnostics_every=0)
-    assert len(shapes) > 2 * UPDATES  # several micro-batches per update...
+                      micro_batch_tokens=60, diagnostics_every=1, kl_coef=kl_coef)
+    assert len(shapes) > 4 * UPDATES  # several micro-batches per update, reference's too...
     assert all(rows * width <= 60 or rows == 1 for rows, width in shapes)  # ...within budget
     assert len({width for _, width in shapes}) > 1  # each trimmed to its own longest row
     assert_states_close(packed.step.model.state_dict(), whole.step.model.state_dict())
     for a, b in zip(update_rows(tmp_path / "packed"), update_rows(tmp_path / "one")):
+        # the loss holds the KL penalty: the reference scored in parts is the whole one's
         assert a["learner/loss"] == pytest.approx(b["learner/loss"], rel=1e-5)
+        if not kl_coef:  # kl_initial is summed over tokens across micro-batches (kl_ref is
+            # a loss metric, a mean of the micro-batches' means like the clip fractions)
+            assert a["learner/kl_initial"] == pytest.approx(b["learner/kl_initial"], rel=1e-4)
 
 
 @pytest.mark.timeout(120)
