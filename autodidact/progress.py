@@ -183,6 +183,16 @@ def print_summary(summary: dict) -> None:
     console.print(f"[bold]summary[/]  {split} {line(validation)}   "
                   f"{learner.get('learner/updates', 0)} updates, "
                   f"version {learner.get('learner/version', 0)}", highlight=False)
+    envs = list(dict.fromkeys(env for r in validation.values() if r
+                              for env in r.get("envs") or {}))
+    for env in envs:  # an env mix: each member env's, then the mean over them
+        console.print(f"  {env}  " + line({stage: (r or {}).get("envs", {}).get(env)
+                                            for stage, r in validation.items()}),
+                      highlight=False)
+    if envs:
+        console.print("  mean over envs  " + line(
+            {stage: (r or {}).get("mean_over_envs") for stage, r in validation.items()}),
+            highlight=False)
     if summary.get("test"):
         console.print(f"[bold]test[/]     {line(summary['test'])}   (looked at once)",
                       highlight=False)

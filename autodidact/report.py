@@ -276,6 +276,14 @@ def headline(run: Run) -> dict:
             out[f"heldout_{stage}_{key}"] = result.get(key)
         out[f"test_{stage}_avg"] = (test.get(stage) or {}).get("avg")
         out[f"test_{stage}_avg_ci"] = (test.get(stage) or {}).get("avg_ci")
+        # an env mix: each member env's held-out avg@k and the mean over envs
+        for env, one in (result.get("envs") or {}).items():
+            out.setdefault("envs", [])
+            if env not in out["envs"]:
+                out["envs"].append(env)
+            out[f"heldout_{stage}_env_{env}_avg"] = one.get("avg")
+            out[f"heldout_{stage}_env_{env}_avg_ci"] = one.get("avg_ci")
+        out[f"heldout_{stage}_mean_over_envs"] = (result.get("mean_over_envs") or {}).get("avg")
     return out
 
 
@@ -541,6 +549,17 @@ def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[
     for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
                         ("rl", "after RL")):
         row(f"held-out greedy, {name}", _pct, f"heldout_{stage}_greedy")
+    envs = list(dict.fromkeys(env for h in heads for env in h.get("envs", [])))
+    for env in envs:  # an env mix: each member env's, and the mean over them
+        for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
+                            ("rl", "after RL")):
+            rate_row(f"held-out avg@k of {env}, {name} (95% interval)",
+                     f"heldout_{stage}_env_{env}")
+    if envs:
+        for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
+                            ("rl", "after RL")):
+            row(f"held-out avg@k, mean over envs, {name}", _pct,
+                f"heldout_{stage}_mean_over_envs")
     row("held-out best@k, after RL", _pct, "heldout_rl_best")
     row("held-out tasks", _num, "heldout_rl_tasks")
     row("looked at test", _num, "looked_at_test")

@@ -36,7 +36,7 @@ from autodidact.resolve import check_context, with_model
 from autodidact.task_mix import rl_synthetic_share, synthetic_share, warmstart_tasks
 from metrics.intervals import format_rate
 from metrics.jsonl import MetricsWriter, read_metrics
-from protocol.config import RunConfig
+from protocol.config import TASK_ENV_MEMBER, RunConfig
 from protocol.control import ControlPlane
 from protocol.errors import ConfigError
 from protocol.messages import SPLITS, Task
@@ -151,8 +151,10 @@ def warm_start_stage(cfg: RunConfig, run_dir: Path, base_path: str,
 
     info = warm_start(cfg, base_path, out, rollout_settings(cfg), progress, tasks)
     RunDir(run_dir).warmstart_tasks.write_text(json.dumps(info["task_ids"]))
-    say(f"  warm-start: {info['examples']} verified references, "
-        f"{info['steps']} steps in {info['seconds']:.0f}s")
+    per_env = info.get("per_env")  # an env mix: how many of each member's
+    say(f"  warm-start: {info['examples']} verified references"
+        + (f" ({', '.join(f'{env} {n}' for env, n in per_env.items())})" if per_env else "")
+        + f", {info['steps']} steps in {info['seconds']:.0f}s")
     return str(out)
 
 
@@ -213,8 +215,13 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
     :class:`StartRefused` first where ``env.max_context`` cannot hold an episode past its
     first call (:func:`autodidact.resolve.check_context`), or where ``eval.probe_every`` asks
     to probe an env without validation tasks."""
-    from environments.base import env_maker
+    from environments.base import env_class, env_maker
 
+    if cfg.env.mix:
+        check_mix(cfg)
+    elif not cfg.model.path and not env_class(cfg.env).vocabulary():
+        say(f"  [yellow]env {cfg.env.name} has an open vocabulary: the tiny word-level model "
+            f"reads its words as [UNK]; set model.path to a real model[/]")
     base = prepare_model(cfg, run_dir)
     env = env_maker(cfg.env)()
     write_split(run_dir, env)
@@ -222,7 +229,7 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
     if cfg.eval.probe_every and not env.tasks("validation"):
         raise StartRefused(f"eval.probe_every={cfg.eval.probe_every}: env {env.name} has no "
                            f"validation tasks to probe; set eval.probe_every=0")
-    for task in (original or env.tasks("validation"))[:1]:
+    for task in first_of_each_env(original or env.tasks("validation")):
         try:  # a context too short for one call: refused now, not truncated in every episode
             check_context(cfg, base, task)
         except ConfigError as exc:
@@ -237,6 +244,46 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
         summary.update(entries)
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2))
     return Training(with_model(cfg, policy), original, rl_share, base)
+
+
+def first_of_each_env(tasks: list[Task]) -> list[Task]:
+    """The first of ``tasks`` of each member env of a mix (``Task.meta["env_member"]``); of a
+    run of one env, the first task."""
+    firsts: dict[str, Task] = {}
+    for task in tasks:
+        firsts.setdefault(task.meta.get(TASK_ENV_MEMBER, ""), task)
+    return list(firsts.values())
+
+
+def check_mix(cfg: RunConfig) -> None:
+    """Raise :class:`StartRefused`, in one line naming the field, where an env mix
+    (``env.mix``) cannot train as configured: a member with an open vocabulary under the tiny
+    word-level model, a member without training tasks (a mix trains on each env's own tasks),
+    or self-made tasks asked for (explore over a mix is not supported yet)."""
+    from environments.base import env_class
+
+    cls = env_class(cfg.env)
+    for i, member in enumerate(cfg.env.mix):
+        mid = member.member_id()
+        if not cfg.model.path and mid in cls.open_vocabulary_members():
+            raise StartRefused(f"env.mix[{i}] ({mid}): an open vocabulary, which the tiny "
+                               f"word-level model cannot read; set model.path to a real model")
+    env = cls()
+    counts = {mid: 0 for mid, _, _ in cfg.env.members()}
+    for task in env.tasks("train"):
+        counts[task.meta[TASK_ENV_MEMBER]] += 1
+    for i, (mid, n) in enumerate(counts.items()):
+        if not n:
+            raise StartRefused(f"env.mix[{i}] ({mid}): no training tasks of its own, and a mix "
+                               f"trains on each env's own tasks (explore over a mix is not "
+                               f"supported yet)")
+    if cfg.tasks.synthetic_share > 0 or cfg.tasks.rl_synthetic_share > 0:
+        raise StartRefused("tasks.synthetic_share: self-made tasks over an env mix are not "
+                           "supported yet (explore makes one env's); set "
+                           "tasks.synthetic_share=0 and tasks.rl_synthetic_share=-1")
+    if cfg.explore.stage in ("before", "alongside"):
+        raise StartRefused(f"explore.stage={cfg.explore.stage}: explore over an env mix is "
+                           f"not supported yet; set explore.stage=auto")
 
 
 def after_training(cfg: RunConfig, run_dir: Path, learner_finished: bool, base: str,
@@ -278,11 +325,12 @@ def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, stage: str, up
     The per-task records go to ``eval/heldout-<split>-<stage>.jsonl`` (paired comparisons
     read them); a validation result is also logged as ``eval/...`` at learner update
     ``updates``, so reports put it on the update and wall-time axes. Returns ``{"avg",
-    "avg_ci", "best", "best_ci", "tasks", "split"[, "greedy"]}``, None with
-    ``eval.num_tasks=0``."""
+    "avg_ci", "best", "best_ci", "tasks", "split"[, "greedy"]}``, with under ``env.mix``
+    ``"envs"`` (each member env's avg@k and best@k with intervals) and ``"mean_over_envs"``
+    (:func:`episodes.evaluate.per_env`); None with ``eval.num_tasks=0``."""
     if cfg.eval.num_tasks == 0:
         return None
-    from episodes.evaluate import evaluate_model, success_intervals
+    from episodes.evaluate import evaluate_model, per_env, success_intervals
 
     e = cfg.eval
     found = evaluate_model(cfg, model_path, split, k=e.k, temperature=e.temperature,
@@ -290,15 +338,23 @@ def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, stage: str, up
     records = found["per_task"]
     write_records(RunDir(run_dir).heldout_records(split, stage), records)
     result = {"split": split, **{key: found[key] for key in ("avg", "best", "tasks", "greedy")
-                                 if key in found}, **success_intervals(records)}
+                                 if key in found}, **success_intervals(records),
+              **per_env(records)}
     greedy_text = f", greedy {result['greedy']:.1%}" if "greedy" in result else ""
     say(f"  {split} success {STAGE_LABELS.get(stage, stage)}: "
         f"[bold]avg@{e.k} {format_rate(result['avg'], result['avg_ci'])}[/] "
         f"(best@{e.k} {result['best']:.1%}{greedy_text}; {result['tasks']} tasks)")
+    for env, one in result.get("envs", {}).items():  # an env mix: each member env's
+        say(f"    {env}: avg@{e.k} {format_rate(one['avg'], one['avg_ci'])} "
+            f"(best@{e.k} {one['best']:.1%}; {one['tasks']} tasks)")
+    if "mean_over_envs" in result:
+        say(f"    mean over envs: avg@{e.k} {result['mean_over_envs']['avg']:.1%}")
     if split == "validation":
         writer = MetricsWriter(run_dir, "eval")
         writer.log({"success_avg": result["avg"], "success_best": result["best"],
-                    "success_greedy": result.get("greedy"), "tasks": result["tasks"]},
+                    "success_greedy": result.get("greedy"), "tasks": result["tasks"],
+                    **{f"eval/env/{env}/success_avg": one["avg"]
+                       for env, one in result.get("envs", {}).items()}},
                    step=updates)
         writer.close()
     return result

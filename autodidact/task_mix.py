@@ -11,6 +11,9 @@ Redis, which explorers keep growing; the feeder picks up new ones at every epoch
 ``frontier`` weighs each by what the actors' rollouts of it scored so far
 (:func:`frontier_weight`), so groups whose rollouts all fail or all succeed, which teach
 the outcome-only objective nothing, are drawn less often.
+
+Under ``env.mix`` each member env's tasks get its weight's share of the draws
+(:func:`member_weights`), under either curriculum.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import random
 import time
 from collections import Counter
 
-from protocol.config import RunConfig
+from protocol.config import TASK_ENV_MEMBER, RunConfig
 from protocol.control import ControlPlane
 from protocol.messages import Task
 from questioning.coverage import goal_kind
@@ -62,6 +65,19 @@ def weighted_sample(rng: random.Random, pool: list[Task], weights: list[float],
     random keys, Efraimidis and Spirakis); a task of weight 0 never."""
     keyed = [(rng.random() ** (1.0 / w), i) for i, w in enumerate(weights) if w > 0]
     return [pool[i] for _, i in sorted(keyed, reverse=True)[:k]]
+
+
+def member_weights(cfg: RunConfig, pool: list[Task]) -> list[float] | None:
+    """Under ``env.mix``, a draw weight per task of ``pool`` that gives each member env the
+    share ``weight / sum of weights`` of the draws however many tasks it has (its weight
+    over its number of tasks in ``pool``); None for a run of one env. A task of no member
+    (``Task.meta["env_member"]``) is never drawn."""
+    if not cfg.env.mix:
+        return None
+    weight = {mid: w for mid, _, w in cfg.env.members()}
+    member = [t.meta.get(TASK_ENV_MEMBER) for t in pool]
+    count = Counter(member)
+    return [weight[m] / count[m] if m in weight else 0.0 for m in member]
 
 
 def synthetic_share(cfg: RunConfig, original: list[Task]) -> float:
@@ -125,6 +141,8 @@ class TaskFeeder:
         self.floor = cfg.tasks.frontier_floor
         self._outcomes: dict[str, tuple[int, int]] = {}
         self.original, self.synthetic = original, []
+        # env.mix: each member's share of the draws by its weight (None: one env)
+        self.original_weights = member_weights(cfg, original)
         self.match = cfg.tasks.match_examples
         self.synthetic_weights: list[float] = []  # example_weights of the pool, kept current
         # Its own stream: seeded with cfg.seed alone, as warmstart_tasks is, its first draws
@@ -165,7 +183,7 @@ class TaskFeeder:
         n_synthetic = sum(self._draws_synthetic() for _ in range(n))
         originals = self.original if self.share < 1.0 else []
         batch = (self._take(self.synthetic, n_synthetic, self.synthetic_weights)
-                 + self._take(originals, n - n_synthetic))
+                 + self._take(originals, n - n_synthetic, self.original_weights))
         self.rng.shuffle(batch)
         if batch:
             self.control.push_tasks(batch)

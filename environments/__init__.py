@@ -3,7 +3,8 @@
 
 Importing this package registers every built-in environment, so ``make_env("files")`` works
 after ``import environments``, and the maker of served envs (``environments.remote``), so
-``make_env(env_cfg)`` of an ``EnvConfig`` with an ``address`` is a session on that server. A
+``make_env(env_cfg)`` of an ``EnvConfig`` with an ``address`` is a session on that server, and
+the maker of env mixes (``environments.mixed``: an ``EnvConfig`` with ``mix``). A
 plugin environment registers itself with ``@register_env`` when its module is imported
 (``make_env("my.module:name")`` imports it by name from config).
 """
@@ -34,6 +35,7 @@ from environments.base import (
     world_split,
 )
 from environments.files import FilesEnv  # noqa: F401  (registers "files")
+from environments.mixed import MixedEnv  # noqa: F401  (makes the classes of env mixes)
 from environments.remote import RemoteEnv  # noqa: F401  (makes the classes of served envs)
 from environments.shop import ShopEnv  # noqa: F401  (registers "shop")
 
@@ -44,6 +46,7 @@ __all__ = [
     "ArgSpec",
     "Environment",
     "FilesEnv",
+    "MixedEnv",
     "RemoteEnv",
     "ShopEnv",
     "GoalPart",

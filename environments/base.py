@@ -37,7 +37,7 @@ from environments.tools import (  # noqa: F401  (the names envs have always impo
     parse_reply,
     parser_words,
 )
-from protocol.config import EnvConfig, coerce
+from protocol.config import TASK_ENV_MEMBER, EnvConfig, coerce
 from protocol.errors import ConfigError, EnvFailed
 from protocol.messages import SPLITS, Task
 
@@ -398,15 +398,32 @@ def register_served(factory: Callable[[EnvConfig], type[Environment]]) -> None:
     _served_class = factory
 
 
+# Makes the class of a mixture of envs from an EnvConfig with a mix (``env.mix``).
+# environments/mixed.py sets it when the package is imported, for the reason above.
+_mixed_class: Callable[[EnvConfig], type[Environment]] | None = None
+
+
+def register_mixed(factory: Callable[[EnvConfig], type[Environment]]) -> None:
+    """Make ``factory`` the maker of mixed env classes (:func:`env_class` of an EnvConfig
+    whose ``mix`` is set)."""
+    global _mixed_class
+    _mixed_class = factory
+
+
 def env_class(spec: str | EnvConfig) -> type[Environment]:
     """The class ``spec`` names: a registered name (``"pkg.module:name"`` imports the module
     first), or an ``EnvConfig``: with ``address`` set, the class whose instances are sessions on
-    the env server there (``environments/remote.py``), else the class its ``name`` names.
+    the env server there (``environments/remote.py``); with ``mix`` set, the mixture of its
+    members (``environments/mixed.py``); else the class its ``name`` names.
 
     The one place an env's class is resolved: every command and role that makes an env from
     a run's config comes here (through :func:`env_maker`), so a served env is used the same
     way by all of them."""
     if isinstance(spec, EnvConfig):
+        if spec.mix:
+            if _mixed_class is None:
+                raise RuntimeError("environments.mixed is not imported (import environments)")
+            return _mixed_class(spec)
         if spec.address:
             if _served_class is None:
                 raise RuntimeError("environments.remote is not imported (import environments)")
@@ -436,6 +453,11 @@ def task_env_of_run(task: Task, env_cfg: EnvConfig | None) -> bool:
     """Whether ``task`` is of the run's env (``env_cfg``): :func:`task_env_maker` builds the
     run's env for it, never importing what its ``meta.env_spec`` names. A role that must not
     import code a stored task names (the experience worker) replays only such tasks."""
+    if env_cfg is not None and env_cfg.mix:  # a mix: a task of one of its members
+        member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
+        if member:
+            return member in {m.member_id() for m in env_cfg.mix}
+        return task.env in {m.name.rpartition(":")[2] for m in env_cfg.mix}
     # A plugin's "pkg.module:name" registers as "name", which Task.env holds.
     return env_cfg is not None and task.env == env_cfg.name.rpartition(":")[2]
 
@@ -489,8 +511,9 @@ class EnvMaker:
 
 def env_maker(env_cfg: EnvConfig) -> EnvMaker:
     """A zero-argument factory for the environment an ``EnvConfig`` names, with its options:
-    a session on the env server at ``env_cfg.address`` when that is set."""
-    return EnvMaker(env_class(env_cfg), dict(env_cfg.options))
+    a session on the env server at ``env_cfg.address`` when that is set; with ``env_cfg.mix``,
+    the mixture (each member made with its own options)."""
+    return EnvMaker(env_class(env_cfg), {} if env_cfg.mix else dict(env_cfg.options))
 
 
 def make_envs(make_env: Callable[[], Environment], n: int) -> list:
@@ -561,7 +584,14 @@ def check_env_options(env: EnvConfig) -> None:
     """``env.name`` names a known environment and ``env.options`` only its constructor's
     keyword arguments (of the declared type where that is a plain one). A plugin
     (``module:name``) is imported only when an env is made, and a served env (``address``)
-    is asked only then, so neither is checked here."""
+    is asked only then, so neither is checked here. A mix has each member checked so."""
+    if env.mix:
+        for i, (_, member, _) in enumerate(env.members()):
+            try:
+                check_env_options(member)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace("env.", f"env.mix[{i}].", 1)) from None
+        return
     if ":" in env.name or env.address:
         return
     try:

@@ -29,7 +29,7 @@ from episodes.rollout import (
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec
 from metrics.intervals import rate_interval
-from protocol.config import RunConfig
+from protocol.config import TASK_ENV_MEMBER, RunConfig
 from protocol.messages import Task
 
 POLICIES = ("model", "ground-truth")
@@ -52,6 +52,12 @@ def select_tasks(cfg: RunConfig, split: str = "validation", limit: int = 0,
         for _, group in sorted(by_category.items()):
             rng.shuffle(group)
             tasks += group[:per_category]
+    if limit and cfg.env.mix:  # an env mix: that many of each member env's
+        by_member: dict[str, list[Task]] = defaultdict(list)
+        for task in tasks:
+            by_member[task.meta.get(TASK_ENV_MEMBER, "")].append(task)
+        return [t for mid, _, _ in cfg.env.members()
+                for t in rng.sample(by_member[mid], min(limit, len(by_member[mid])))]
     if limit:
         tasks = rng.sample(tasks, min(limit, len(tasks)))
     return tasks
@@ -161,7 +167,9 @@ def replay_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> No
 def task_record(episodes: list[Episode]) -> dict:
     task = episodes[0].task
     rewards = [float(ep.reward) for ep in episodes]
+    member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
     return {"task_id": task.task_id, "category": task_category(task),
+            **({"env": member} if member else {}),  # the member env of an env mix
             "rewards": rewards, "avg": sum(r >= 1.0 for r in rewards) / len(rewards),
             "best": float(any(r >= 1.0 for r in rewards)),
             "steps": [len(ep.steps) for ep in episodes],
@@ -182,6 +190,23 @@ def summarize(records: list[dict]) -> dict:
     return {**_means(records),
             "categories": {c: _means(rs) for c, rs in sorted(by_category.items())},
             "per_task": records}
+
+
+def per_env(records: list[dict]) -> dict:
+    """Under ``env.mix``: per member env (the records' ``env``), its avg@k and best@k with
+    95% intervals and its number of tasks, and ``mean``, the unweighted mean of the envs'
+    avg@k and best@k; {} for records of one env."""
+    by_env: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("env"):
+            by_env[r["env"]].append(r)
+    if not by_env:
+        return {}
+    envs = {env: {"tasks": len(rs), "avg": _means(rs)["avg"], "best": _means(rs)["best"],
+                  **success_intervals(rs)} for env, rs in by_env.items()}
+    return {"envs": envs,
+            "mean_over_envs": {key: sum(e[key] for e in envs.values()) / len(envs)
+                               for key in ("avg", "best")}}
 
 
 def success_intervals(records: list[dict]) -> dict:

@@ -8,6 +8,7 @@ minimises the negative log-likelihood of the action tokens only.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import time
@@ -21,7 +22,7 @@ from environments.base import FreshEnvs, env_maker
 from episodes.rollout import Codec, RolloutSettings, make_codec, scripted_episode, to_groups
 from learner.batching import build_batch
 from learner.logprobs import prepare_for_training, token_logprobs
-from protocol.config import RunConfig
+from protocol.config import TASK_ENV_MEMBER, RunConfig
 from protocol.messages import Group, Task
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,10 @@ def reference_groups(cfg: RunConfig, codec: Codec, settings: RolloutSettings,
     envs = FreshEnvs(env_maker(cfg.env), "warm-start")
     pool = envs.env.tasks("train") if tasks is None else tasks
     limit = cfg.warmstart.max_examples if tasks is None else len(tasks)
+    picked = pick_references(pool, cfg.seed, limit) if tasks is not None or not cfg.env.mix \
+        else pick_by_member(pool, cfg, limit)
     groups = []
-    for task in pick_references(pool, cfg.seed, limit):
+    for task in picked:
         ep = envs.run(f"the reference of {task.task_id}",
                       lambda env, task=task: scripted_episode(task, env, codec, settings))
         if ep is not None and ep.reward >= 1.0:
@@ -52,6 +55,19 @@ def pick_references(tasks: Sequence[Task], seed: int, n: int) -> list[Task]:
     with_reference = [t for t in tasks if t.reference]
     random.Random(seed).shuffle(with_reference)
     return with_reference[:n]
+
+
+def pick_by_member(tasks: Sequence[Task], cfg: RunConfig, n: int) -> list[Task]:
+    """:func:`pick_references` of an env mix (``env.mix``): each member's share of the ``n``
+    in proportion to its weight (``Task.meta["env_member"]`` says whose a task is), the
+    shares a member cannot fill left unfilled."""
+    members = cfg.env.members()
+    total = sum(weight for _, _, weight in members)
+    picked: list[Task] = []
+    for mid, _, weight in members:
+        own = [t for t in tasks if t.meta.get(TASK_ENV_MEMBER) == mid]
+        picked += pick_references(own, cfg.seed, round(n * weight / total))
+    return picked
 
 
 def _say_failures(envs: FreshEnvs) -> None:
@@ -72,12 +88,13 @@ def with_experience(cfg: RunConfig, groups: list[Group], codec: Codec,
     xc = cfg.experience
     if not (xc.enabled and xc.warmstart_share > 0 and groups and cfg.redis.url):
         return groups
-    from navigating.extraction import from_success
+    from navigating.extraction import from_success, with_env_tag
     from navigating.navigator import Navigator
     from navigating.pool import open_pool
 
     pool = open_pool(cfg, prefix=f"{cfg.redis.prefix}:warmstart")
-    pool.add([e for g in groups for e in from_success(g.task, g.trajectories[0], -1)])
+    pool.add([e for g in groups  # an env mix: each lesson tagged with its env, kept to it
+              for e in with_env_tag(g.task, from_success(g.task, g.trajectories[0], -1))])
     navigator = Navigator(pool, xc, cfg.seed)
     rng = random.Random(cfg.seed + 1)
     envs = FreshEnvs(env_maker(cfg.env), "warm-start with experience")
@@ -136,4 +153,7 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
     return {"examples": len(groups), "with_experience": guided,
             "steps": cfg.warmstart.steps, "loss": loss_value,
             "seconds": time.monotonic() - t0,
-            "task_ids": [g.task.task_id for g in groups]}
+            "task_ids": [g.task.task_id for g in groups],
+            **({"per_env": dict(collections.Counter(g.task.meta.get(TASK_ENV_MEMBER, "")
+                                                    for g in groups))}
+               if cfg.env.mix else {})}

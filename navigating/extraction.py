@@ -57,7 +57,7 @@ from environments import Environment
 from environments.base import task_env_maker, task_env_of_run
 from environments.call_formats import rewrite
 from inference.llm import ChatModel, LLMError, ReplyFormat, extract_json
-from navigating.pool import experience_id
+from navigating.pool import env_tag, experience_id
 from protocol.config import EnvConfig
 from protocol.messages import Experience, Group, Step, Task, Trajectory
 from questioning.explorer import Exploration
@@ -733,6 +733,16 @@ def _strings(item: dict, key: str) -> list[str]:
 # --- the extractor ------------------------------------------------------------------------------
 
 
+def with_env_tag(task: Task, exps: list[Experience]) -> list[Experience]:
+    """``exps`` tagged with the env-mix member of ``task`` (:func:`env_tag`), so retrieval
+    can keep to the member's own lessons (``navigating.pool.ExperiencePool.retrieve``)."""
+    tag = env_tag(task)
+    if not tag:
+        return exps
+    return [e if tag in e.tags else replace(e, tags=[*e.tags, tag]) for e in exps]
+
+
+
 class ExperienceExtractor:
     """Experiences from groups (the LLM when given, else the rules) and from explorations.
 
@@ -756,7 +766,7 @@ class ExperienceExtractor:
         if not exps:
             with _replaying_in(self.env):
                 exps = from_group(group, version)
-        return self._counted(exps)
+        return self._counted(with_env_tag(group.task, exps))
 
     def from_exploration(self, record: Exploration | dict, version: int = -1) -> list[Experience]:
         rec = record if isinstance(record, Exploration) else Exploration.from_dict(record)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from episodes.rollout import Episode, Guidance
+from navigating.pool import env_tag
 from protocol.config import ExperienceConfig
 from protocol.messages import Task
 
@@ -56,8 +57,11 @@ class Navigator:
         self.pool.close()
 
     def retrieve(self, task: Task) -> Guidance | None:
+        # an env mix: the lessons of the task's own env only (unless experience.across_envs)
+        own_env = "" if self.cfg.across_envs else env_tag(task)
         hits = self.pool.retrieve(task.query, self.cfg.top_k, self.cfg.min_similarity,
-                                  self.cfg.kind_order)
+                                  self.cfg.kind_order, **({"env_tag": own_env} if own_env
+                                                          else {}))
         self._hits.append(int(bool(hits)))
         if not hits:
             return None

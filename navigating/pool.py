@@ -49,8 +49,9 @@ import numpy as np
 import redis
 
 from protocol.codec import decode_body, encode_body
+from protocol.config import TASK_ENV_MEMBER
 from protocol.control import ExperienceKeys, connect_redis
-from protocol.messages import Experience
+from protocol.messages import Experience, Task
 from protocol.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -351,15 +352,21 @@ class ExperiencePool:
     # --- reading ---
 
     def retrieve(self, query: str, top_k: int = 3, min_similarity: float = 0.5,
-                 kind_order: Sequence[str] = ()) -> list[tuple[Experience, float]]:
+                 kind_order: Sequence[str] = (), env_tag: str = "") -> list[tuple[Experience,
+                                                                              float]]:
         """Up to ``top_k`` (experience, cosine) whose when_to_use matches ``query``, best first;
         equal similarities go to the kind listed earlier in ``kind_order`` (unlisted kinds
-        last), then the higher utility, then the older experience."""
+        last), then the higher utility, then the older experience. With ``env_tag`` (an env
+        mix's ``env:<member>``), an experience tagged with another member's is never
+        returned (one drawn in no member's, from before the mix, may be)."""
         self._maybe_refresh()
         if not self._exps or top_k <= 0:
             return []
         sims = self._w.view() @ self._embed([query])[0]
         rows = np.flatnonzero(sims >= min_similarity)
+        if env_tag:
+            rows = rows[[_of_env(self._exps[i].tags, env_tag) for i in rows]] if rows.size \
+                else rows
         if not rows.size:
             return []
         key = np.round(sims[rows], _TIE_DECIMALS)
@@ -442,6 +449,21 @@ class DurableLog:
         except (msgpack.ExtraData, ValueError) as exc:
             log.warning("%s: stopped at an undecodable entry (%s)", self.path, exc)
         return out
+
+
+ENV_TAG = "env:"  # a tag naming the env-mix member an experience was drawn in
+
+
+def env_tag(task: Task) -> str:
+    """``env:<member>`` for a task of an env mix (``Task.meta["env_member"]``), else ""."""
+    member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
+    return f"{ENV_TAG}{member}" if isinstance(member, str) and member else ""
+
+
+def _of_env(tags: Sequence[str], env_tag: str) -> bool:
+    """Whether an experience with ``tags`` may be shown in the env ``env_tag`` names."""
+    prefix = env_tag.partition(":")[0] + ":"
+    return all(t == env_tag or not t.startswith(prefix) for t in tags)
 
 
 def _str_keys(counts: dict) -> dict[str, bytes]:

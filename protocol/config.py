@@ -1185,6 +1185,10 @@ class ExperienceConfig:
     """Fraction of warm-start examples shown with retrieved experiences in the prompt, so the
     policy learns to read advice before RL asks it to."""
 
+    across_envs: bool = False
+    """Under ``env.mix``: retrieve lessons drawn in any member env for a task. Off: only those
+    of the task's own env (and any from before the mix)."""
+
     def check(self):
         for name in ("top_k", "max_chars", "max_pool"):
             _positive(self, name)
@@ -1472,10 +1476,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
 
 
 def to_dict(cfg) -> dict:
-    values = dataclasses.asdict(cfg)
-    if isinstance(cfg, RunConfig) and not cfg.env.mix:  # a run of one env: as before mixes
-        values["env"].pop("mix")
-    return values
+    return dataclasses.asdict(cfg)
 
 
 def with_values(cfg: RunConfig, values: Mapping[str, Any]) -> RunConfig:

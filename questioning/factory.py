@@ -409,8 +409,13 @@ class TaskFactory:
 def run_explore(cfg: RunConfig, run_dir: Path, rounds: int | None = None,
                 policy_path: str | None = None, say: Callable[[str], None] = print,
                 stop: Callable[[], bool] = lambda: False) -> dict:
-    """Open the task store (as its one writer), explore, and return the summary."""
+    """Open the task store (as its one writer), explore, and return the summary. ValueError
+    for an env mix (``env.mix``): explore makes one env's tasks."""
     from metrics.jsonl import MetricsWriter
+
+    if cfg.env.mix:
+        raise ValueError("env.mix: explore over an env mix is not supported yet; explore each "
+                         "env in a run of its own (--set env.mix=[])")
     from questioning.task_store import TaskStore
 
     control = None
