@@ -128,27 +128,34 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     the env declares is taken, for a command without a config file)."""
     from autodidact.resolve import check_context
     from environments.base import env_maker
-    from episodes.evaluate import evaluate_model, model_positions, select_tasks, summarize
+    from episodes.evaluate import (
+        evaluate_model,
+        model_positions,
+        per_env,
+        select_tasks,
+        summarize,
+    )
 
     env = env_maker(cfg.env)()
+    name = env.name if cfg.env.mix else cfg.env.name  # an env mix: files+shop
     write_split(run_dir, env)
     tasks = select_tasks(cfg, split, limit, env, per_category=per_category)
     if not tasks:
-        raise ValueError(f"env {cfg.env.name!r} has no {split} tasks")
+        raise ValueError(f"env {name!r} has no {split} tasks")
     model_path = model_folder(model_path) if model_path else prepare_model(cfg, run_dir)
     if policy == "model":  # replayed references are never read by a model: no context guard
         cfg = check_context(cfg, model_path, tasks[0], own_limits,
                             positions=model_positions(model_path))
     temperature = cfg.eval.temperature if temperature is None else temperature
-    settings = {"env": cfg.env.name, "split": split, "policy": policy, "model": model_path,
+    settings = {"env": name, "split": split, "policy": policy, "model": model_path,
                 "k": k, "temperature": temperature, "seed": cfg.seed,
                 "backend": cfg.actor.backend, "env_settings": dataclasses.asdict(cfg.env)}
-    results = EvalResults(out or RunDir(run_dir).eval_results(cfg.env.name, split, policy, k),
+    results = EvalResults(out or RunDir(run_dir).eval_results(name, split, policy, k),
                           settings)
     kept = results.start({t.task_id for t in tasks}, resume)
     done = {r["task_id"] for r in kept}
     todo = [t for t in tasks if t.task_id not in done]
-    say(f"eval: {len(tasks)} {cfg.env.name} {split} tasks x {k} ({policy}, model {model_path}, "
+    say(f"eval: {len(tasks)} {name} {split} tasks x {k} ({policy}, model {model_path}, "
         f"T={temperature}, backend {cfg.actor.backend}, device {cfg.actor.device})"
         + (f"; {len(kept)} kept from {results.path}" if resume else ""))
     t0 = time.monotonic()
@@ -164,7 +171,8 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
         evaluate_model(cfg, model_path, split, k=k, temperature=temperature, tasks=todo,
                        policy=policy, batch_tasks=batch_tasks, on_batch=on_batch)
     summary = {**settings, "complete": True, "seconds": time.monotonic() - t0,
-               "kept_from_before": len(kept), **with_intervals(summarize(kept + new))}
+               "kept_from_before": len(kept), **with_intervals(summarize(kept + new)),
+               **per_env(kept + new)}  # an env mix: each env's, and the mean over envs
     results.finish(summary)
     if split == "test":
         record_test_look(run_dir, "autodidact eval --split test", model_path)

@@ -138,6 +138,13 @@ class MixedEnv(Environment):
         """The id of the member the current task is of ("" before any reset)."""
         return self._on_id
 
+    def close(self) -> None:
+        """Close each member instance that can be closed (a served member's session)."""
+        for env in self._envs.values():
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+
     # -- the interface, routed ---------------------------------------------------------------
 
     @property

@@ -205,16 +205,19 @@ def test_tasks_of_the_mix_are_of_the_run():
 # --- the feeder and retrieval -----------------------------------------------------------------
 
 
-def test_the_feeder_draws_each_env_in_its_weight():
-    cfg = load_config(None, ["env.mix=[{name: files, weight: 1}, {name: shop, weight: 3}]"])
-    original = env_maker(cfg.env)().tasks("train")
+def test_the_feeder_draws_each_env_in_its_weight(control):
+    mix = "env.mix=[{name: files, weight: 1}, {name: shop, weight: 3}]"
+    original = env_maker(load_config(None, [mix]).env)().tasks("train")
     counts = collections.Counter(t.meta[TASK_ENV_MEMBER] for t in original)
-    assert counts["files"] > 3 * counts["shop"]  # by pool size files would dominate
+    assert counts["files"] > 3 * counts["shop"]  # drawn by pool size, files would dominate
     for curriculum in ("uniform", "frontier"):
-        feeder = TaskFeeder(load_config(None, [
-            "env.mix=[{name: files, weight: 1}, {name: shop, weight: 3}]",
-            f"tasks.curriculum={curriculum}"]), None, original, 0.0)
-        drawn = feeder._take(original, 8000, feeder.original_weights)
+        feeder = TaskFeeder(load_config(None, [mix, f"tasks.curriculum={curriculum}"]),
+                            control, original, 0.0)
+        drawn = []
+        while len(drawn) < 3000:  # the queue Redis holds, topped up and emptied
+            feeder.top_up()
+            while (task := control.pop_task()) is not None:
+                drawn.append(task)
         share = sum(t.meta[TASK_ENV_MEMBER] == "shop" for t in drawn) / len(drawn)
         assert abs(share - 0.75) < 0.03, (curriculum, share)
     # one env: no weights, the pool cycled through as before
@@ -262,6 +265,22 @@ def test_held_out_results_are_per_env(tmp_path):
         assert one["avg"] == 1.0 and one["tasks"] == 3 and len(one["avg_ci"]) == 2
     assert result["mean_over_envs"] == {"avg": 1.0, "best": 1.0}
     assert per_env([{**r, "env": None} for r in records]) == {}
+
+
+def test_autodidact_eval_of_a_mix_reports_each_env(tmp_path):
+    from click.testing import CliRunner
+
+    from autodidact.cli import main
+
+    out = tmp_path / "gt.jsonl"
+    result = CliRunner().invoke(main, ["eval", "--run-dir", str(tmp_path), "--policy",
+                                       "ground-truth", "--limit", "3", "--out", str(out),
+                                       "--set", FILES_SHOP])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.with_suffix(".summary.json").read_text())
+    assert summary["env"] == "files+shop" and summary["tasks"] == 6
+    assert {env: one["tasks"] for env, one in summary["envs"].items()} == {"files": 3, "shop": 3}
+    assert summary["mean_over_envs"]["avg"] == 1.0
 
 
 # --- real runs ----------------------------------------------------------------------------------
