@@ -134,6 +134,12 @@ class MixedEnv(Environment):
         return member_task(task)
 
     @property
+    def turn_limit(self) -> int:
+        """Actions per episode of the current task's member (its ``max_turns``): what a
+        rollout ends this episode at (``episodes.rollout``; 0 before any reset)."""
+        return next((m.config.max_turns for m in self.members if m.id == self._on_id), 0)
+
+    @property
     def member_id(self) -> str:
         """The id of the member the current task is of ("" before any reset)."""
         return self._on_id

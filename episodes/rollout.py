@@ -136,6 +136,9 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     contexts: list[list[int]] = field(default_factory=list)  # Trajectory.contexts
     memory: Memory = field(default_factory=Memory)  # env.context=self: its own edits
+    # Its own turn limit where its env names one (an env mix's member: ``turn_limit``);
+    # 0: the settings' max_turns.
+    max_turns: int = 0
 
     @property
     def context_start(self) -> int:
@@ -245,6 +248,7 @@ def start_episodes(tasks: Sequence[Task], n: int, make_env: Callable[[], Environ
         if ep.failure is not None:
             continue
         first, instruction = answered["reset"], answered.get("instructions")
+        ep.max_turns = int(getattr(ep.env, "turn_limit", 0) or 0)  # an env mix's member's
         instruction = _with_extras(instruction, settings, codec)
         ep.tools = answered.get("tools")
         if constrained:
@@ -375,7 +379,7 @@ def observe(ep: Episode, codec: Codec, taken: Taken, stepped: tuple,
     next_ids = codec.observation(shown, info.get("role", "tool"),
                                  settings.context.observation_tokens)
     ep.turns.append(Turn(ep.tokens[start:], next_ids, action, obs))
-    if done or len(ep.steps) >= settings.max_turns:
+    if done or len(ep.steps) >= (ep.max_turns or settings.max_turns):
         ep.done = True
         return
     rebuilt = settings.context.rebuild(ep.turns, ep.memory)
@@ -481,7 +485,7 @@ def _step_all(active: list[Episode], taken: list[Taken], codec: Codec,
     stepped_by_env = len(calls)
     for ep in active:
         ep.next_call.clear()
-        if len(ep.steps) + 1 >= settings.max_turns:  # this step is its last, whatever it says
+        if len(ep.steps) + 1 >= (ep.max_turns or settings.max_turns):  # its last step
             if reward is None or reward.env_decides(ep.task):
                 calls.append((ep, "evaluate", (ep.task,)))
         elif settings.constrained:

@@ -137,9 +137,9 @@ TASK_ENV_MEMBER = "env_member"
 
 @dataclass
 class EnvMember:
-    """One env of a mix (``env.mix``): its own name, options, address and sampling weight.
-    The rest of the env section (``max_turns``, ``max_context``, ``context``,
-    ``call_timeout_s``, ``keys_dir``) holds for every member alike."""
+    """One env of a mix (``env.mix``): its own name, options, address, sampling weight and
+    turn limit. The rest of the env section (``max_context``, ``context``, ``call_timeout_s``,
+    ``keys_dir``) holds for every member alike."""
 
     name: str = ""
     """Environment registry name of this member, as ``env.name`` takes it (a built-in, or a
@@ -162,6 +162,9 @@ class EnvMember:
     """How often the feeder draws this member's training tasks, against the other members'
     weights: each env gets ``weight / sum of weights`` of RL's draws, whatever its number of
     tasks. Above 0."""
+
+    max_turns: int = 0
+    """Actions per episode of this member's tasks (``shop`` wants 6); 0: ``env.max_turns``."""
 
     def member_id(self) -> str:
         return self.id or self.name.rpartition(":")[2]
@@ -246,10 +249,11 @@ class EnvConfig:
 
     def members(self) -> list[tuple[str, EnvConfig, float]]:
         """(id, the member's own EnvConfig, weight) of each env of ``mix``, in order; [] for
-        a run of one env. A member's config is this section with its name, options and
-        address, and no mix."""
-        return [(m.member_id(), dataclasses.replace(self, name=m.name, options=dict(m.options),
-                                                    address=m.address, mix=[]), m.weight)
+        a run of one env. A member's config is this section with its name, options, address
+        and turn limit, and no mix."""
+        return [(m.member_id(), dataclasses.replace(
+                    self, name=m.name, options=dict(m.options), address=m.address, mix=[],
+                    max_turns=m.max_turns or self.max_turns), m.weight)
                 for m in self.mix]
 
     def check(self):
@@ -292,6 +296,9 @@ class EnvConfig:
             seen[mid] = i
             if not (isinstance(m.weight, float) and math.isfinite(m.weight) and m.weight > 0):
                 raise ConfigError(f"{where}.weight must be > 0, got {m.weight!r}")
+            if m.max_turns < 0:
+                raise ConfigError(f"{where}.max_turns must be >= 0 (0: env.max_turns), got "
+                                  f"{m.max_turns}")
             if m.address and m.address.partition("://")[0] not in ("tcp", "ipc"):
                 raise ConfigError(f"{where}.address must be a ZeroMQ tcp:// or ipc:// address, "
                                   f"got {m.address!r}")

@@ -267,6 +267,25 @@ def test_held_out_results_are_per_env(tmp_path):
     assert per_env([{**r, "env": None} for r in records]) == {}
 
 
+def test_a_member_has_its_own_turn_limit(tmp_path):
+    from autodidact.base_model import prepare_model
+
+    cfg = load_config(None, ["env.mix=[{name: files}, {name: shop, max_turns: 1}]",
+                             "env.max_turns=8"])
+    assert [member.max_turns for _, member, _ in cfg.env.members()] == [8, 1]
+    tasks = env_maker(cfg.env)().tasks("validation")
+    long_shop = [t for t in tasks if t.env == "shop" and len(t.reference) > 1][:3]
+    files = [t for t in tasks if t.env == "files" and len(t.reference) > 1][:3]
+    assert len(long_shop) == len(files) == 3
+    found = evaluate_model(cfg, prepare_model(cfg, tmp_path), tasks=long_shop + files,
+                           policy="ground-truth")
+    steps = {r["task_id"]: (r["steps"], r["avg"]) for r in found["per_task"]}
+    assert all(steps[t.task_id] == ([1], 0.0) for t in long_shop)  # cut after one action
+    assert all(steps[t.task_id] == ([len(t.reference)], 1.0) for t in files)
+    with pytest.raises(ConfigError, match=r"env.mix\[0\].max_turns must be >= 0"):
+        load_config(None, ["env.mix=[{name: shop, max_turns: -1}]"])
+
+
 def test_autodidact_eval_of_a_mix_reports_each_env(tmp_path):
     from click.testing import CliRunner
 
@@ -341,15 +360,23 @@ def check_mixed_run(run_dir: Path, envs: set[str]) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_run_over_files_and_shop_trains_evaluates_per_env_and_resumes(tmp_path):
+    from autodidact.report import make_report
+
     run_dir = tmp_path / "mix"
-    proc = run_mix(run_dir, "[{name: files}, {name: shop}]")
+    mix = "[{name: files}, {name: shop, max_turns: 6}]"
+    proc = run_mix(run_dir, mix)
     summary = check_mixed_run(run_dir, {"files", "shop"})
     assert summary["learner"]["learner/updates"] == 3
     assert "files  avg@k" in proc.stderr + proc.stdout
+    assert "warm-start: 40 verified references (files 20, shop 20)" in proc.stderr
     # resumed: the version goes on from the checkpoint, per-env results again
-    run_mix(run_dir, "[{name: files}, {name: shop}]", "--resume", updates=4)
+    run_mix(run_dir, mix, "--resume", updates=4)
     summary = check_mixed_run(run_dir, {"files", "shop"})
     assert summary["learner"]["learner/updates"] == 4
+    text = (make_report([run_dir]) / "report.md").read_text()
+    for env in ("files", "shop"):
+        assert f"| held-out avg@k of {env}, after RL (95% interval) |" in text
+    assert "| held-out avg@k, mean over envs, after RL |" in text
 
 
 @pytest.mark.slow
