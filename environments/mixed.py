@@ -77,7 +77,7 @@ class Member:
     """One env of the mix as the class holds it."""
 
     id: str
-    config: EnvConfig  # the member's own env section (name, options, address; no mix)
+    config: EnvConfig  # its own env section (name, options, address, max_turns; no mix)
     weight: float
     maker: EnvMaker  # its instances: in process, or sessions on its server
 
@@ -136,12 +136,14 @@ class MixedEnv(Environment):
     @property
     def turn_limit(self) -> int:
         """Actions per episode of the current task's member (its ``max_turns``): what a
-        rollout ends this episode at (``episodes.rollout``; 0 before any reset)."""
+        rollout ends this episode at (``episodes.rollout``; 0 before the first reset or
+        call)."""
         return next((m.config.max_turns for m in self.members if m.id == self._on_id), 0)
 
     @property
     def member_id(self) -> str:
-        """The id of the member the current task is of ("" before any reset)."""
+        """The id of the member the current task is of ("" before the first reset or call;
+        a call before any reset goes to the first member)."""
         return self._on_id
 
     def close(self) -> None:
