@@ -45,7 +45,7 @@ class WandbMirror:
             return
         os.environ.setdefault("WANDB_SILENT", "true")
         config = redacted_config(config)  # whoever calls: no password reaches wandb
-        tags = [t for t in (_env_name(config),) if t]
+        tags = [t for t in _env_names(config) if t]
         try:
             import wandb
 
@@ -144,7 +144,8 @@ def read_summary(run_dir: Path) -> dict:
 
 def summary_values(summary: dict) -> dict[str, float]:
     """The headline numbers of ``summary.json``, flat: ``heldout/<stage>_<avg|best|greedy>``
-    (stages base, warm, rl), ``learner/final_<name>``, ``restarts/<role>`` and
+    (stages base, warm, rl; under ``env.mix`` also ``heldout/<stage>_<env>_avg`` and
+    ``heldout/<stage>_mean_over_envs_avg``), ``learner/final_<name>``, ``restarts/<role>`` and
     ``restarts/total``."""
     out: dict[str, float] = {}
     for stage in HELD_OUT_STAGES:
@@ -152,6 +153,12 @@ def summary_values(summary: dict) -> dict[str, float]:
         for key in ("avg", "best", "greedy", "tasks"):
             if isinstance(result.get(key), (int, float)):
                 out[f"heldout/{stage}_{key}"] = result[key]
+        for env, one in (result.get("envs") or {}).items():  # an env mix: each env's avg@k
+            if isinstance(one, dict) and isinstance(one.get("avg"), (int, float)):
+                out[f"heldout/{stage}_{env}_avg"] = one["avg"]
+        mean = (result.get("mean_over_envs") or {}).get("avg")
+        if isinstance(mean, (int, float)):
+            out[f"heldout/{stage}_mean_over_envs_avg"] = mean
     learner = summary.get("learner") or {}
     for key in ("learner/updates", "learner/version", "learner/loss", "learner/reward",
                 "learner/lag_mean"):
@@ -165,9 +172,16 @@ def summary_values(summary: dict) -> dict[str, float]:
     return out
 
 
-def _env_name(config: dict) -> str:
+def _env_names(config: dict) -> list[str]:
+    """The run's env name, or under ``env.mix`` each member's id."""
     env = config.get("env") if isinstance(config, dict) else None
-    return str(env.get("name", "")) if isinstance(env, dict) else ""
+    if not isinstance(env, dict):
+        return []
+    mix = env.get("mix")
+    if isinstance(mix, list) and mix:
+        return [str(m.get("id") or str(m.get("name", "")).rpartition(":")[2])
+                for m in mix if isinstance(m, dict)]
+    return [str(env.get("name", ""))]
 
 
 def _run_id(run_dir: Path) -> str:

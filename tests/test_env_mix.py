@@ -286,6 +286,19 @@ def test_a_member_has_its_own_turn_limit(tmp_path):
         load_config(None, ["env.mix=[{name: shop, max_turns: -1}]"])
 
 
+def test_wandb_gets_each_envs_numbers_and_tags():
+    from autodidact.tracking import _env_names, summary_values
+    from protocol.config import to_dict
+
+    summary = {"success_rl": {"avg": 0.5, "best": 0.75, "tasks": 8, "mean_over_envs": {
+        "avg": 0.5, "best": 0.75}, "envs": {"files": {"avg": 0.25}, "shop": {"avg": 0.75}}}}
+    values = summary_values(summary)
+    assert values["heldout/rl_files_avg"] == 0.25 and values["heldout/rl_shop_avg"] == 0.75
+    assert values["heldout/rl_mean_over_envs_avg"] == 0.5 and values["heldout/rl_avg"] == 0.5
+    assert _env_names(to_dict(mix_cfg())) == ["files", "shop"]
+    assert _env_names(to_dict(load_config(None))) == ["files"]
+
+
 def test_autodidact_eval_of_a_mix_reports_each_env(tmp_path):
     from click.testing import CliRunner
 
