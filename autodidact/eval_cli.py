@@ -137,7 +137,7 @@ def run_eval(cfg: RunConfig, run_dir: Path, split: str, model_path: str | None, 
     )
 
     env = env_maker(cfg.env)()
-    name = env.name if cfg.env.mix else cfg.env.name  # an env mix: files+shop
+    name = cfg.env.label()  # an env mix: files+shop
     write_split(run_dir, env)
     tasks = select_tasks(cfg, split, limit, env, per_category=per_category)
     if not tasks:

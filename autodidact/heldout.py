@@ -101,7 +101,8 @@ def version_records_path(run_dir: Path, version: int, split: str) -> Path:
     """Where an evaluated weight version's per-task records are kept: ``autodidact eval``'s
     file of the run's env, ``split`` and k, the version named as its policy."""
     cfg = load_config(RunDir(run_dir).config)
-    return RunDir(run_dir).eval_results(cfg.env.name, split, f"version-{version}", cfg.eval.k)
+    return RunDir(run_dir).eval_results(cfg.env.label(), split, f"version-{version}",
+                                        cfg.eval.k)
 
 
 def curve_intervals(run_dir: Path, points: dict[int, float]) -> dict[int, list[float]]:

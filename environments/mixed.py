@@ -306,7 +306,7 @@ def mixed_class(env_cfg: EnvConfig) -> type[MixedEnv]:
                            EnvMaker(env_class(member), dict(member.options)))
                     for mid, member, weight in env_cfg.members())
     cls = type(f"Mixed_{'_'.join(m.id for m in members)}", (MixedEnv,), {
-        "name": "+".join(m.id for m in members), "members": members, "__module__": __name__})
+        "name": env_cfg.label(), "members": members, "__module__": __name__})
     with _MIXED_LOCK:
         return _MIXED.setdefault(key, cls)
 

@@ -247,6 +247,11 @@ class EnvConfig:
     per member, and ``name``, ``options`` and ``address`` above are not read. Empty (the
     default): the one env ``name`` names."""
 
+    def label(self) -> str:
+        """What this env's results are filed and shown under: ``name``, or for a mix its
+        members' ids joined by ``+`` (``files+shop``)."""
+        return "+".join(m.member_id() for m in self.mix) if self.mix else self.name
+
     def members(self) -> list[tuple[str, EnvConfig, float]]:
         """(id, the member's own EnvConfig, weight) of each env of ``mix``, in order; [] for
         a run of one env. A member's config is this section with its name, options, address
