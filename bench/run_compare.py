@@ -81,3 +81,26 @@ def final_level(curve: dict[int, float], updates: int) -> float:
     """Mean success over the last two windows of a run of ``updates`` updates."""
     last = [s for v, s in curve.items() if v >= updates - 2 * WINDOW]
     return float(np.mean(last)) if last else float("nan")
+
+
+def arms_record(curves: dict[str, dict[int, float]], level: float, held: dict,
+                baseline: str) -> dict:
+    """What a mechanism bench writes to its json for one seed: each arm's training-success
+    curve, the version it reaches ``level`` (the baseline arm's final level) at, its held-out
+    avg@k after the warm-start and after RL with RL's paired change, and each other arm −
+    ``baseline`` after RL, paired (``held``: arm -> :class:`~autodidact.experiments.arms.
+    Result`)."""
+    from autodidact.experiments.page import change_over_seeds, rate_over_seeds
+
+    arms = {}
+    for arm, curve in curves.items():
+        result = held[arm]
+        arms[arm] = {"curve": {str(v): s for v, s in curve.items()},
+                     "reaches_level_at": updates_to_reach(curve, level),
+                     "warm": rate_over_seeds([result], "warm"),
+                     "rl": rate_over_seeds([result]),
+                     "rl_minus_warm": change_over_seeds([(result, result)], "warm", "final"),
+                     "run_dir": str(result.run_dir)}
+    return {"level": level, "baseline": baseline, "arms": arms,
+            "minus_baseline_after_rl": {arm: change_over_seeds([(held[baseline], held[arm])])
+                                        for arm in held if arm != baseline}}

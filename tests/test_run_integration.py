@@ -262,3 +262,29 @@ def test_resume_continues_version_step_and_ledger(finished_run):
     assert len(new) == RESUMED * 8 and not set(new) & set(before["consumed"])
     steps = [s["step"] for s in after["optimizer"]["state"].values()]
     assert all(int(s) == UPDATES + RESUMED for s in steps)
+
+
+def test_the_navigating_bench_writes_its_json_from_finished_runs(finished_run, tmp_path):
+    """bench.self_navigating --reuse --json on two finished arms (here the same run twice):
+    the curves, the version each reaches the plain arm's final level at, held-out success,
+    and nav − plain (0 on one run) with the command that wrote them."""
+    from bench import self_navigating
+
+    run_dir, _ = finished_run
+    out = tmp_path / "bench"
+    out.mkdir()
+    for arm in ("plain", "nav"):
+        (out / arm).symlink_to(run_dir)
+    path = tmp_path / "nav.json"
+    argv = ["--reuse", "--out", str(out), "--updates", str(UPDATES), "--json", str(path)]
+    self_navigating.main(argv)
+    record = json.loads(path.read_text())
+    assert record["command"] == "python -m bench.self_navigating " + " ".join(argv)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for arm in ("plain", "nav"):
+        got = record["arms"][arm]
+        assert got["curve"] and all(0.0 <= s <= 1.0 for s in got["curve"].values())
+        assert got["reaches_level_at"] is not None  # a run reaches its own final level
+        assert got["rl"]["value"] == pytest.approx(summary["success_rl"]["avg"])
+    assert record["minus_baseline_after_rl"]["nav"]["value"] == pytest.approx(0.0)
+    assert set(record["nav_same_groups"]) == {"first third", "last third"}
