@@ -121,6 +121,9 @@ def flag_values(cfg: RunConfig, flags: Flags, run_dir: Path | None = None,
     """``{"section.key": value}`` that ``flags`` and the start defaults set on ``cfg``; the
     env's own limits (``--env``) leave alone the ``explicit`` keys the user set."""
     values: dict[str, Any] = {}
+    if flags.env and cfg.env.mix:  # a mix never reads env.name: --env would change nothing
+        raise ConfigError(f"--env {flags.env}: the config runs an env mix "
+                          f"({cfg.env.label()}); drop --env, or set env.mix=[] beside it")
     if flags.env:
         values.update(env_values(cfg, flags.env, flags.env_limits, explicit))
     elif flags.env_limits:

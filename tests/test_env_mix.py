@@ -97,6 +97,16 @@ def test_a_member_option_is_checked_against_its_own_env():
                                          "{name: shop}]"]).env)
 
 
+
+def test_env_flag_on_a_mix_is_refused_not_ignored():
+    from autodidact.resolve import Flags, resolve_config
+
+    with pytest.raises(ConfigError, match=r"--env shop: the config runs an env mix "
+                                          r"\(files\+shop\)") as err:
+        resolve_config(None, [FILES_SHOP], Flags(env="shop"))
+    assert "\n" not in str(err.value)
+    assert resolve_config(None, [FILES_SHOP, "env.mix=[]"], Flags(env="shop")).env.name == "shop"
+
 # --- the mixed env ----------------------------------------------------------------------------
 
 
