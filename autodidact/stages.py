@@ -317,6 +317,19 @@ def resumed_policy(cfg: RunConfig, run_dir: Path, base_path: str) -> str:
 STAGE_LABELS = {"base": "base", "warm": "after warm-start", "rl": "after RL"}
 
 
+def heldout_result(split: str, found: dict) -> dict:
+    """What summary.json keeps of one held-out evaluation of ``split`` (``found``, as
+    :func:`episodes.evaluate.evaluate_model` or :func:`~episodes.evaluate.summarize`
+    returns it): avg@k, best@k, tasks[, greedy], their 95% intervals and, over an env mix,
+    ``envs`` and ``mean_over_envs`` (:func:`episodes.evaluate.per_env`)."""
+    from episodes.evaluate import per_env, success_intervals
+
+    records = found["per_task"]
+    return {"split": split, **{key: found[key] for key in ("avg", "best", "tasks", "greedy")
+                               if key in found}, **success_intervals(records),
+            **per_env(records)}
+
+
 def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, stage: str, updates: int,
                   say: Say = show, split: str = "validation") -> dict | None:
     """avg@k and best@k (sampled, ``eval.temperature``) with 95% intervals, and greedy
@@ -330,16 +343,14 @@ def held_out_eval(cfg: RunConfig, run_dir: Path, model_path: str, stage: str, up
     (:func:`episodes.evaluate.per_env`); None with ``eval.num_tasks=0``."""
     if cfg.eval.num_tasks == 0:
         return None
-    from episodes.evaluate import evaluate_model, per_env, success_intervals
+    from episodes.evaluate import evaluate_model
 
     e = cfg.eval
     found = evaluate_model(cfg, model_path, split, k=e.k, temperature=e.temperature,
                            limit=e.num_tasks, greedy=e.greedy)
     records = found["per_task"]
     write_records(RunDir(run_dir).heldout_records(split, stage), records)
-    result = {"split": split, **{key: found[key] for key in ("avg", "best", "tasks", "greedy")
-                                 if key in found}, **success_intervals(records),
-              **per_env(records)}
+    result = heldout_result(split, found)
     greedy_text = f", greedy {result['greedy']:.1%}" if "greedy" in result else ""
     say(f"  {split} success {STAGE_LABELS.get(stage, stage)}: "
         f"[bold]avg@{e.k} {format_rate(result['avg'], result['avg_ci'])}[/] "

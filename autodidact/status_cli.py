@@ -257,12 +257,43 @@ def collect(run_dir: Path, replay_timeout_s: float = 2.0, groups: GroupIndex | N
     snap["task_origins"] = task_origins.run_origins(run_dir, groups, origins_budget_s)
     snap["heldout"] = {s: (summary.get(f"success_{s}") or {}).get("avg")
                        for s in HELD_OUT_STAGES if summary.get(f"success_{s}")}
+    envs = heldout_envs(summary)
+    if envs:  # an env mix: each member env's held-out success (a run of one env: none)
+        snap["heldout_envs"] = envs
     snap["metrics_span_s"] = (records[-1]["t"] - t_first) if records and "t" in records[-1] \
         and math.isfinite(t_first) else None
     if not records:
         notes.append("metrics.jsonl has no records yet")
     snap["notes"] = notes
     return snap
+
+
+MEAN_OVER_ENVS = "mean over envs"
+
+
+def heldout_envs(summary: dict) -> list[dict]:
+    """Of an env mix's summary.json, one row per held-out result of each member env and of
+    the mean over envs: ``{"split", "stage", "env", "avg", "ci", "best", "best_ci",
+    "tasks"}``, validation's stages first, then test's where the run looked (the mean's
+    row has no interval nor tasks); [] for a run of one env."""
+    results = [(r.get("split") or summary.get("eval_split") or "validation", stage, r)
+               for stage in HELD_OUT_STAGES
+               for r in [summary.get(f"success_{stage}")] if isinstance(r, dict)]
+    test = summary.get("test") if isinstance(summary.get("test"), dict) else {}
+    results += [("test", stage, test[stage]) for stage in HELD_OUT_STAGES
+                if isinstance(test.get(stage), dict)]
+    rows = []
+    for split, stage, result in results:
+        for env, one in (result.get("envs") or {}).items():
+            rows.append({"split": split, "stage": stage, "env": env, "avg": one.get("avg"),
+                         "ci": one.get("avg_ci"), "best": one.get("best"),
+                         "best_ci": one.get("best_ci"), "tasks": one.get("tasks")})
+        mean = result.get("mean_over_envs")
+        if isinstance(mean, dict):
+            rows.append({"split": split, "stage": stage, "env": MEAN_OVER_ENVS,
+                         "avg": mean.get("avg"), "ci": None, "best": mean.get("best"),
+                         "best_ci": None, "tasks": None})
+    return rows
 
 
 def _replay_alive(pids: dict[str, int]) -> bool | None:
@@ -521,6 +552,7 @@ def render(snap: dict, console) -> None:
     if snap["heldout"]:
         lines.append(("held-out avg", "  ".join(f"{k} {v:.1%}" for k, v in
                                                  snap["heldout"].items() if v is not None)))
+    lines += _env_lines(snap.get("heldout_envs") or [])
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
@@ -529,6 +561,21 @@ def render(snap: dict, console) -> None:
     console.print(table)
     for note in snap["notes"]:
         console.print(f"[dim]note: {note}[/]", highlight=False)
+
+
+def _env_lines(rows: list[dict]) -> list[tuple[str, str]]:
+    """An env mix's held-out success: a line per split and member env (then the mean over
+    envs), each stage's avg@k with its 95% interval."""
+    from metrics.intervals import format_rate
+
+    by_line: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r["avg"] is None:
+            continue
+        value = format_rate(r["avg"], r["ci"]) if r["ci"] else f"{r['avg']:.1%}"
+        tasks = f", {r['tasks']} tasks" if r["tasks"] is not None else ""
+        by_line.setdefault((r["split"], r["env"]), []).append(f"{r['stage']} {value}{tasks}")
+    return [(f"{split} {env}", "  ".join(parts)) for (split, env), parts in by_line.items()]
 
 
 def _origin_lines(table: dict) -> list[tuple[str, str]]:

@@ -518,10 +518,25 @@
           el("dl", { class: "facts" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]))),
         el("div", {}, el("h2", {}, "Roles"), rolesTable(info.roles || [])),
         el("div", {}, el("h2", {}, "Held-out success"), heldoutTable(heldoutRows(info, curves)))),
+      (info.heldout_envs || []).length ? envsBlock(info.heldout_envs) : null,
       info.task_origins ? originsBlock(info.task_origins) : null,
       info.replay ? el("p", { class: "muted small" }, replayLine(info.replay)) : null,
       (info.notes || []).length
         ? el("ul", { class: "notes" }, info.notes.map((n) => el("li", {}, n))) : null);
+  }
+
+  // An env mix: each member env's held-out success and the mean over envs, per split and
+  // stage (summary.json through autodidact/status_cli.py heldout_envs); absent for one env.
+  function envsBlock(rows) {
+    const body = rows.map((h) => el("tr", { "data-env": h.env },
+      el("td", {}, h.env), el("td", {}, h.split || "–"),
+      el("td", {}, STAGE_NAMES[h.stage] || h.stage), el("td", {}, pct(h.avg)),
+      el("td", {}, h.ci ? interval(h.ci) : "–"), el("td", {}, pct(h.best)),
+      el("td", {}, num(h.tasks))));
+    return el("section", { id: "heldout-envs" },
+      el("h2", {}, "Held-out success per env"),
+      table(["env", "split", "stage", "avg@k", "95% interval", "best@k", "tasks"], body,
+        { id: "heldout-envs-table" }));
   }
 
   // Training tasks by origin (autodidact/task_origins.py): the same table as report and status.
