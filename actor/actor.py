@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from actor.outbox import Outbox
-from actor.probe import ValidationProbe
+from actor.probe import ValidationProbe, env_success
 from environments.base import env_maker
 from episodes.reward import OutcomeReward
 from episodes.rollout import make_codec, rollout, settings_of, start_episodes, to_groups
@@ -336,6 +336,9 @@ class Actor:
             "mixed_version_groups": sum(lo != hi for lo, hi in versions),
             "unacked": len(self.replay.unacked()), **self._navigation,
             **{f"env_failed/{reason}": n for reason, n in self.env_failed.items()},
+            # an env mix: each member env's success in these groups (none for one env)
+            **env_success(((g.task, t.reward) for g in groups for t in g.trajectories),
+                          "actor/env/{}/success"),
         }, step=self.groups_done)
         self._idle_s = 0.0
         self.control.heartbeat("actor", self.actor_id, groups=self.groups_done,

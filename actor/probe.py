@@ -6,6 +6,7 @@ learner's path (``eval.probe_every``, ``eval.probe_tasks``).
         one rollout of each probe task (a fixed validation sample), the actor's sampling
         settings, no experience, no weight loads in between, scored by the env's check
         log eval/probe_success, eval/probe_tasks, eval/version (role "eval", step = version)
+        and, over an env mix, eval/env/<id>/probe_success for each member env's tasks
 
 Only actor-0 is handed a probe (``autodidact/wiring.py``), so N actors do not pay N times.
 Its rollouts go nowhere but the metrics: never to replay (so never trained on, judged or
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from environments.base import Environment
@@ -31,9 +33,22 @@ from episodes.rollout import RolloutSettings, rollout, start_episodes
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec
 from metrics.jsonl import MetricsWriter
+from protocol.config import TASK_ENV_MEMBER
 from protocol.messages import Task
 
 PROBE_ACTOR = "actor-0"  # the one actor that probes: autodidact run's first (autodidact/roles.py)
+
+
+def env_success(outcomes: Iterable[tuple[Task, float]], key: str) -> dict[str, float]:
+    """Over an env mix, the success rate (reward >= 1) of each member env's rollouts, as
+    ``{key.format(env): rate}`` (``key`` e.g. ``"actor/env/{}/success"``), from ``(task,
+    reward)`` pairs; {} where no task is a mix member's (``Task.meta["env_member"]``)."""
+    by_env: dict[str, list[bool]] = defaultdict(list)
+    for task, reward in outcomes:
+        member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
+        if member:
+            by_env[member].append(reward >= 1.0)
+    return {key.format(env): sum(oks) / len(oks) for env, oks in by_env.items()}
 
 
 class ValidationProbe:
@@ -61,18 +76,20 @@ class ValidationProbe:
         version, t0 = backend.version, time.monotonic()
         # seeded by the version: an actor restarted at a version draws what it drew there
         params = dataclasses.replace(params, seed=self.seed).fork(f"probe/{version}")
-        rewards, failed = [], 0
+        rewards, failed, tasks = [], 0, []
         for i in range(0, len(self.tasks), batch):
             episodes = start_episodes(self.tasks[i:i + batch], 1, make_env, codec, None,
                                       settings)
             rollout(backend, episodes, codec, params.fork(i), settings)  # the env's check
             rewards += [ep.reward if ep.failure is None else 0.0 for ep in episodes]
+            tasks += [ep.task for ep in episodes]
             failed += sum(ep.failure is not None for ep in episodes)
         self.last = version
         return self.metrics.log({
             "probe_success": sum(r >= 1.0 for r in rewards) / len(rewards),
             "probe_tasks": len(rewards), "version": version, "probe_env_failed": failed,
-            "probe_s": time.monotonic() - t0}, step=version)
+            "probe_s": time.monotonic() - t0,
+            **env_success(zip(tasks, rewards), "eval/env/{}/probe_success")}, step=version)
 
     def close(self) -> None:
         self.metrics.close()

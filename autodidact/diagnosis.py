@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,6 +179,29 @@ def probe_success(records: list[dict]) -> list[tuple[int, float]]:
     """The validation probe's success (``eval/probe_success``, actor/probe.py) by policy
     version; the mean where a version was probed twice (an actor restarted there)."""
     return _mean_by_version(records, "eval", "eval/version", "eval/probe_success")
+
+
+def _env_series(records: list[dict], role: str, pattern: str,
+                version_key: str) -> dict[str, list[tuple[int, float]]]:
+    """Per member env of an env mix, ``role``'s per-env rate (``pattern`` with the env's id
+    for ``{}``) by policy version, the mean per version; {} for a run of one env."""
+    found = re.compile("^" + re.escape(pattern).replace(r"\{\}", "([^/]+)") + "$")
+    envs = dict.fromkeys(m.group(1) for r in records if r.get("role") == role
+                         for key in r if (m := found.match(key)))
+    return {env: _mean_by_version(records, role, version_key, pattern.format(env))
+            for env in envs}
+
+
+def training_success_by_env(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """An env mix's actor success per member env (``actor/env/<id>/success``) by policy
+    version; {} for a run of one env."""
+    return _env_series(records, "actor", "actor/env/{}/success", "actor/version")
+
+
+def probe_success_by_env(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """An env mix's validation probe success per member env (``eval/env/<id>/probe_success``)
+    by policy version; {} for a run of one env."""
+    return _env_series(records, "eval", "eval/env/{}/probe_success", "eval/version")
 
 
 def probe_quarters(probe: list[tuple[int, float]],
@@ -323,6 +347,13 @@ def _numbers(records, rows, validation) -> dict:
         "validation probe": probe_quarters(probe_success(records),
                                            [v for v, _ in by_version]),
     }
+    per_env = training_success_by_env(records)  # an env mix: each member env's
+    if per_env:
+        numbers["training success per env"] = {
+            env: quarters([rate for _, rate in series]) for env, series in per_env.items()}
+        probes = {env: probe_quarters(series, [v for v, _ in by_version])
+                  for env, series in probe_success_by_env(records).items()}
+        numbers["validation probe per env"] = {env: q for env, q in probes.items() if q}
     if validation is not None:
         numbers["validation"] = {"warm": validation.warm, "rl": validation.rl,
                                  "low": validation.low, "high": validation.high}
@@ -351,6 +382,14 @@ def _evidence(numbers: dict, validation: Validation | None) -> str:
     if numbers["validation probe"] is not None:
         first, last = numbers["validation probe"]
         parts.append(f"validation probe {first:.0%} → {last:.0%} (same quarters)")
+    per_env = numbers.get("training success per env") or {}
+    if per_env:  # an env mix: where the change came from, env by env
+        probes = numbers.get("validation probe per env") or {}
+        parts.append("per env: " + ", ".join(
+            f"{env} {q[0]:.0%} → {q[1]:.0%}" + (f" (probe {probes[env][0]:.0%} → "
+                                                f"{probes[env][1]:.0%})" if env in probes
+                                                else "")
+            for env, q in per_env.items() if q))
     if validation is not None:
         parts.append(validation.words())
     return ", ".join(parts)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,50 @@ WHY_PLOTS = [
     ], "grad norm before clipping, importance weights proximal/behaviour, the tokens the PPO "
        "clip bound and those the weight cap dropped, and the learning rate"),
 ]
+
+
+# An env mix (env.mix): success per member env, in "Why RL moved or stalled" beside
+# why_success (the viewer's Run page draws it too); only for runs that have member envs.
+ENV_METRIC = re.compile(r"^(?:actor|eval)/env/([^/]+)/")
+
+
+def env_success_plot(envs: list[str]) -> Plot:
+    """Each member env's training-task success, validation probe and held-out validation
+    avg@k, one line per env in each panel."""
+    return Plot("why_success_envs", "Success per env (env mix)", [
+        Panel("training success (mean per policy version)",
+              [Line("actor", f"actor/env/{env}/success", "version") for env in envs]),
+        Panel("validation probe", [Line("eval", f"eval/env/{env}/probe_success", "version")
+                                   for env in envs]),
+        Panel("validation avg@k", [Line("eval", f"eval/env/{env}/success_avg", "update")
+                                   for env in envs]),
+    ], "an env mix's success per member env: the actors' rollouts of each env's training "
+       "tasks by the policy version they were sampled with (`actor/env/<id>/success`), the "
+       "validation probe's tasks of each env (`eval/env/<id>/probe_success`), and each "
+       "held-out validation evaluation's avg@k per env (`eval/env/<id>/success_avg`, on the "
+       "learner-update axis: before and after warm-start at update 0, after RL at the last "
+       "update; the intervals are in the headline table)")
+
+
+def run_envs(run: Run) -> list[str]:
+    """The member envs of an env mix run, from summary.json's per-env results and the
+    per-env metrics (``actor/env/<id>/...``, ``eval/env/<id>/...``); [] for one env."""
+    found = [env for key in [*(f"success_{s}" for s in HELD_OUT_STAGES)]
+             for env in ((run.summary.get(key) or {}).get("envs") or {})]
+    found += [env for r in (run.summary.get("test") or {}).values() if isinstance(r, dict)
+              for env in (r.get("envs") or {})]
+    for r in run.records:
+        if r.get("role") in ("actor", "eval"):
+            found += [m.group(1) for key in r if (m := ENV_METRIC.match(key))]
+    return list(dict.fromkeys(found))
+
+
+def env_plots(runs: list[Run]) -> tuple[Plot | None, list[Run]]:
+    """The per-env success plot of ``runs``' member envs and the runs that have them; None
+    and [] where no run is an env mix."""
+    per_run = [(run, run_envs(run)) for run in runs]
+    envs = list(dict.fromkeys(env for _, found in per_run for env in found))
+    return (env_success_plot(envs) if envs else None), [run for run, found in per_run if found]
 
 
 # --- one run ---------------------------------------------------------------------------------
@@ -284,6 +329,14 @@ def headline(run: Run) -> dict:
             out[f"heldout_{stage}_env_{env}_avg"] = one.get("avg")
             out[f"heldout_{stage}_env_{env}_avg_ci"] = one.get("avg_ci")
         out[f"heldout_{stage}_mean_over_envs"] = (result.get("mean_over_envs") or {}).get("avg")
+        one_test = test.get(stage) or {}
+        for env, one in (one_test.get("envs") or {}).items():  # test, where the run looked
+            out.setdefault("envs", [])
+            if env not in out["envs"]:
+                out["envs"].append(env)
+            out[f"test_{stage}_env_{env}_avg"] = one.get("avg")
+            out[f"test_{stage}_env_{env}_avg_ci"] = one.get("avg_ci")
+        out[f"test_{stage}_mean_over_envs"] = (one_test.get("mean_over_envs") or {}).get("avg")
     return out
 
 
@@ -325,7 +378,8 @@ def missing_reason(run: Run, line: Line) -> str:
     if line.role == "heldout":
         return f"run '{run.label}' has no such held-out evaluation in summary.json " \
                "(eval.num_tasks=0, eval.before_rl=false, or the run did not get that far)"
-    if line.metric == "eval/probe_success":
+    if line.metric == "eval/probe_success" or (line.role == "eval"
+                                                and line.metric.endswith("/probe_success")):
         return _probe_missing(run, own)
     if line.metric == "learner/kl_initial":
         if learner("kl_coef"):
@@ -567,6 +621,15 @@ def markdown(runs: list[Run], heads: list[dict], plots: list[dict], notes: list[
         for stage, name in (("base", "before warm-start"), ("warm", "after warm-start"),
                             ("rl", "after RL")):
             rate_row(f"test avg@k, {name} (95% interval)", f"test_{stage}")
+        stages = [(stage, name) for stage, name in (("base", "before warm-start"),
+                                                    ("warm", "after warm-start"),
+                                                    ("rl", "after RL"))
+                  if any(h.get(f"test_{stage}_mean_over_envs") is not None for h in heads)]
+        for env in envs:  # an env mix: each member env's test result, and the mean
+            for stage, name in stages:
+                rate_row(f"test avg@k of {env}, {name} (95% interval)", f"test_{stage}_env_{env}")
+        for stage, name in stages:
+            row(f"test avg@k, mean over envs, {name}", _pct, f"test_{stage}_mean_over_envs")
     row("learner updates", _num, "updates")
     row("policy version", _num, "version")
     row("wall time of the metrics (s)", lambda v: _num(v, ".0f"), "wall_s")
@@ -642,6 +705,11 @@ def make_report(run_dirs: list[Path], labels: list[str] | None = None,
     if held:
         plots.append(held)
     why_plots = [p for p in (draw_plot(plot, runs, out, notes) for plot in WHY_PLOTS) if p]
+    per_env, mix_runs = env_plots(runs)
+    if per_env:  # an env mix: each member env's success, beside training vs validation
+        drawn = draw_plot(per_env, mix_runs, out, notes)
+        if drawn:
+            why_plots.insert(1, drawn)
     plots += [p for p in (draw_plot(plot, runs, out, notes) for plot in PLOTS) if p]
     heads = [headline(r) for r in runs]
     origins = [task_origins.run_origins(r.path) for r in runs]

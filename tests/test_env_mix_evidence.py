@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,3 +122,138 @@ def test_the_viewers_run_page_gets_each_envs_rows(mix_run, tmp_path):
         assert "heldout_envs" not in c.get("/api/run?run=1").json()
     js = (Path(__file__).parents[1] / "autodidact/viewer/static/app.js").read_text()
     assert "info.heldout_envs" in js and "Held-out success per env" in js
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def test_report_has_each_envs_test_rows_and_the_mean(mix_run, tmp_path):
+    from autodidact.report import make_report
+
+    run_dir, summary = mix_run
+    text = (make_report([run_dir]) / "report.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1].rstrip(" |")
+            for line in text.splitlines() if line.startswith("| ")}
+    for env in ("files", "shop"):
+        one = summary["test"]["rl"]["envs"][env]
+        assert rows[f"test avg@k of {env}, after RL (95% interval)"] == \
+            format_rate(one["avg"], one["avg_ci"])
+        assert f"test avg@k of {env}, after warm-start (95% interval)" not in rows  # not looked
+        warm = summary["success_warm"]["envs"][env]
+        assert rows[f"held-out avg@k of {env}, after warm-start (95% interval)"] == \
+            format_rate(warm["avg"], warm["avg_ci"])
+    assert rows["test avg@k, mean over envs, after RL"] == "50.0%"
+    one = tmp_path / "one"
+    write_summary(one, mix=False)
+    text = (make_report([one]) / "report.md").read_text()
+    assert "test avg@k, after RL" in text and " of files" not in text and "mean over" not in text
+    assert "why_success_envs" not in text
+
+
+# --- the actors and the probe over a mix, and what report and the diagnosis make of them -------
+
+
+@pytest.mark.timeout(300)
+def test_actors_and_the_probe_log_success_per_env_and_report_draws_it(tmp_path, control):
+    """The real actor loop (tiny model over the mix's vocabulary, a faked replay and weight
+    channel as tests/test_validation_probe.py has them) logs each env's success; actor-0's
+    probe each env's probe success; a held-out evaluation each env's avg@k; report draws all
+    three per env."""
+    from helpers_procs import wait_for
+    from test_validation_probe import SpyNavigator, StoringReplay, VersionPerGroup
+
+    from actor.actor import Actor
+    from autodidact.base_model import prepare_model
+    from autodidact.report import make_report
+    from autodidact.resolve import actor_settings
+    from autodidact.stages import held_out_eval
+    from autodidact.wiring import build_probe
+    from environments import env_maker
+    from inference.backends.hf import TransformersBackend
+    from metrics.jsonl import read_metrics
+    from protocol.config import TASK_ENV_MEMBER, load_config
+    from protocol.role import serve
+
+    cfg = load_config(None, ["env.mix=[{name: files}, {name: shop}]", "env.max_turns=2",
+                             "eval.probe_every=2", "eval.probe_tasks=2", "eval.num_tasks=2",
+                             "eval.k=1", "eval.greedy=false", "actor.group_size=2",
+                             "actor.groups_in_flight=2"])
+    model = prepare_model(cfg, tmp_path)
+    train = env_maker(cfg.env)().tasks("train")
+    files = [t for t in train if t.meta[TASK_ENV_MEMBER] == "files"][:6]
+    shop = [t for t in train if t.meta[TASK_ENV_MEMBER] == "shop"][:6]
+    control.init_admission(0, 0)
+    control.push_tasks([t for pair in zip(files, shop) for t in pair])
+    replay = StoringReplay()
+    actor = Actor(actor_settings(cfg), tmp_path, control, replay, TransformersBackend(model),
+                  VersionPerGroup(replay), "actor-0", navigator=SpyNavigator(),
+                  probe=build_probe(cfg, tmp_path, "actor-0"))
+    assert collections.Counter(t.meta[TASK_ENV_MEMBER] for t in actor.probe.tasks) == \
+        {"files": 2, "shop": 2}
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(actor, stop), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: len(replay.pushed) >= 6 or not thread.is_alive(), 240, "6 groups")
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive()
+    actor_records = [r for r in read_metrics(tmp_path, "actor") if "actor/success_rate" in r]
+    seen = collections.Counter()
+    for r in actor_records:  # each record's per-env rates are its own groups' rollouts
+        envs = [k.split("/")[2] for k in r if k.startswith("actor/env/")]
+        assert envs and set(envs) <= {"files", "shop"}, r
+        seen.update(envs)
+        assert all(0.0 <= r[f"actor/env/{env}/success"] <= 1.0 for env in envs)
+    assert set(seen) == {"files", "shop"}, seen
+    probes = [r for r in read_metrics(tmp_path, "eval") if "eval/probe_success" in r]
+    assert probes
+    for r in probes:  # two tasks of each env: the overall rate is the mean of the envs'
+        assert r["eval/probe_success"] == pytest.approx(
+            (r["eval/env/files/probe_success"] + r["eval/env/shop/probe_success"]) / 2)
+    held_out_eval(cfg, tmp_path, model, "rl", 3, say=lambda line: None)
+
+    series = json.loads((make_report([tmp_path]) / "series.json").read_text())
+    plot = series["plots"]["why_success_envs"]
+    drawn = {(s["metric"], s["x_axis"]) for s in plot["series"]}
+    assert drawn == {(f"{prefix}/env/{env}/{name}", axis) for env in ("files", "shop")
+                     for prefix, name, axis in (("actor", "success", "version"),
+                                                ("eval", "probe_success", "version"),
+                                                ("eval", "success_avg", "update"))}
+    assert [s["x"] for s in plot["series"]
+            if s["metric"] == "eval/env/shop/success_avg"] == [[3]]
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "Success per env (env mix)" in text and "why_success_envs.png" in text
+    assert (tmp_path / "report" / "why_success_envs.png").stat().st_size > 0
+
+
+def test_the_diagnosis_reads_training_success_per_env():
+    from autodidact.diagnosis import diagnose, training_success_by_env
+
+    records = []
+    for v in range(12):  # files rises from 0.1 to 0.9, shop stays at 0.2
+        records.append({"role": "learner", "step": v + 1, "learner/updates": v + 1,
+                        "learner/version": v + 1, "learner/loss": 0.1, "learner/reward": 0.3,
+                        "learner/groups": 8, "learner/degenerate_groups": 2})
+        files = 0.1 + 0.8 * v / 11
+        records.append({"role": "actor", "actor/version": v, "actor/success_rate":
+                        (files + 0.2) / 2, "actor/env/files/success": files,
+                        "actor/env/shop/success": 0.2})
+        if v % 3 == 0:
+            records.append({"role": "eval", "eval/version": v, "eval/probe_success": 0.3,
+                            "eval/env/files/probe_success": 0.4,
+                            "eval/env/shop/probe_success": 0.2})
+    assert set(training_success_by_env(records)) == {"files", "shop"}
+    found = diagnose(records)
+    per_env = found.numbers["training success per env"]
+    assert per_env["files"] == pytest.approx((0.1 + 0.8 / 11, 0.9 - 0.8 / 11))
+    assert per_env["shop"] == pytest.approx((0.2, 0.2))
+    assert found.numbers["validation probe per env"]["files"] == pytest.approx((0.4, 0.4))
+    assert "per env: files 17% → 83% (probe 40% → 40%), shop 20% → 20% (probe 20% → 20%)" \
+        in found.reason
+    # a run of one env: no per-env numbers, the line as before
+    one = [{k: v for k, v in r.items() if "/env/" not in k} for r in records]
+    assert "training success per env" not in diagnose(one).numbers
+    assert "per env" not in diagnose(one).reason
+

@@ -113,7 +113,9 @@ class RunView:
         self.check()
         run = report.Run.load(self.path, self.label)
         missing: list[str] = []
-        plots = [_plot_json(run, plot, "why", missing) for plot in report.WHY_PLOTS] + \
+        per_env, _ = report.env_plots([run])  # an env mix: success per member env
+        why = report.WHY_PLOTS[:1] + ([per_env] if per_env else []) + report.WHY_PLOTS[1:]
+        plots = [_plot_json(run, plot, "why", missing) for plot in why] + \
             [_plot_json(run, plot, "run") for plot in report.PLOTS]
         final = report.headline(run)["updates"] or 0
         heldout = [{"stage": stage, "x": x, **_interval(run.summary.get(f"success_{stage}"))}
