@@ -13,14 +13,16 @@ Redis, which explorers keep growing; the feeder picks up new ones at every epoch
 the outcome-only objective nothing, are drawn less often.
 
 Under ``env.mix`` each member env's tasks get its weight's share of the draws
-(:func:`member_weights`), under either curriculum.
+(:func:`member_weights`), under either curriculum: under ``frontier`` the frontier weights
+are normalised within each env, so an env whose tasks sit nearer the frontier is not drawn
+more than its share; within an env, its tasks are drawn by frontier weight as in a run of one.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 from protocol.config import TASK_ENV_MEMBER, RunConfig
 from protocol.control import ControlPlane
@@ -67,17 +69,24 @@ def weighted_sample(rng: random.Random, pool: list[Task], weights: list[float],
     return [pool[i] for _, i in sorted(keyed, reverse=True)[:k]]
 
 
-def member_weights(cfg: RunConfig, pool: list[Task]) -> list[float] | None:
+def member_weights(cfg: RunConfig, pool: list[Task],
+                   within: list[float] | None = None) -> list[float] | None:
     """Under ``env.mix``, a draw weight per task of ``pool`` that gives each member env the
-    share ``weight / sum of weights`` of the draws however many tasks it has (its weight
-    over its number of tasks in ``pool``); None for a run of one env. A task of no member
+    share ``weight / sum of weights`` of the draws however many tasks it has; None for a run
+    of one env. Within an env its share goes to its tasks alike, or in proportion to
+    ``within`` (a weight per task of ``pool``: the frontier weights), so ``within`` moves
+    draws between one env's tasks, never between envs. A task of no member
     (``Task.meta["env_member"]``) is never drawn."""
     if not cfg.env.mix:
         return None
     weight = {mid: w for mid, _, w in cfg.env.members()}
     member = [t.meta.get(TASK_ENV_MEMBER) for t in pool]
-    count = Counter(member)
-    return [weight[m] / count[m] if m in weight else 0.0 for m in member]
+    within = within if within is not None else [1.0] * len(pool)
+    total: dict = defaultdict(float)
+    for m, w in zip(member, within):
+        total[m] += w
+    return [weight[m] * w / total[m] if m in weight and total[m] > 0 else 0.0
+            for m, w in zip(member, within)]
 
 
 def synthetic_share(cfg: RunConfig, original: list[Task]) -> float:
@@ -142,6 +151,7 @@ class TaskFeeder:
         self._outcomes: dict[str, tuple[int, int]] = {}
         self.original, self.synthetic = original, []
         # env.mix: each member's share of the draws by its weight (None: one env)
+        self.cfg = cfg
         self.original_weights = member_weights(cfg, original)
         self.match = cfg.tasks.match_examples
         self.synthetic_weights: list[float] = []  # example_weights of the pool, kept current
@@ -183,7 +193,8 @@ class TaskFeeder:
         n_synthetic = sum(self._draws_synthetic() for _ in range(n))
         originals = self.original if self.share < 1.0 else []
         batch = (self._take(self.synthetic, n_synthetic, self.synthetic_weights)
-                 + self._take(originals, n - n_synthetic, self.original_weights))
+                 + self._take(originals, n - n_synthetic, self.original_weights,
+                              by_member=self.original_weights is not None))
         self.rng.shuffle(batch)
         if batch:
             self.control.push_tasks(batch)
@@ -191,13 +202,18 @@ class TaskFeeder:
     def _draws_synthetic(self) -> bool:
         return bool(self.synthetic) and (not self.original or self.rng.random() < self.share)
 
-    def _take(self, pool: list[Task], k: int, shaped: list[float] | None = None) -> list[Task]:
+    def _take(self, pool: list[Task], k: int, shaped: list[float] | None = None,
+              by_member: bool = False) -> list[Task]:
         """``k`` draws from ``pool``: by frontier weight, times the shape weight ``shaped``
-        where given; with neither, the pool cycled through."""
+        where given; with neither, the pool cycled through. ``by_member`` (an env mix's
+        tasks): each env keeps its weight's share, the frontier weights normalised within
+        each env (:func:`member_weights`)."""
         weights = shaped if shaped and any(w != 1.0 for w in shaped) else None
         if self.frontier and pool and k > 0:
-            weights = [frontier_weight(*self._outcomes.get(t.task_id, (0, 0)), self.floor)
-                       * (weights[i] if weights else 1.0) for i, t in enumerate(pool)]
+            frontier = [frontier_weight(*self._outcomes.get(t.task_id, (0, 0)), self.floor)
+                        for t in pool]
+            weights = member_weights(self.cfg, pool, frontier) if by_member else \
+                [f * (weights[i] if weights else 1.0) for i, f in enumerate(frontier)]
         if weights and pool and k > 0:
             return self.rng.choices(pool, weights, k=k)
         out: list[Task] = []

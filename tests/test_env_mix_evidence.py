@@ -257,3 +257,37 @@ def test_the_diagnosis_reads_training_success_per_env():
     assert "training success per env" not in diagnose(one).numbers
     assert "per env" not in diagnose(one).reason
 
+
+# --- the frontier feeder over a mix ------------------------------------------------------------
+
+
+def test_the_frontier_feeder_keeps_each_envs_share_and_the_frontier_within_it(control):
+    from autodidact.task_mix import TaskFeeder, frontier_weight
+    from environments import env_maker
+    from protocol.config import TASK_ENV_MEMBER, load_config
+
+    mix = "env.mix=[{name: files, weight: 1}, {name: shop, weight: 3}]"
+    cfg = load_config(None, [mix, "tasks.curriculum=frontier"])
+    original = env_maker(cfg.env)().tasks("train")
+    files = [t for t in original if t.meta[TASK_ENV_MEMBER] == "files"]
+    shop = [t for t in original if t.meta[TASK_ENV_MEMBER] == "shop"]
+    # every shop task far from the frontier (64 failures), half of files' at it (1 of 2)
+    near = {t.task_id for t in files[::2]}
+    control.record_outcomes({**{t.task_id: (0, 64) for t in shop + files[1::2]},
+                             **{tid: (1, 2) for tid in near}})
+    floor = cfg.tasks.frontier_floor
+    far, at = frontier_weight(0, 64, floor), frontier_weight(1, 2, floor)
+    # the env weight times the frontier weight would give shop 3 far / (3 far + (at + far) / 2)
+    assert far < 0.2 and at == 1.0 and 3 * far / (3 * far + (at + far) / 2) < 0.5
+    feeder = TaskFeeder(cfg, control, original, 0.0)
+    drawn = []
+    while len(drawn) < 4000:
+        feeder.top_up()
+        while (task := control.pop_task()) is not None:
+            drawn.append(task)
+    by_env = collections.Counter(t.meta[TASK_ENV_MEMBER] for t in drawn)
+    assert abs(by_env["shop"] / len(drawn) - 0.75) < 0.03, by_env  # its weight's share
+    # within files the frontier still decides: its tasks at the frontier drawn ~1/(1+far)
+    files_drawn = [t for t in drawn if t.meta[TASK_ENV_MEMBER] == "files"]
+    share_near = sum(t.task_id in near for t in files_drawn) / len(files_drawn)
+    assert abs(share_near - 1 / (1 + far)) < 0.05, share_near
