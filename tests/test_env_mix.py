@@ -25,6 +25,7 @@ import pytest
 from helpers_runs import run_autodidact
 
 from autodidact.stages import StartRefused, check_mix
+from autodidact.status_cli import collect
 from autodidact.task_mix import TaskFeeder, member_weights
 from environments import FilesEnv, ShopEnv, env_class, env_maker
 from environments.base import call_each, check_env_options, make_envs, task_env_of_run
@@ -400,6 +401,16 @@ def test_a_run_over_files_and_shop_trains_evaluates_per_env_and_resumes(tmp_path
     for env in ("files", "shop"):
         assert f"| held-out avg@k of {env}, after RL (95% interval) |" in text
     assert "| held-out avg@k, mean over envs, after RL |" in text
+    # per-env evidence (tests/test_env_mix_evidence.py): the actors' success of each env,
+    # each validation's, drawn by report; status's rows per env
+    series = json.loads((run_dir / "report" / "series.json").read_text())
+    drawn = {s["metric"] for s in series["plots"]["why_success_envs"]["series"]}
+    assert {f"actor/env/{env}/success" for env in ("files", "shop")} <= drawn, drawn
+    assert {f"eval/env/{env}/success_avg" for env in ("files", "shop")} <= drawn, drawn
+    rows = collect(run_dir, replay_timeout_s=0.5)["heldout_envs"]
+    assert {(r["stage"], r["env"]) for r in rows} == {
+        (stage, env) for stage in ("base", "warm", "rl")
+        for env in ("files", "shop", "mean over envs")}
 
 
 @pytest.mark.slow

@@ -341,6 +341,33 @@ def test_run_and_tasks_pages_show_tasks_by_origin(browser, tmp_path_factory, req
                 "return document.querySelector('#origins').textContent")
 
 
+def test_run_page_shows_each_envs_held_out_success_for_a_mix(browser, tmp_path_factory,
+                                                              request):
+    # An env mix's summary.json (tests/test_env_mix_evidence.py) beside a few stored groups:
+    # the table the page draws holds each env's numbers per split and stage, and the mean.
+    from helpers_replay import make_group
+    from test_env_mix_evidence import write_summary
+    from test_viewer import _store
+
+    run_dir = tmp_path_factory.mktemp("mix")
+    summary = write_summary(run_dir)
+    _store(run_dir, [make_group(i) for i in range(3)])
+    page = Page(browser, _serve(run_dir, tmp_path_factory, request),
+                tmp_path_factory.mktemp("mix-screenshots"))
+    with page.checked("mix-run"):
+        page.open("run/0")
+        page.wait(lambda d: d.execute_script(
+            "return document.querySelectorAll('#heldout-envs-table tbody tr').length") == 12,
+            "the per-env held-out table")
+        rows = page.js("return [...document.querySelectorAll('#heldout-envs-table tbody tr')]"
+                       ".map(r => [...r.cells].map(c => c.textContent))")
+        shop = summary["success_warm"]["envs"]["shop"]
+        low, high = shop["avg_ci"]
+        assert ["shop", "validation", "after warm-start", "12.5%",
+                f"{100 * low:.1f}% to {100 * high:.1f}%", "25.0%", "4"] in rows, rows
+        assert ["mean over envs", "test", "after RL", "50.0%", "–", "62.5%", "–"] in rows, rows
+
+
 # --- the door: a remote bind needs --allow-remote, and then the token --------------------------
 
 
