@@ -321,23 +321,24 @@ def headline(run: Run) -> dict:
             out[f"heldout_{stage}_{key}"] = result.get(key)
         out[f"test_{stage}_avg"] = (test.get(stage) or {}).get("avg")
         out[f"test_{stage}_avg_ci"] = (test.get(stage) or {}).get("avg_ci")
-        # an env mix: each member env's held-out avg@k and the mean over envs
-        for env, one in (result.get("envs") or {}).items():
-            out.setdefault("envs", [])
-            if env not in out["envs"]:
-                out["envs"].append(env)
-            out[f"heldout_{stage}_env_{env}_avg"] = one.get("avg")
-            out[f"heldout_{stage}_env_{env}_avg_ci"] = one.get("avg_ci")
-        out[f"heldout_{stage}_mean_over_envs"] = (result.get("mean_over_envs") or {}).get("avg")
-        one_test = test.get(stage) or {}
-        for env, one in (one_test.get("envs") or {}).items():  # test, where the run looked
-            out.setdefault("envs", [])
-            if env not in out["envs"]:
-                out["envs"].append(env)
-            out[f"test_{stage}_env_{env}_avg"] = one.get("avg")
-            out[f"test_{stage}_env_{env}_avg_ci"] = one.get("avg_ci")
-        out[f"test_{stage}_mean_over_envs"] = (one_test.get("mean_over_envs") or {}).get("avg")
+        # an env mix: each member env's held-out avg@k and the mean over envs (test, where
+        # the run looked)
+        _per_env(out, f"heldout_{stage}", result)
+        _per_env(out, f"test_{stage}", test.get(stage) or {})
     return out
+
+
+def _per_env(out: dict, prefix: str, result: dict) -> None:
+    """``result``'s per-env avg@k (an env mix's) into ``out`` as ``<prefix>_env_<id>_avg``
+    and ``_avg_ci``, the mean over envs as ``<prefix>_mean_over_envs``, and each env's id
+    in ``out["envs"]``."""
+    for env, one in (result.get("envs") or {}).items():
+        out.setdefault("envs", [])
+        if env not in out["envs"]:
+            out["envs"].append(env)
+        out[f"{prefix}_env_{env}_avg"] = one.get("avg")
+        out[f"{prefix}_env_{env}_avg_ci"] = one.get("avg_ci")
+    out[f"{prefix}_mean_over_envs"] = (result.get("mean_over_envs") or {}).get("avg")
 
 
 def _last_value(run: Run, role: str, metric: str):

@@ -27,6 +27,7 @@ from protocol.messages import (
     Trajectory,
 )
 from protocol.transport import free_tcp_port
+from replay.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,3 +224,13 @@ def damage(blob: bytes, how: str, data, max_flips: int) -> bytes:
     for _ in range(data.draw(st.integers(1, max_flips))):
         buf[data.draw(st.integers(0, len(buf) - 1))] ^= data.draw(st.integers(1, 255))
     return bytes(buf)
+
+
+def stored_groups(run_dir: Path) -> list[Group]:
+    """Every group a run's replay store holds, decoded (read-only, beside a live writer)."""
+    store = Store(run_dir, readonly=True)
+    try:
+        with store.env.begin() as txn:
+            return [codec.decode_body(Group.TYPE, bytes(b)) for _, b in store.iter_bodies(txn)]
+    finally:
+        store.close()

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers_replay import stored_groups
 from helpers_runs import run_autodidact
 
 from autodidact.stages import StartRefused, check_mix
@@ -33,12 +34,10 @@ from environments.mixed import MixedEnv, member_task
 from episodes.evaluate import evaluate_model, per_env
 from navigating.extraction import with_env_tag
 from navigating.pool import ExperiencePool, env_tag, experience_id
-from protocol import codec
 from protocol import env_wire as wire
 from protocol.config import TASK_ENV_MEMBER, dump_resolved, load_config
 from protocol.errors import ConfigError
 from protocol.messages import SPLITS, Experience
-from replay.store import Store
 
 FILES_SHOP = "env.mix=[{name: files}, {name: shop}]"
 
@@ -343,14 +342,6 @@ def run_mix(run_dir: Path, mix: str, *extra: str, updates: int = 3):
                           "--set", f"env.mix={mix}", *TINY, "--max-updates", str(updates),
                           *extra, timeout=600)
 
-
-def stored_groups(run_dir: Path) -> list:
-    store = Store(run_dir, readonly=True)
-    try:
-        with store.env.begin() as txn:
-            return [codec.decode_body("group", bytes(b)) for _, b in store.iter_bodies(txn)]
-    finally:
-        store.close()
 
 
 def check_mixed_run(run_dir: Path, envs: set[str]) -> dict:

@@ -26,7 +26,7 @@ import msgpack
 import pytest
 import redis
 import torch
-from helpers_replay import ROOT, ServerProc, make_group, push_all
+from helpers_replay import ROOT, ServerProc, make_group, push_all, stored_groups
 
 from autodidact.roles import role_argv, write_resolved_config
 from autodidact.supervisor import RoleSpec, Supervisor
@@ -72,14 +72,6 @@ def store_index(run_dir: Path) -> tuple[dict, int]:
     finally:
         store.close()
 
-
-def stored_groups(run_dir: Path) -> list[Group]:
-    store = Store(run_dir, readonly=True)
-    try:
-        with store.env.begin() as txn:
-            return [codec.decode_body(Group.TYPE, bytes(b)) for _, b in store.iter_bodies(txn)]
-    finally:
-        store.close()
 
 
 def ack_lines(run_dir: Path, actor_id: str) -> list[tuple[str, str]]:

@@ -22,17 +22,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers_learning import reward_contrast
+from helpers_replay import stored_groups
 from helpers_runs import run_autodidact
 
 from autodidact.embedded_redis import EmbeddedRedis
 from autodidact.report import report
 from environments import FilesEnv
 from metrics.jsonl import read_metrics
-from protocol import codec
 from protocol.control import ControlPlane, default_prefix
-from protocol.messages import Group
 from protocol.run_dir import RunDir
-from replay.store import Store, read_stats
+from replay.store import read_stats
 
 # The module fixture (warm-start, then a run) counts against its first test's timeout.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -76,14 +75,6 @@ def kill_redis_mid_training(run_dir: Path, after_updates: int = 10) -> None:
             return
         time.sleep(0.5)
 
-
-def stored_groups(run_dir: Path) -> list[Group]:
-    store = Store(run_dir, readonly=True)
-    try:
-        with store.env.begin() as txn:
-            return [codec.decode_body("group", bytes(b)) for _, b in store.iter_bodies(txn)]
-    finally:
-        store.close()
 
 
 @pytest.fixture(scope="module")
