@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 
@@ -26,3 +27,19 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+def serve_until(role, done, timeout_s: float = 240.0, what: str = "condition") -> None:
+    """Run ``role`` (``protocol.role.serve``) on a thread until ``done()`` or the thread ends,
+    then stop it and check it stopped."""
+    from protocol.role import serve
+
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(role, stop), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: done() or not thread.is_alive(), timeout_s, what)
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive()

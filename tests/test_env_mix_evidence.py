@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -159,7 +158,7 @@ def test_actors_and_the_probe_log_success_per_env_and_report_draws_it(tmp_path, 
     channel as tests/test_validation_probe.py has them) logs each env's success; actor-0's
     probe each env's probe success; a held-out evaluation each env's avg@k; report draws all
     three per env."""
-    from helpers_procs import wait_for
+    from helpers_procs import serve_until
     from test_validation_probe import SpyNavigator, StoringReplay, VersionPerGroup
 
     from actor.actor import Actor
@@ -172,7 +171,6 @@ def test_actors_and_the_probe_log_success_per_env_and_report_draws_it(tmp_path, 
     from inference.backends.hf import TransformersBackend
     from metrics.jsonl import read_metrics
     from protocol.config import TASK_ENV_MEMBER, load_config
-    from protocol.role import serve
 
     cfg = load_config(None, ["env.mix=[{name: files}, {name: shop}]", "env.max_turns=2",
                              "eval.probe_every=2", "eval.probe_tasks=2", "eval.num_tasks=2",
@@ -190,15 +188,7 @@ def test_actors_and_the_probe_log_success_per_env_and_report_draws_it(tmp_path, 
                   probe=build_probe(cfg, tmp_path, "actor-0"))
     assert collections.Counter(t.meta[TASK_ENV_MEMBER] for t in actor.probe.tasks) == \
         {"files": 2, "shop": 2}
-    stop = threading.Event()
-    thread = threading.Thread(target=serve, args=(actor, stop), daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: len(replay.pushed) >= 6 or not thread.is_alive(), 240, "6 groups")
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not thread.is_alive()
+    serve_until(actor, lambda: len(replay.pushed) >= 6, what="6 groups")
     actor_records = [r for r in read_metrics(tmp_path, "actor") if "actor/success_rate" in r]
     seen = collections.Counter()
     for r in actor_records:  # each record's per-env rates are its own groups' rollouts

@@ -10,10 +10,9 @@ tests/test_viewer.py)."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
-from helpers_procs import wait_for
+from helpers_procs import serve_until
 
 from actor.actor import Actor
 from actor.probe import ValidationProbe
@@ -25,7 +24,6 @@ from episodes.evaluate import probe_tasks
 from inference.backends.hf import TransformersBackend
 from metrics.jsonl import read_metrics
 from protocol.config import RunConfig
-from protocol.role import serve
 
 
 def _cfg(probe_tasks: int = 4, every: int = 2, seed: int = 0) -> RunConfig:
@@ -153,15 +151,8 @@ def test_probe_rollouts_reach_neither_replay_nor_the_pool(tmp_path, control, fil
                   TransformersBackend(files_policy_path), VersionPerGroup(replay), "actor-0",
                   navigator=navigator, probe=build_probe(cfg, tmp_path, "actor-0"))
     probe_ids = {t.task_id for t in actor.probe.tasks}
-    stop = threading.Event()
-    thread = threading.Thread(target=serve, args=(actor, stop), daemon=True)
-    thread.start()
-    try:  # 5 groups: the loop has passed versions 0 to at least 3, two blocks of 2
-        wait_for(lambda: len(replay.pushed) >= 5 or not thread.is_alive(), 240, "5 groups")
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not thread.is_alive()
+    # 5 groups: the loop has passed versions 0 to at least 3, two blocks of 2
+    serve_until(actor, lambda: len(replay.pushed) >= 5, what="5 groups")
     probes = [r for r in read_metrics(tmp_path, "eval") if "eval/probe_success" in r]
     versions = [r["eval/version"] for r in probes]
     assert versions[0] == 0 and len(versions) >= 2, versions
