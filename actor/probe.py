@@ -33,7 +33,7 @@ from episodes.rollout import RolloutSettings, rollout, start_episodes
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec
 from metrics.jsonl import MetricsWriter
-from protocol.config import TASK_ENV_MEMBER
+from protocol.config import task_member
 from protocol.messages import Task
 
 PROBE_ACTOR = "actor-0"  # the one actor that probes: autodidact run's first (autodidact/roles.py)
@@ -45,7 +45,7 @@ def env_success(outcomes: Iterable[tuple[Task, float]], key: str) -> dict[str, f
     reward)`` pairs; {} where no task is a mix member's (``Task.meta["env_member"]``)."""
     by_env: dict[str, list[bool]] = defaultdict(list)
     for task, reward in outcomes:
-        member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
+        member = task_member(task)
         if member:
             by_env[member].append(reward >= 1.0)
     return {key.format(env): sum(oks) / len(oks) for env, oks in by_env.items()}

@@ -36,7 +36,7 @@ from autodidact.resolve import check_context, with_model
 from autodidact.task_mix import rl_synthetic_share, synthetic_share, warmstart_tasks
 from metrics.intervals import format_rate
 from metrics.jsonl import MetricsWriter, read_metrics
-from protocol.config import TASK_ENV_MEMBER, RunConfig
+from protocol.config import RunConfig, task_member
 from protocol.control import ControlPlane
 from protocol.errors import ConfigError
 from protocol.messages import SPLITS, Task
@@ -251,7 +251,7 @@ def first_of_each_env(tasks: list[Task]) -> list[Task]:
     run of one env, the first task."""
     firsts: dict[str, Task] = {}
     for task in tasks:
-        firsts.setdefault(task.meta.get(TASK_ENV_MEMBER, ""), task)
+        firsts.setdefault(task_member(task), task)
     return list(firsts.values())
 
 
@@ -271,7 +271,7 @@ def check_mix(cfg: RunConfig) -> None:
     env = cls()
     counts = {mid: 0 for mid, _, _ in cfg.env.members()}
     for task in env.tasks("train"):
-        counts[task.meta[TASK_ENV_MEMBER]] += 1
+        counts[task_member(task)] += 1
     for i, (mid, n) in enumerate(counts.items()):
         if not n:
             raise StartRefused(f"env.mix[{i}] ({mid}): no training tasks of its own, and a mix "

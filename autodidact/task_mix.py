@@ -24,7 +24,7 @@ import random
 import time
 from collections import Counter, defaultdict
 
-from protocol.config import TASK_ENV_MEMBER, RunConfig
+from protocol.config import RunConfig, task_member
 from protocol.control import ControlPlane
 from protocol.messages import Task
 from questioning.coverage import goal_kind
@@ -80,7 +80,7 @@ def member_weights(cfg: RunConfig, pool: list[Task],
     if not cfg.env.mix:
         return None
     weight = {mid: w for mid, _, w in cfg.env.members()}
-    member = [t.meta.get(TASK_ENV_MEMBER) for t in pool]
+    member = [task_member(t) for t in pool]
     within = within if within is not None else [1.0] * len(pool)
     total: dict = defaultdict(float)
     for m, w in zip(member, within):

@@ -37,7 +37,7 @@ from environments.tools import (  # noqa: F401  (the names envs have always impo
     parse_reply,
     parser_words,
 )
-from protocol.config import TASK_ENV_MEMBER, EnvConfig, coerce
+from protocol.config import EnvConfig, coerce, task_member
 from protocol.errors import ConfigError, EnvFailed
 from protocol.messages import SPLITS, Task
 
@@ -454,7 +454,7 @@ def task_env_of_run(task: Task, env_cfg: EnvConfig | None) -> bool:
     run's env for it, never importing what its ``meta.env_spec`` names. A role that must not
     import code a stored task names (the experience worker) replays only such tasks."""
     if env_cfg is not None and env_cfg.mix:  # a mix: a task of one of its members
-        member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
+        member = task_member(task)
         if member:
             return member in {m.member_id() for m in env_cfg.mix}
         return task.env in {m.name.rpartition(":")[2] for m in env_cfg.mix}

@@ -37,18 +37,11 @@ from environments.base import (
     env_class,
     register_mixed,
 )
-from protocol.config import TASK_ENV_MEMBER, EnvConfig
+from protocol.config import TASK_ENV_MEMBER, EnvConfig, task_member
 from protocol.errors import EnvFailed
 from protocol.messages import Task
 
 MEMBER_TASK_ID = "member_task_id"  # Task.meta: the member's own id, where the mix's differs
-
-
-def task_member(task: Task) -> str:
-    """The id of the mix member ``task`` is of ("" for a task of a run of one env)."""
-    meta = task.meta if isinstance(task.meta, dict) else {}
-    member = meta.get(TASK_ENV_MEMBER)
-    return member if isinstance(member, str) else ""
 
 
 def mixed_task(member_id: str, task: Task) -> Task:

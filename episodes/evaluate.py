@@ -29,7 +29,7 @@ from episodes.rollout import (
 from inference.backends.base import InferenceBackend, SamplingParams
 from inference.codecs import Codec
 from metrics.intervals import rate_interval
-from protocol.config import TASK_ENV_MEMBER, RunConfig
+from protocol.config import RunConfig, task_member
 from protocol.messages import Task
 
 POLICIES = ("model", "ground-truth")
@@ -55,7 +55,7 @@ def select_tasks(cfg: RunConfig, split: str = "validation", limit: int = 0,
     if limit and cfg.env.mix:  # an env mix: that many of each member env's
         by_member: dict[str, list[Task]] = defaultdict(list)
         for task in tasks:
-            by_member[task.meta.get(TASK_ENV_MEMBER, "")].append(task)
+            by_member[task_member(task)].append(task)
         return [t for mid, _, _ in cfg.env.members()
                 for t in rng.sample(by_member[mid], min(limit, len(by_member[mid])))]
     if limit:
@@ -167,7 +167,7 @@ def replay_reference(ep: Episode, codec: Codec, settings: RolloutSettings) -> No
 def task_record(episodes: list[Episode]) -> dict:
     task = episodes[0].task
     rewards = [float(ep.reward) for ep in episodes]
-    member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
+    member = task_member(task)
     return {"task_id": task.task_id, "category": task_category(task),
             **({"env": member} if member else {}),  # the member env of an env mix
             "rewards": rewards, "avg": sum(r >= 1.0 for r in rewards) / len(rewards),
@@ -202,7 +202,7 @@ def per_env(records: list[dict]) -> dict:
             by_env[r["env"]].append(r)
     if not by_env:
         return {}
-    envs = {env: {"tasks": len(rs), "avg": _means(rs)["avg"], "best": _means(rs)["best"],
+    envs = {env: {**{k: v for k, v in _means(rs).items() if k in ("tasks", "avg", "best")},
                   **success_intervals(rs)} for env, rs in by_env.items()}
     return {"envs": envs,
             "mean_over_envs": {key: sum(e[key] for e in envs.values()) / len(envs)

@@ -22,7 +22,7 @@ from environments.base import FreshEnvs, env_maker
 from episodes.rollout import Codec, RolloutSettings, make_codec, scripted_episode, to_groups
 from learner.batching import build_batch
 from learner.logprobs import prepare_for_training, token_logprobs
-from protocol.config import TASK_ENV_MEMBER, RunConfig
+from protocol.config import RunConfig, task_member
 from protocol.messages import Group, Task
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def pick_by_member(tasks: Sequence[Task], cfg: RunConfig, n: int) -> list[Task]:
     total = sum(weight for _, _, weight in members)
     picked: list[Task] = []
     for mid, _, weight in members:
-        own = [t for t in tasks if t.meta.get(TASK_ENV_MEMBER) == mid]
+        own = [t for t in tasks if task_member(t) == mid]
         picked += pick_references(own, cfg.seed, round(n * weight / total))
     return picked
 
@@ -154,6 +154,6 @@ def warm_start(cfg: RunConfig, model_path: str, out_path: Path, settings: Rollou
             "steps": cfg.warmstart.steps, "loss": loss_value,
             "seconds": time.monotonic() - t0,
             "task_ids": [g.task.task_id for g in groups],
-            **({"per_env": dict(collections.Counter(g.task.meta.get(TASK_ENV_MEMBER, "")
+            **({"per_env": dict(collections.Counter(task_member(g.task)
                                                     for g in groups))}
                if cfg.env.mix else {})}

@@ -49,7 +49,7 @@ import numpy as np
 import redis
 
 from protocol.codec import decode_body, encode_body
-from protocol.config import TASK_ENV_MEMBER
+from protocol.config import task_member
 from protocol.control import ExperienceKeys, connect_redis
 from protocol.messages import Experience, Task
 from protocol.run_dir import RunDir
@@ -456,8 +456,8 @@ ENV_TAG = "env:"  # a tag naming the env-mix member an experience was drawn in
 
 def env_tag(task: Task) -> str:
     """``env:<member>`` for a task of an env mix (``Task.meta["env_member"]``), else ""."""
-    member = task.meta.get(TASK_ENV_MEMBER) if isinstance(task.meta, dict) else None
-    return f"{ENV_TAG}{member}" if isinstance(member, str) and member else ""
+    member = task_member(task)
+    return f"{ENV_TAG}{member}" if member else ""
 
 
 def _of_env(tags: Sequence[str], env_tag: str) -> bool:

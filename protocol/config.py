@@ -135,6 +135,14 @@ CONTEXT_MODES = ("linear", "window", "truncate", "summary", "self")
 TASK_ENV_MEMBER = "env_member"
 
 
+def task_member(task) -> str:
+    """The id of the env-mix member a ``protocol.messages.Task`` is of (its
+    ``meta[TASK_ENV_MEMBER]``); "" for a task of a run of one env."""
+    meta = task.meta if isinstance(task.meta, dict) else {}
+    member = meta.get(TASK_ENV_MEMBER)
+    return member if isinstance(member, str) else ""
+
+
 @dataclass
 class EnvMember:
     """One env of a mix (``env.mix``): its own name, options, address, sampling weight and
