@@ -32,6 +32,7 @@ from questioning.explorer import (
     seed_tasks,
 )
 from questioning.probes import PROBE_MAKES
+from questioning.regrounding import ExampleRegrounder
 from questioning.profile import ProfileBuilder, build_profile, render_toc, save_json
 from questioning.synthesis import (
     HindsightSynthesizer,
@@ -190,6 +191,9 @@ class TaskFactory:
                                  llm=llm)
         self.hindsight = HindsightSynthesizer(self.make_env, self.prefs,
                                               e.candidates_per_exploration, seed=cfg.seed)
+        self.regrounder = (ExampleRegrounder(self.make_env, self.profile.env.tasks("train"),
+                                             e.from_examples, seed=cfg.seed)
+                           if e.from_examples else None)
         self.llm_synth = (LLMSynthesizer(chat, self.make_env, self.prefs, self.toc,
                                          cfg.llm.temperature) if chat is not None else None)
         self.seeds = seed_tasks(self.profile.env, e.seeds)
@@ -314,7 +318,10 @@ class TaskFactory:
             return []
         append_exploration(self.run_dir, exp)
         self.profile.add(exp)
-        candidates = self.hindsight.propose(exp)
+        candidates = self.hindsight.propose(exp) if self.cfg.explore.candidates_per_exploration \
+            else []
+        if self.regrounder is not None:
+            candidates += self.regrounder.propose(seed)
         if self.llm_synth is not None and self._llm_useful():
             candidates += self.llm_synth.propose(exp, self.by_seed.get(exp.seed, []))
         kept = self.keep(candidates)
@@ -387,6 +394,7 @@ class TaskFactory:
         stats = {**self.counts, **self.explorer.counts}
         for source in (self.hindsight.stats, getattr(self.llm_synth, "stats", {})):
             stats.update({f"synth_{k}": v for k, v in source.items()})
+        stats.update({f"examples_{k}": v for k, v in getattr(self.regrounder, "stats", {}).items()})
         return {"seconds": seconds, "tasks_stored": self.store.count(), **stats,
                 "refused": self.refused(), "coverage": self.coverage()}
 
