@@ -1058,7 +1058,8 @@ class ExploreConfig:
             raise ConfigError(f"proposer must be auto, llm, policy or schema, got "
                               f"{self.proposer!r}")
         in_range(self, "kind_target", 0.0, 1.0)
-        for name in ("explorations_per_seed", "probe_calls", "max_parts", "min_steps", "context_observations", "probe_steps"):
+        for name in ("explorations_per_seed", "probe_calls", "max_parts", "min_steps",
+                     "context_observations", "probe_steps"):
             _positive(self, name)
         for name in ("seeds", "rounds", "breadth_steps", "depth_steps", "max_steps",
                      "max_entities", "max_tasks", "min_tasks", "candidates_per_exploration",

@@ -32,8 +32,8 @@ from questioning.explorer import (
     seed_tasks,
 )
 from questioning.probes import PROBE_MAKES
-from questioning.regrounding import ExampleRegrounder
 from questioning.profile import ProfileBuilder, build_profile, render_toc, save_json
+from questioning.regrounding import ExampleRegrounder
 from questioning.synthesis import (
     HindsightSynthesizer,
     LLMSynthesizer,

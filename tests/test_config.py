@@ -96,6 +96,7 @@ ZERO_OK = {
     "explore.seeds", "explore.rounds", "explore.breadth_steps", "explore.depth_steps",
     "explore.max_steps", "explore.max_entities", "explore.max_tasks", "explore.min_tasks",
     "explore.min_valid_fraction", "explore.dedup_jaccard", "explore.kind_target",  # 0: off
+    "explore.from_examples",  # 0: no example re-grounded
     "tasks.synthetic_share", "tasks.match_examples",  # 0: self-made tasks drawn alike
     "tasks.rl_synthetic_share",  # 0: RL on hand-written tasks alone
     "tasks.grader_repetition_cap", "experience.min_similarity", "experience.share",

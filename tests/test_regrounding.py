@@ -1,0 +1,181 @@
+"""Examples re-grounded in other worlds (questioning/regrounding.py): on ``files``, whose
+``entities()`` type and relate its names, and on a plugin env written here that has none."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from environments import Environment, GoalPart, ToolError, ToolSpec, register_env
+from environments.base import ArgSpec, verify_task
+from environments.files import FilesEnv
+from protocol.config import ConfigError, load_config
+from protocol.messages import HELD_OUT_SPLITS, Task
+from questioning.factory import TaskFactory
+from questioning.regrounding import ExampleRegrounder, substitute, world_names
+from questioning.task_store import TaskStore
+
+
+def _files_env():
+    return FilesEnv(explore_worlds=60)
+
+
+@pytest.fixture(scope="module")
+def files_made():
+    """Every files training template re-grounded in worlds it was never written for."""
+    examples = _files_env().tasks("train")
+    regrounder = ExampleRegrounder(_files_env, examples, per_world=0, seed=0)
+    rng = random.Random(0)
+    targets = sorted(set(_files_env().train_worlds) - {t.seed for t in examples})
+    made = []
+    for example in rng.sample(examples, 120):
+        task = regrounder.reground(example, rng.choice(targets))
+        made.append((example, task))
+    return regrounder, made
+
+
+def test_most_files_examples_find_a_world_and_each_made_task_verifies(files_made):
+    regrounder, made = files_made
+    kept = [(e, t) for e, t in made if t is not None]
+    assert len(kept) >= 0.6 * len(made), regrounder.stats
+    for example, task in kept:
+        assert task.seed != example.seed and task.source == "synthetic"
+        assert task.meta["method"] == "example" and task.meta["example"] == example.task_id
+        assert verify_task(FilesEnv, task, explore_worlds=60) == (True, "ok")
+        assert len(task.reference) == len(example.reference)
+
+
+def test_the_names_are_the_target_worlds_and_the_words_stay(files_made):
+    _, made = files_made
+    moves = [(e, t) for e, t in made if t is not None and e.meta["template"] == "move_out"]
+    assert moves
+    for _, task in moves:
+        assert task.query.split()[0] == "move" and task.query.endswith("into root")
+        env = _files_env()
+        env.reset(task)
+        names = world_names(env, env.state())
+        moved, folder = task.query.split()[1], task.query.split()[3]
+        assert names[moved]["type"] == "file" and names[moved]["attributes"]["folder"] == folder
+
+
+def test_the_goal_asks_what_the_example_asked_not_the_cd_on_the_way(files_made):
+    _, made = files_made
+    for example, task in made:
+        if task is None:
+            continue
+        asks_cwd = any("cwd" in c for c in example.goal["all"])
+        assert any("cwd" in c for c in task.goal["all"]) == asks_cwd, (example, task)
+
+
+def test_a_query_naming_what_the_calls_never_touch_is_refused(files_made):
+    """"delete every file in data containing green": the word chose which file to delete;
+    mapped, the query would no longer say what the calls do."""
+    regrounder, made = files_made
+    chosen = [t for e, t in made if e.meta["template"] == "delete_word"]
+    assert chosen and all(t is None for t in chosen)
+    assert regrounder.stats["refused_criterion"] >= len(chosen)
+
+
+def test_substitute_replaces_whole_names_at_once():
+    mapping = {"docs": "mail", "mail": "docs", "a.md": "b.md"}
+    assert substitute("move a.md from docs into mail", mapping) == "move b.md from mail into docs"
+    assert substitute("docs.md and email stay", mapping) == "docs.md and email stay"
+    assert substitute("cd docs/", mapping) == "cd mail/"
+
+
+# --- an env written here: no entities(), names only in its state ------------------------------
+
+JARS = tuple(f"jar{i}" for i in range(12))
+SHELVES = ("top", "middle", "bottom", "left", "right")
+
+
+class Pantry(Environment):
+    """Jars on shelves; ``move <jar> <shelf>``. It names its changes but has no entities()."""
+
+    def reset(self, task: Task) -> str:
+        self.task, self.responses = task, []
+        rng = random.Random(task.seed)
+        self.jars = {j: rng.choice(SHELVES) for j in rng.sample(JARS, 5)}
+        return "jars : " + " ".join(self.jars)
+
+    def tools(self):
+        return [ToolSpec("move", "put a jar on a shelf", (ArgSpec("jar"), ArgSpec("shelf")))]
+
+    def execute(self, call):
+        jar, shelf = call.args
+        if jar not in self.jars or shelf not in SHELVES or self.jars[jar] == shelf:
+            raise ToolError("bad", "error : cannot")
+        self.jars[jar] = shelf
+        return "ok"
+
+    def state(self):
+        return {"jars": dict(self.jars)}
+
+    def evaluate(self, task):
+        conds = task.goal.get("all", [])
+        return float(bool(conds) and all(self.jars.get(j) == s for j, s in conds))
+
+    def describe_changes(self, before, after):
+        return [GoalPart(([j, s],), f"put {j} on the {s} shelf", (j,))
+                for j, s in after["jars"].items() if before["jars"].get(j) != s]
+
+    def candidate_actions(self):
+        return [f"move {j} {s}" for j in self.jars for s in SHELVES if s != self.jars[j]]
+
+    @classmethod
+    def vocabulary(cls):
+        return []
+
+    def tasks(self, split):
+        seeds = {"train": range(0, 4), "validation": range(20, 22), "test": range(22, 24)}[split]
+        out = []
+        for seed in seeds:
+            self.reset(Task("w", "pantry", "", seed))
+            jar = sorted(self.jars)[0]
+            shelf = next(s for s in SHELVES if s != self.jars[jar])
+            out.append(Task(f"pantry/{split}/{seed}", "pantry", f"put {jar} on the {shelf} shelf",
+                            seed, goal={"all": [[jar, shelf]]}, reference=[f"move {jar} {shelf}"],
+                            split=split))
+        return out
+
+    train_worlds = range(0, 10)
+
+
+@pytest.fixture
+def pantry():
+    from environments.base import _ENVS
+
+    register_env("pantry")(Pantry)
+    yield
+    _ENVS.pop("pantry", None)
+
+
+def test_an_env_without_entities_regrounds_by_the_names_in_its_state(pantry):
+    examples = Pantry().tasks("train")
+    regrounder = ExampleRegrounder(Pantry, examples, per_world=4, seed=1)
+    made = [t for seed in range(4, 10) for t in regrounder.propose(Task("w", "pantry", "", seed))]
+    assert len(made) >= 12, regrounder.stats
+    for task in made:
+        assert verify_task(Pantry, task) == (True, "ok")
+        jar, shelf = task.goal["all"][0]
+        assert task.query == f"put {jar} on the {shelf} shelf"
+        assert task.reference == [f"move {jar} {shelf}"]
+
+
+def test_explore_with_examples_alone_stores_them_in_training_worlds_only(pantry, tmp_path):
+    cfg = load_config(None, ["env.name=pantry", "explore.proposer=schema",
+                             "explore.candidates_per_exploration=0", "explore.from_examples=3",
+                             "explore.explorations_per_seed=1"])
+    with TaskStore(tmp_path) as store:
+        summary = TaskFactory(cfg, tmp_path, store, say=lambda _: None).run(rounds=1)
+        tasks = store.all()
+    assert tasks and all(t.meta["method"] == "example" for t in tasks)
+    held_out = {t.seed for split in HELD_OUT_SPLITS for t in Pantry().tasks(split)}
+    assert not {t.seed for t in tasks} & held_out
+    assert summary["examples_proposed"] >= len(tasks)
+
+
+def test_explore_that_could_make_no_task_is_refused():
+    with pytest.raises(ConfigError, match="from_examples"):
+        load_config(None, ["explore.candidates_per_exploration=0"])
