@@ -1011,14 +1011,18 @@ class ExploreConfig:
     """Valid-call fraction an LLM/policy explorer needs to keep proposing."""
 
     candidates_per_exploration: int = 40
-    """Hindsight goals tried per exploration (each costs a few replays); 0: no hindsight task
-    (then ``from_examples`` makes the self-made pool)."""
+    """Hindsight goals tried per exploration (each costs a few replays)."""
 
     from_examples: int = 0
     """The env's own training tasks re-grounded in each explored world
     (``questioning/regrounding.py``): this many examples from other worlds, drawn at random,
     their names mapped onto this world's entities, kept when the mapped reference makes the
     same change there. 0: none; an env without training tasks gets none either."""
+
+    hindsight: str = "auto"
+    """Hindsight tasks from each exploration: ``auto`` (unless examples are re-grounded:
+    ``from_examples`` above 0 on an env with training tasks), ``always`` (beside them) or
+    ``never``."""
 
     max_parts: int = 2
     """Most changes combined into one hindsight task."""
@@ -1058,12 +1062,13 @@ class ExploreConfig:
             raise ConfigError(f"proposer must be auto, llm, policy or schema, got "
                               f"{self.proposer!r}")
         in_range(self, "kind_target", 0.0, 1.0)
-        for name in ("explorations_per_seed", "probe_calls", "max_parts", "min_steps",
-                     "context_observations", "probe_steps"):
+        if self.hindsight not in ("auto", "always", "never"):
+            raise ConfigError(f"hindsight must be auto, always or never, got {self.hindsight!r}")
+        for name in ("explorations_per_seed", "probe_calls", "candidates_per_exploration",
+                     "max_parts", "min_steps", "context_observations", "probe_steps"):
             _positive(self, name)
         for name in ("seeds", "rounds", "breadth_steps", "depth_steps", "max_steps",
-                     "max_entities", "max_tasks", "min_tasks", "candidates_per_exploration",
-                     "from_examples"):
+                     "max_entities", "max_tasks", "min_tasks", "from_examples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _positive(self, "breadth_temperature")
@@ -1072,9 +1077,9 @@ class ExploreConfig:
         in_range(self, "dedup_jaccard", 0.0, 1.0)
         if self.max_steps and self.max_steps < self.min_steps:
             raise ConfigError(f"max_steps ({self.max_steps}) < min_steps ({self.min_steps})")
-        if not self.candidates_per_exploration and not self.from_examples:
-            raise ConfigError("candidates_per_exploration is 0 and from_examples is 0: explore "
-                              "would make no task; set either above 0")
+        if self.hindsight == "never" and not self.from_examples:
+            raise ConfigError("hindsight is never and from_examples is 0: explore would make no "
+                              "task; set from_examples above 0 or hindsight to auto")
 
 
 @dataclass

@@ -194,6 +194,12 @@ class TaskFactory:
         self.regrounder = (ExampleRegrounder(self.make_env, self.profile.env.tasks("train"),
                                              e.from_examples, seed=cfg.seed)
                            if e.from_examples else None)
+        regrounding = self.regrounder is not None and bool(self.regrounder.examples)
+        self.uses_hindsight = e.hindsight == "always" or (e.hindsight == "auto" and not regrounding)
+        if not self.uses_hindsight and not regrounding:
+            raise ValueError(f"explore.hindsight=never and env {cfg.env.name!r} has no training "
+                             "task to re-ground (explore.from_examples): explore would make "
+                             "no task; set explore.hindsight=auto")
         self.llm_synth = (LLMSynthesizer(chat, self.make_env, self.prefs, self.toc,
                                          cfg.llm.temperature) if chat is not None else None)
         self.seeds = seed_tasks(self.profile.env, e.seeds)
@@ -318,8 +324,7 @@ class TaskFactory:
             return []
         append_exploration(self.run_dir, exp)
         self.profile.add(exp)
-        candidates = self.hindsight.propose(exp) if self.cfg.explore.candidates_per_exploration \
-            else []
+        candidates = self.hindsight.propose(exp) if self.uses_hindsight else []
         if self.regrounder is not None:
             candidates += self.regrounder.propose(seed)
         if self.llm_synth is not None and self._llm_useful():

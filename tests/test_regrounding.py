@@ -142,13 +142,22 @@ class Pantry(Environment):
     train_worlds = range(0, 10)
 
 
+class BarePantry(Pantry):
+    """The pantry without training tasks of its own."""
+
+    def tasks(self, split):
+        return [] if split == "train" else super().tasks(split)
+
+
 @pytest.fixture
 def pantry():
     from environments.base import _ENVS
 
     register_env("pantry")(Pantry)
+    register_env("bare_pantry")(BarePantry)
     yield
     _ENVS.pop("pantry", None)
+    _ENVS.pop("bare_pantry", None)
 
 
 def test_an_env_without_entities_regrounds_by_the_names_in_its_state(pantry):
@@ -165,7 +174,7 @@ def test_an_env_without_entities_regrounds_by_the_names_in_its_state(pantry):
 
 def test_explore_with_examples_alone_stores_them_in_training_worlds_only(pantry, tmp_path):
     cfg = load_config(None, ["env.name=pantry", "explore.proposer=schema",
-                             "explore.candidates_per_exploration=0", "explore.from_examples=3",
+                             "explore.from_examples=3",
                              "explore.explorations_per_seed=1"])
     with TaskStore(tmp_path) as store:
         summary = TaskFactory(cfg, tmp_path, store, say=lambda _: None).run(rounds=1)
@@ -176,6 +185,19 @@ def test_explore_with_examples_alone_stores_them_in_training_worlds_only(pantry,
     assert summary["examples_proposed"] >= len(tasks)
 
 
-def test_explore_that_could_make_no_task_is_refused():
+def test_explore_that_could_make_no_task_is_refused(pantry, tmp_path):
     with pytest.raises(ConfigError, match="from_examples"):
-        load_config(None, ["explore.candidates_per_exploration=0"])
+        load_config(None, ["explore.hindsight=never"])
+    cfg = load_config(None, ["env.name=bare_pantry", "explore.hindsight=never",
+                             "explore.from_examples=2"])
+    with TaskStore(tmp_path) as store, pytest.raises(ValueError, match="no training task"):
+        TaskFactory(cfg, tmp_path, store, say=lambda _: None)
+
+
+def test_hindsight_auto_is_on_where_no_example_is_regrounded(pantry, tmp_path):
+    def factory(*sets):
+        cfg = load_config(None, ["env.name=pantry", "explore.proposer=schema", *sets])
+        with TaskStore(tmp_path / "-".join(sets or ["none"])) as store:
+            return TaskFactory(cfg, tmp_path, store, say=lambda _: None).uses_hindsight
+    assert factory() and not factory("explore.from_examples=2")
+    assert factory("explore.from_examples=2", "explore.hindsight=always")
