@@ -13,7 +13,7 @@ from environments.files import FilesEnv
 from protocol.config import ConfigError, load_config
 from protocol.messages import HELD_OUT_SPLITS, Task
 from questioning.factory import TaskFactory
-from questioning.regrounding import ExampleRegrounder, substitute, world_names
+from questioning.regrounding import REFUSALS, ExampleRegrounder, substitute, world_names
 from questioning.task_store import TaskStore
 
 
@@ -75,6 +75,8 @@ def test_a_query_naming_what_the_calls_never_touch_is_refused(files_made):
     chosen = [t for e, t in made if e.meta["template"] == "delete_word"]
     assert chosen and all(t is None for t in chosen)
     assert regrounder.stats["refused_criterion"] >= len(chosen)
+    refused = {k.removeprefix("refused_") for k in regrounder.stats if k.startswith("refused_")}
+    assert refused <= set(REFUSALS), refused  # every refusal is one of the documented reasons
 
 
 def test_substitute_replaces_whole_names_at_once():
