@@ -1013,7 +1013,7 @@ class ExploreConfig:
     candidates_per_exploration: int = 40
     """Hindsight goals tried per exploration (each costs a few replays)."""
 
-    from_examples: int = 0
+    from_examples: int = 8
     """The env's own training tasks re-grounded in each explored world
     (``questioning/regrounding.py``): this many examples from other worlds, drawn at random,
     their names mapped onto this world's entities, kept when the mapped reference makes the
@@ -1086,14 +1086,17 @@ class ExploreConfig:
 class TasksConfig:
     synthetic_share: float = -1.0
     """Share of synthetic (self-questioned) tasks in training, the rest being the env's own
-    training tasks: 0 = original only, 1 = synthetic only, -1 = auto (original only when the env
-    has training tasks, else synthetic only). Warm-start references follow the same mixture
-    (how: ``warmstart_mixing``)."""
+    training tasks: 0 = original only, 1 = synthetic only, -1 = auto: synthetic only when the
+    env has no training tasks; with them, 0.5 when explore re-grounds them
+    (``explore.from_examples``), and then RL draws the env's own tasks alone
+    (``rl_synthetic_share`` -1), else original only. Warm-start references follow the same
+    mixture (how: ``warmstart_mixing``). Chosen on validation (docs/evaluation.md)."""
 
     rl_synthetic_share: float = -1.0
     """Share of self-made tasks among those RL draws, when it should differ from the
-    warm-start's (``synthetic_share``): -1 = the same; 0 = the warm-start mixes self-made
-    references in and RL trains on the env's own tasks alone."""
+    warm-start's (``synthetic_share``): -1 = the same (0 under ``synthetic_share`` auto's
+    mixture); 0 = the warm-start mixes self-made references in and RL trains on the env's own
+    tasks alone."""
 
     warmstart_mixing: str = "add"
     """How self-made references join the warm-start when the share is between 0 and 1:
