@@ -494,8 +494,11 @@ class LearnerConfig:
     """``token-mean`` (every trained token weighs the same) or ``seq-mean-token-mean`` (every
     trajectory weighs the same; see learner/losses.py for why it is the default)."""
 
-    kl_coef: float = 0.0
-    """KL penalty to the frozen initial policy (0 = off, no reference copy kept)."""
+    kl_coef: float = 0.1
+    """KL penalty to the frozen initial policy, the warm-started one (0 = off, no reference
+    copy kept). The default 0.1 holds the policy near the warm-start policy: RL otherwise
+    leaks probability mass off the ids the constrained sampler allows (docs/loop.md, "What
+    the constrained sampler hides from the learner")."""
 
     kl_estimator: str = "k3"
     """The penalty's estimator of KL(π_θ ‖ π_ref) per sampled token, with ``q = log π_ref -
