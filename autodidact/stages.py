@@ -176,6 +176,11 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
     needed = max(share, rl_share)
     summary["explore"] = explore_stage(cfg, run_dir, control, base_path, needed, say)
     synthetic = control.synthetic_since(0)
+    if needed > 0 and not synthetic and cfg.tasks.synthetic_share < 0 and original:
+        say("  tasks.synthetic_share auto: explore re-grounded none of the env's training "
+            "tasks; training on them alone")
+        share = rl_share = needed = 0.0
+        summary.update(synthetic_share=share, rl_synthetic_share=rl_share)
     if needed > 0 and not synthetic:
         raise NoSyntheticTasks("tasks.synthetic_share > 0 but there are no synthetic tasks: "
                                "run `autodidact explore` or set explore.stage")
@@ -184,8 +189,8 @@ def before_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, base_p
     summary["tasks"] = {"hand_written": len(original), "self_made": len(synthetic)}
     say(f"  training tasks: {len(original)} hand-written, {len(synthetic)} self-made; "
         f"self-made share {share:g}" + (f" (in RL {rl_share:g})" if rl_share != share else "")
-        + (" (tasks.synthetic_share auto: the env has training tasks)"
-           if cfg.tasks.synthetic_share < 0 and original else ""))
+        + (" (tasks.synthetic_share auto)" if cfg.tasks.synthetic_share < 0 and original
+           else ""))
     summary["experience_init"] = experience_stage(cfg, run_dir, say)
     before_rl = cfg.eval.before_rl
     summary["success_base"] = held_out_eval(cfg, run_dir, base_path, "base", 0,
@@ -243,6 +248,8 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
                                           rl_share, say)
         summary.update(entries)
         RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2))
+    # What the stages settled on (auto falls back to hand-written tasks when explore made none)
+    rl_share = summary.get("rl_synthetic_share", rl_share)
     return Training(with_model(cfg, policy), original, rl_share, base)
 
 

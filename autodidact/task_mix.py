@@ -89,17 +89,32 @@ def member_weights(cfg: RunConfig, pool: list[Task],
             for m, w in zip(member, within)]
 
 
+AUTO_MIXED_SHARE = 0.5  # auto's share beside re-grounded examples (docs/evaluation.md)
+
+
+def regrounds_examples(cfg: RunConfig) -> bool:
+    """Whether explore re-grounds the env's training tasks (``explore.from_examples``); an
+    env mix explores nothing."""
+    return cfg.explore.from_examples > 0 and not cfg.env.mix
+
+
 def synthetic_share(cfg: RunConfig, original: list[Task]) -> float:
-    """The configured share, or for ``-1`` (auto): 0 when the env has training tasks, else 1."""
+    """The configured share, or for ``-1`` (auto): 1 when the env has no training tasks; with
+    them, :data:`AUTO_MIXED_SHARE` when explore re-grounds them, else 0."""
     if cfg.tasks.synthetic_share >= 0:
         return cfg.tasks.synthetic_share
-    return 0.0 if original else 1.0
+    if not original:
+        return 1.0
+    return AUTO_MIXED_SHARE if regrounds_examples(cfg) else 0.0
 
 
 def rl_synthetic_share(cfg: RunConfig, share: float) -> float:
-    """The self-made share of RL's draws: ``tasks.rl_synthetic_share``, or ``share`` (the
-    warm-start's, :func:`synthetic_share`) when it is -1."""
-    return share if cfg.tasks.rl_synthetic_share < 0 else cfg.tasks.rl_synthetic_share
+    """The self-made share of RL's draws: ``tasks.rl_synthetic_share``, or when it is -1
+    ``share`` (the warm-start's, :func:`synthetic_share`), except under auto's mixture: there
+    the re-grounded examples join the warm-start and RL draws the env's own tasks alone."""
+    if cfg.tasks.rl_synthetic_share >= 0:
+        return cfg.tasks.rl_synthetic_share
+    return 0.0 if cfg.tasks.synthetic_share < 0 and 0 < share < 1 else share
 
 
 def warmstart_tasks(cfg: RunConfig, original: list[Task], synthetic: list[Task],

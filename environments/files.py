@@ -49,6 +49,7 @@ CONTENT_WORDS = tuple(
 UP, ROOT = "..", "/"
 MAX_LIST = 30  # entries/words shown by ls, cat and grep before "..."
 NUM_WORLDS = 50  # 30 train, 10 validation, 10 test worlds under hold-out by world
+EXPLORE_WORLDS = 200  # the seeds whose training worlds explore visits (120 of them)
 HOLDOUTS = ("world", "task")
 
 TOOLS = (
@@ -224,7 +225,8 @@ class FilesEnv(Environment):
     ``num_worlds`` sets how many seeds the built-in tasks are drawn from; any integer seed is a
     valid world for synthetic tasks. ``explore_worlds`` declares the training worlds among the
     first that many seeds as ``train_worlds``, so that self-questioning also makes tasks in
-    worlds no built-in task uses (0: only the built-in training tasks' worlds).
+    worlds no built-in task uses (0: only the built-in training tasks' worlds; the default
+    200 gives the 120 the re-grounded examples of the default run go to).
     """
 
     # what a client of the served env may choose: tasks() builds every world up to num_worlds
@@ -232,7 +234,7 @@ class FilesEnv(Environment):
     client_options = {"num_worlds": range(1, 201), "holdout": HOLDOUTS}
 
     def __init__(self, num_worlds: int = NUM_WORLDS, holdout: str = "world",
-                 explore_worlds: int = 0):
+                 explore_worlds: int = EXPLORE_WORLDS):
         super().__init__()
         self.num_worlds = num_worlds
         self.holdout = holdout

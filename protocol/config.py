@@ -494,8 +494,11 @@ class LearnerConfig:
     """``token-mean`` (every trained token weighs the same) or ``seq-mean-token-mean`` (every
     trajectory weighs the same; see learner/losses.py for why it is the default)."""
 
-    kl_coef: float = 0.0
-    """KL penalty to the frozen initial policy (0 = off, no reference copy kept)."""
+    kl_coef: float = 0.1
+    """KL penalty to the frozen initial policy, the warm-started one (0 = off, no reference
+    copy kept). The default 0.1 holds the policy near the warm-start policy: RL otherwise
+    leaks probability mass off the ids the constrained sampler allows (docs/loop.md, "What
+    the constrained sampler hides from the learner")."""
 
     kl_estimator: str = "k3"
     """The penalty's estimator of KL(π_θ ‖ π_ref) per sampled token, with ``q = log π_ref -
@@ -1013,7 +1016,7 @@ class ExploreConfig:
     candidates_per_exploration: int = 40
     """Hindsight goals tried per exploration (each costs a few replays)."""
 
-    from_examples: int = 0
+    from_examples: int = 8
     """The env's own training tasks re-grounded in each explored world
     (``questioning/regrounding.py``): this many examples from other worlds, drawn at random,
     their names mapped onto this world's entities, kept when the mapped reference makes the
@@ -1086,14 +1089,17 @@ class ExploreConfig:
 class TasksConfig:
     synthetic_share: float = -1.0
     """Share of synthetic (self-questioned) tasks in training, the rest being the env's own
-    training tasks: 0 = original only, 1 = synthetic only, -1 = auto (original only when the env
-    has training tasks, else synthetic only). Warm-start references follow the same mixture
-    (how: ``warmstart_mixing``)."""
+    training tasks: 0 = original only, 1 = synthetic only, -1 = auto: synthetic only when the
+    env has no training tasks; with them, 0.5 when explore re-grounds them
+    (``explore.from_examples``), and then RL draws the env's own tasks alone
+    (``rl_synthetic_share`` -1), else original only. Warm-start references follow the same
+    mixture (how: ``warmstart_mixing``). Chosen on validation (docs/evaluation.md)."""
 
     rl_synthetic_share: float = -1.0
     """Share of self-made tasks among those RL draws, when it should differ from the
-    warm-start's (``synthetic_share``): -1 = the same; 0 = the warm-start mixes self-made
-    references in and RL trains on the env's own tasks alone."""
+    warm-start's (``synthetic_share``): -1 = the same (0 under ``synthetic_share`` auto's
+    mixture); 0 = the warm-start mixes self-made references in and RL trains on the env's own
+    tasks alone."""
 
     warmstart_mixing: str = "add"
     """How self-made references join the warm-start when the share is between 0 and 1:

@@ -110,6 +110,7 @@ def learner_config(model: str, **learner_sets) -> RunConfig:
     cfg.judge.workers = 0  # outcome advantages: no labels to wait for
     cfg.learner.warmup_updates = 1
     cfg.learner.lr = 1e-3
+    cfg.learner.kl_coef = 0.0  # no KL penalty (the default's 0.1) but where a test names one
     for name, value in learner_sets.items():
         setattr(cfg.learner, name, value)
     return cfg
@@ -447,7 +448,7 @@ def test_learner_under_torchrun_draws_shares_and_rank_0_alone_commits(tmp_path, 
     client = ReplayClient(server.address, retry_after_s=0.5, timeout_s=10)
     prefix = f"ddp:{uuid.uuid4().hex[:8]}"
     # skip_uninformative off: the one-trajectory (degenerate) groups are part of what is tested.
-    cfg = load_config(None, ["learner.batch_groups=4", "learner.nproc=2",
+    cfg = load_config(None, ["learner.batch_groups=4", "learner.nproc=2", "learner.kl_coef=0",
                              "learner.skip_uninformative=false",
                              "learner.checkpoint_every=2", "learner.max_staleness=100",
                              "judge.workers=0", "experience.enabled=false"])

@@ -252,7 +252,7 @@ def explorations() -> list[Exploration]:
 
 
 def test_seed_tasks():
-    env = FilesEnv()
+    env = FilesEnv(explore_worlds=0)  # no declared worlds: those of the training tasks
     seeds = seed_tasks(env)
     assert [t.seed for t in seeds] == sorted({t.seed for t in env.tasks("train")})
     assert [t.seed for t in seed_tasks(env, 3)] == [0, 1, 2]
@@ -263,7 +263,7 @@ def test_seed_tasks_visit_the_declared_training_worlds_and_no_held_out_one(caplo
     class Declared(FilesEnv):
         train_worlds = range(0, 60)  # files' held-out worlds among them
 
-    env = Declared()
+    env = Declared(explore_worlds=0)  # the class's worlds, not files' option's
     held_out = {t.seed for split in ("validation", "test") for t in env.tasks(split)}
     with caplog.at_level("WARNING", logger="questioning.explorer"):
         seeds = [t.seed for t in seed_tasks(env)]
@@ -275,9 +275,9 @@ def test_seed_tasks_visit_the_declared_training_worlds_and_no_held_out_one(caplo
         def tasks(self, split):
             return []
 
-    assert [t.seed for t in seed_tasks(NoTasks())] == [0]  # nothing declared: one world
+    assert [t.seed for t in seed_tasks(NoTasks(explore_worlds=0))] == [0]  # nothing declared
     NoTasks.train_worlds = (9, 3, 3)
-    assert [t.seed for t in seed_tasks(NoTasks())] == [3, 9]
+    assert [t.seed for t in seed_tasks(NoTasks(explore_worlds=0))] == [3, 9]
 
 
 def test_a_served_class_carries_its_training_worlds():
@@ -299,7 +299,8 @@ def test_files_explore_worlds_declares_training_worlds_no_built_in_task_uses():
     seeds = [t.seed for t in seed_tasks(env)]
     assert len(seeds) == 120 and max(seeds) > 190 and not set(seeds) & held_out
     assert {t.seed for t in env.tasks("train")} < set(seeds)  # the built-in ones among them
-    assert FilesEnv().train_worlds == ()  # the default explores the built-in worlds only
+    assert FilesEnv().train_worlds == env.train_worlds  # the default: 200 seeds' 120
+    assert FilesEnv(explore_worlds=0).train_worlds == ()  # the built-in worlds only
     by_task = FilesEnv(holdout="task", explore_worlds=60).train_worlds
     assert by_task == tuple(range(50, 60))  # every built-in world holds held-out tasks
     with pytest.raises(ValueError, match="explore_worlds"):
@@ -806,12 +807,27 @@ def test_task_feeder_stops_at_low_water(control):
 
 def test_synthetic_share():
     auto = load_config(None, [])
-    assert auto.tasks.synthetic_share == -1
-    assert synthetic_share(auto, originals()) == 0.0
-    assert synthetic_share(auto, []) == 1.0
+    assert auto.tasks.synthetic_share == -1 and auto.explore.from_examples > 0
+    # auto: the re-grounded examples mixed in when the env has training tasks ...
+    assert synthetic_share(auto, originals()) == 0.5
+    assert rl_synthetic_share(auto, 0.5) == 0.0  # ... and RL on the env's own tasks alone
+    assert synthetic_share(auto, []) == 1.0  # no training tasks: self-made ones alone
+    assert rl_synthetic_share(auto, 1.0) == 1.0
+    # nothing re-grounded: the env's own tasks alone
+    hindsight = load_config(None, ["explore.from_examples=0"])
+    assert synthetic_share(hindsight, originals()) == 0.0
+    assert rl_synthetic_share(hindsight, 0.0) == 0.0
+    assert synthetic_share(hindsight, []) == 1.0
+    # an env mix explores nothing: its members' own tasks
+    mix = load_config(None, ["env.mix=[{name: files}, {name: shop}]"])
+    assert synthetic_share(mix, originals()) == 0.0
+    assert rl_synthetic_share(mix, 0.0) == 0.0
     fixed = load_config(None, ["tasks.synthetic_share=0.3"])
     assert synthetic_share(fixed, originals()) == 0.3
     assert synthetic_share(fixed, []) == 0.3
+    assert rl_synthetic_share(fixed, 0.3) == 0.3  # the same share in RL unless one is set
+    half = load_config(None, ["tasks.synthetic_share=0.5"])
+    assert rl_synthetic_share(half, 0.5) == 0.5  # RL apart only under auto's mixture
 
 
 @pytest.mark.parametrize("mixing,share,n_synth,want", [

@@ -342,7 +342,10 @@ def test_outcome_reward_from_config():
 
 
 def factory_cfg(*extra: str):
-    return load_config(None, ["explore.seeds=5", "explore.explorations_per_seed=2",
+    # hindsight tasks beside the LLM's, no re-grounded example (the default re-grounds files'
+    # training tasks, and then makes no hindsight task)
+    return load_config(None, ["explore.from_examples=0",
+                              "explore.seeds=5", "explore.explorations_per_seed=2",
                               "explore.proposer=llm", "explore.probe_calls=3",
                               "explore.breadth_steps=20", "explore.depth_steps=10", *extra])
 

@@ -438,7 +438,7 @@ def test_a_resumed_step_goes_on_down_the_schedule(tiny, tmp_path):
     (["learner.lr_min_ratio=1.5", "learner.lr_schedule=cosine"], "learner.lr_min_ratio"),
     (["learner.entropy_coef=-0.01"], "learner.entropy_coef"),
     # settings that would do nothing
-    (["learner.kl_estimator=k2"], "learner.kl_estimator=k2"),
+    (["learner.kl_estimator=k2", "learner.kl_coef=0"], "learner.kl_estimator=k2"),
     (["learner.lr_min_ratio=0.1"], "learner.lr_min_ratio"),
     (["learner.lr_schedule=cosine", "learner.warmup_updates=10", "learner.max_updates=10"],
      "learner.lr_schedule=cosine"),

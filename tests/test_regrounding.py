@@ -189,7 +189,7 @@ def test_explore_with_examples_alone_stores_them_in_training_worlds_only(pantry,
 
 def test_explore_that_could_make_no_task_is_refused(pantry, tmp_path):
     with pytest.raises(ConfigError, match="from_examples"):
-        load_config(None, ["explore.hindsight=never"])
+        load_config(None, ["explore.hindsight=never", "explore.from_examples=0"])
     cfg = load_config(None, ["env.name=bare_pantry", "explore.hindsight=never",
                              "explore.from_examples=2"])
     with TaskStore(tmp_path) as store, pytest.raises(ValueError, match="no training task"):
@@ -201,5 +201,6 @@ def test_hindsight_auto_is_on_where_no_example_is_regrounded(pantry, tmp_path):
         cfg = load_config(None, ["env.name=pantry", "explore.proposer=schema", *sets])
         with TaskStore(tmp_path / "-".join(sets or ["none"])) as store:
             return TaskFactory(cfg, tmp_path, store, say=lambda _: None).uses_hindsight
-    assert factory() and not factory("explore.from_examples=2")
+    assert factory("explore.from_examples=0") and not factory("explore.from_examples=2")
+    assert not factory()  # the default re-grounds examples
     assert factory("explore.from_examples=2", "explore.hindsight=always")
