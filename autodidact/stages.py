@@ -239,7 +239,7 @@ def up_to_training(cfg: RunConfig, run_dir: Path, control: ControlPlane, summary
             check_context(cfg, base, task)
         except ConfigError as exc:
             raise StartRefused(str(exc)) from None
-    share = synthetic_share(cfg, original)
+    share = synthetic_share(cfg, original, env.has_state)
     rl_share = rl_synthetic_share(cfg, share)
     if resume and "success_warm" in summary:
         policy = resumed_policy(cfg, run_dir, base)

@@ -92,20 +92,20 @@ def member_weights(cfg: RunConfig, pool: list[Task],
 AUTO_MIXED_SHARE = 0.5  # auto's share beside re-grounded examples (docs/evaluation.md)
 
 
-def regrounds_examples(cfg: RunConfig) -> bool:
+def regrounds_examples(cfg: RunConfig, has_state: bool = True) -> bool:
     """Whether explore re-grounds the env's training tasks (``explore.from_examples``); an
-    env mix explores nothing."""
-    return cfg.explore.from_examples > 0 and not cfg.env.mix
+    env mix, or an env without state snapshots (``Environment.has_state``), explores nothing."""
+    return cfg.explore.from_examples > 0 and not cfg.env.mix and has_state
 
 
-def synthetic_share(cfg: RunConfig, original: list[Task]) -> float:
+def synthetic_share(cfg: RunConfig, original: list[Task], has_state: bool = True) -> float:
     """The configured share, or for ``-1`` (auto): 1 when the env has no training tasks; with
     them, :data:`AUTO_MIXED_SHARE` when explore re-grounds them, else 0."""
     if cfg.tasks.synthetic_share >= 0:
         return cfg.tasks.synthetic_share
     if not original:
         return 1.0
-    return AUTO_MIXED_SHARE if regrounds_examples(cfg) else 0.0
+    return AUTO_MIXED_SHARE if regrounds_examples(cfg, has_state) else 0.0
 
 
 def rl_synthetic_share(cfg: RunConfig, share: float) -> float:

@@ -80,6 +80,10 @@ class Environment(ABC):
     # them to be explored in more than one world (a range will do); a declared seed that a
     # validation or test task uses is never visited.
     train_worlds: Sequence[int] = ()
+    # Whether state() gives a snapshot goals are checked on: explore needs one, so an env
+    # without (an OpenEnv server) is never explored, and tasks.synthetic_share auto leaves it
+    # to its own training tasks.
+    has_state: bool = True
     # Constructor options a client of the served env may choose (``autodidact env serve``;
     # every other option is the server's: ``--set env.options.NAME=VALUE``): name -> the values
     # allowed, a ``range`` of ints or a tuple of choices. Declare only options that are cheap

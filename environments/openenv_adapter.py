@@ -368,6 +368,7 @@ class OpenEnvEnv(Environment):
 
     query_in_prompt = False  # the server's reset observation carries the request
     client_options: dict = {}  # served: url and all are the server's, never a client's
+    has_state = False  # state() raises NO_STATE
 
     def __init__(self, url: str = "", seeds: int = 10, timeout_s: float = 30.0,
                  reward: str = "last", action_field: str = "", max_obs_words: int = 200):

@@ -812,6 +812,7 @@ def test_synthetic_share():
     assert synthetic_share(auto, originals()) == 0.5
     assert rl_synthetic_share(auto, 0.5) == 0.0  # ... and RL on the env's own tasks alone
     assert synthetic_share(auto, []) == 1.0  # no training tasks: self-made ones alone
+    assert synthetic_share(auto, originals(), has_state=False) == 0.0  # nothing to explore
     assert rl_synthetic_share(auto, 1.0) == 1.0
     # nothing re-grounded: the env's own tasks alone
     hindsight = load_config(None, ["explore.from_examples=0"])
