@@ -681,8 +681,8 @@ class EnvWorker:
         from environments.remote import answer, raised_to_wire, served_facts
 
         if isinstance(msg, wire.EnvHello):
-            try:  # an option may declare training worlds (files' explore_worlds)
-                worlds = self.cls(**self.options).train_worlds if self.options else None
+            try:  # an instance's, as a session's: files declares them in __init__
+                worlds = self.cls(**self.options).train_worlds
             except Exception as exc:  # options the constructor refuses
                 return raised_to_wire(exc)
             return served_facts(self.cls, self.max_frame_bytes, worlds)

@@ -314,7 +314,8 @@ def test_a_served_env_carries_the_training_worlds_of_the_servers_options():
     hello = wire.EnvHello(wire.ENV_WIRE_VERSION)
     served = EnvWorker("files", "w0", options={"explore_worlds": 20}).answer(hello)
     assert served.train_worlds == [s for s in range(20) if s % 5 < 3]
-    assert EnvWorker("files", "w0").answer(hello).train_worlds == []
+    # without options, the default instance's: the 120 training worlds of seeds 0-199
+    assert EnvWorker("files", "w0").answer(hello).train_worlds == list(FilesEnv().train_worlds)
     refused = EnvWorker("files", "w0", options={"explore_worlds": -1}).answer(hello)
     assert isinstance(refused, wire.EnvRaised) and "explore_worlds" in str(refused)
 
