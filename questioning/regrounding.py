@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from environments.base import Environment, GoalPart
 from protocol.messages import Task
-from questioning.synthesis import Replayer, make_task, most_calls_on_one
+from questioning.synthesis import make_task, most_calls_on_one
 
 TRIES = 24  # mappings tried per example and world; half strict, half by relations only
 REFUSALS = ("criterion", "no_mapping", "invalid", "no_change", "other_change")
@@ -42,7 +42,7 @@ class ExampleRegrounder:
     def __init__(self, make_env: Callable[[], Environment], examples: Sequence[Task],
                  per_world: int, seed: int = 0, tries: int = TRIES):
         self.env = make_env()
-        self.replayer = Replayer(make_env)
+        self.player = make_env()  # replays references; self.env reads worlds and describes
         self.examples = [t for t in examples if t.reference]
         self.per_world, self.tries = per_world, tries
         self.rng = random.Random(seed)
@@ -126,22 +126,21 @@ class ExampleRegrounder:
         return self._made[example.task_id]
 
     def _change(self, start: Task, reference: Sequence[str]) -> list[GoalPart] | str:
-        """What ``reference`` does from ``start``'s world: the parts of its change, or, when
-        it changes nothing, its last call's answer; a refusal reason when it cannot run."""
-        self.replayer.env.reset(start)
-        before = self.replayer.env.state()
-        ran, after, _ = self.replayer.end_state(start, reference)
-        if ran != "ran":
-            return "invalid"
-        if after != before:
-            parts = self.env.describe_changes(before, after)
-            return parts or "no_change"
-        env = self.replayer.env  # replayed to the last call, which is the read
+        """What ``reference`` does from ``start``'s world, in one replay: the parts of its
+        change, or, when it changes nothing, its last call's answer; a refusal reason when it
+        cannot run."""
+        env = self.player
         env.reset(start)
-        for action in reference[:-1]:
-            env.step(action)
-        before_last = env.state()
-        observation, _, _ = env.step(reference[-1])
+        before = before_last = env.state()
+        observation = ""
+        for action in reference:
+            before_last = env.state()
+            observation, _, info = env.step(action)
+            if not info["valid"] or info["error"] is not None:
+                return "invalid"
+        after = env.state()
+        if after != before:
+            return self.env.describe_changes(before, after) or "no_change"
         answer = self.env.describe_response(reference[-1], observation, before_last)
         return [answer] if answer is not None else "no_change"
 
